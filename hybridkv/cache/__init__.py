@@ -1,0 +1,1 @@
+"""Where KV lives: byte layouts, and (with the engine) the block pool, prefix index and tiers."""

@@ -1,0 +1,352 @@
+"""Model configuration: `ModelConfig`, read from an HF-style `config.json` with the field names of
+the DeepSeek-V4 / V4.1 releases, validated on construction, plus the named presets.
+
+A config is data. Everything the model, the weight loader and the KV accounting need to know
+about an architecture is a field or a property derived from fields here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import ConfigError
+
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+KV_FP8_BLOCK = 64  # the window/compressed KV nope dims are FP8-simulated in blocks of 64
+FP4_BLOCK = 32
+V4_TYPES = ("deepseek_v4",)
+V41_TYPES = ("deepseek_v41", "deepseek_v4_1")
+MLA_TYPES = ("deepseek_v32",)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN frequency interpolation (no attention-scale correction, as in the V4 reference)."""
+
+    type: str = "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32
+    beta_slow: float = 1
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """FP8 block quantisation of the linears (`quantization_config` in the release)."""
+
+    quant_method: str = "fp8"
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    scale_fmt: str | None = "ue8m0"
+    weight_block_size: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # identity
+    model_type: str = "deepseek_v4"
+    architectures: tuple[str, ...] = ("DeepseekV4ForCausalLM",)
+    # shape
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_nextn_predict_layers: int = 0
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 1
+    head_dim: int = 96
+    qk_rope_head_dim: int = 32
+    q_lora_rank: int = 64
+    o_groups: int = 2
+    o_lora_rank: int = 32
+    sliding_window: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0)
+    # rope
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    # lightning indexer
+    index_n_heads: int = 16
+    index_head_dim: int = 64
+    index_topk: int = 16
+    # mHC
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # MoE
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    num_hash_layers: int = 0
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    topk_method: str = "noaux_tc"
+    swiglu_limit: float = 0.0
+    # misc
+    rms_norm_eps: float = 1e-6
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    quantization_config: QuantizationConfig | None = None
+    expert_dtype: str | None = None
+    # DeepSeek-V4.1 (CSA2 sharing, hierarchical indexer)
+    kv_source_layer_ids: tuple[int, ...] | None = None
+    index_source_layer_ids: tuple[int, ...] | None = None
+    candidate_source_layer_id: int | None = None
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
+    # MLA (DeepSeek-V3.2; accounting only)
+    kv_lora_rank: int | None = None
+    # fields of config.json this class does not model, kept so a round trip loses nothing
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ----- derived -----
+    @property
+    def family(self) -> str:
+        if self.model_type in MLA_TYPES:
+            return "v3.2"
+        if self.model_type in V41_TYPES or self.kv_source_layer_ids is not None:
+            return "v4.1"
+        return "v4"
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def layer_ratio(self, layer_id: int) -> int:
+        """Compression ratio of a backbone layer (ids >= num_hidden_layers are MTP layers)."""
+        return self.compress_ratios[layer_id]
+
+    def layer_kind(self, layer_id: int) -> str:
+        """'swa' (window only), 'csa' (ratio 4 with the Lightning Indexer) or 'hca'."""
+        r = self.layer_ratio(layer_id)
+        if r == 0:
+            return "swa"
+        return "csa" if r == 4 else "hca"
+
+    @property
+    def block_tokens(self) -> int:
+        """Native tokens per logical KV block: lcm of the compression ratios (128 for V4)."""
+        ratios = [r for r in self.compress_ratios if r > 0]
+        return math.lcm(*ratios) if ratios else self.sliding_window
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization_config is not None
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        return tuple(self.quantization_config.weight_block_size) if self.quantization_config else (128, 128)
+
+    @property
+    def kv_pow2_scales(self) -> bool:
+        """Whether the KV FP8 round trips use power-of-two scales. The reference takes this from
+        the checkpoint's scale_fmt (ue8m0 in the releases); a model without a quantization_config
+        uses plain amax/448 scales, as the reference does with scale_fmt None."""
+        qc = self.quantization_config
+        return qc is not None and qc.scale_fmt == "ue8m0"
+
+    @property
+    def activation_block(self) -> int:
+        """Activations are quantised in blocks of the weight block's input size before FP8 GEMMs."""
+        return self.fp8_block[1]
+
+    # ----- I/O -----
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs: dict[str, Any] = {}
+        for k in list(d):
+            if k in known:
+                kwargs[k] = d.pop(k)
+        rs = kwargs.get("rope_scaling")
+        if isinstance(rs, dict):
+            rs = dict(rs)
+            rs.setdefault("type", rs.pop("rope_type", "yarn"))
+            unknown = set(rs) - {f.name for f in dataclasses.fields(RopeScaling)}
+            for k in unknown:
+                rs.pop(k)
+            kwargs["rope_scaling"] = RopeScaling(**rs)
+        qc = kwargs.get("quantization_config")
+        if isinstance(qc, dict):
+            qc = {k: v for k, v in qc.items() if k in {f.name for f in dataclasses.fields(QuantizationConfig)}}
+            if "weight_block_size" in qc:
+                qc["weight_block_size"] = tuple(qc["weight_block_size"])
+            kwargs["quantization_config"] = QuantizationConfig(**qc)
+        for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "architectures"):
+            if kwargs.get(k) is not None:
+                kwargs[k] = tuple(kwargs[k])
+        if "compress_ratios" not in kwargs and kwargs.get("model_type") not in MLA_TYPES:
+            raise ConfigError("config.json has no 'compress_ratios': one entry per layer plus one per MTP layer is required")
+        d.pop("extra", None)
+        kwargs["extra"] = d
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # wrong field types reach here
+            raise ConfigError(f"invalid config: {e}") from e
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            if v is None and f.name in ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
+                                        "candidate_topk_blocks", "candidate_block_size", "kv_lora_rank",
+                                        "quantization_config", "expert_dtype", "rope_scaling"):
+                continue
+            if dataclasses.is_dataclass(v):
+                v = dataclasses.asdict(v)
+                if "weight_block_size" in v:
+                    v["weight_block_size"] = list(v["weight_block_size"])
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def _validate(c: ModelConfig) -> None:
+    def positive(name: str) -> None:
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            _fail(f"{name} must be a positive integer, got {v!r}")
+
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+        positive(name)
+    if c.model_type in MLA_TYPES:
+        if not c.kv_lora_rank:
+            _fail("a DeepSeek-V3.2 (MLA) config needs kv_lora_rank")
+        return
+    for name in ("head_dim", "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+                 "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        positive(name)
+    if c.num_nextn_predict_layers < 0 or c.num_hash_layers < 0:
+        _fail("num_nextn_predict_layers and num_hash_layers must be >= 0")
+    n_expected = c.num_hidden_layers + c.num_nextn_predict_layers
+    if len(c.compress_ratios) != n_expected:
+        _fail(f"compress_ratios has {len(c.compress_ratios)} entries but num_hidden_layers "
+              f"({c.num_hidden_layers}) + num_nextn_predict_layers ({c.num_nextn_predict_layers}) = {n_expected}: "
+              f"give one ratio per layer plus one per MTP layer")
+    if any((not isinstance(r, int)) or r < 0 for r in c.compress_ratios):
+        _fail(f"compress_ratios must be non-negative integers, got {list(c.compress_ratios)}")
+    if c.num_key_value_heads != 1:
+        _fail(f"num_key_value_heads must be 1 (DeepSeek-V4 attention is MQA over one shared latent), got {c.num_key_value_heads}")
+    if c.qk_rope_head_dim % 2 or c.qk_rope_head_dim > c.head_dim:
+        _fail(f"qk_rope_head_dim ({c.qk_rope_head_dim}) must be even and at most head_dim ({c.head_dim})")
+    if c.family == "v4" and c.nope_head_dim % KV_FP8_BLOCK:
+        _fail(f"head_dim - qk_rope_head_dim = {c.nope_head_dim} is not a multiple of the FP8 KV block "
+              f"({KV_FP8_BLOCK}): the window and compressed KV nope dims are quantised in blocks of {KV_FP8_BLOCK}")
+    if c.num_attention_heads % c.o_groups:
+        _fail(f"num_attention_heads ({c.num_attention_heads}) must be divisible by o_groups ({c.o_groups})")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        _fail(f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds n_routed_experts ({c.n_routed_experts})")
+    if c.n_shared_experts != 1:
+        _fail(f"n_shared_experts must be 1 (as in every V4 release), got {c.n_shared_experts}")
+    if c.scoring_func not in SCORING_FUNCS:
+        _fail(f"scoring_func must be one of {SCORING_FUNCS}, got {c.scoring_func!r}")
+    if c.num_hash_layers > c.num_hidden_layers:
+        _fail(f"num_hash_layers ({c.num_hash_layers}) exceeds num_hidden_layers ({c.num_hidden_layers})")
+    if c.rope_scaling is not None and c.rope_scaling.type != "yarn":
+        _fail(f"rope_scaling.type {c.rope_scaling.type!r} is not supported (only 'yarn')")
+    if c.expert_dtype not in (None, "fp4", "fp8", "bf16"):
+        _fail(f"expert_dtype must be 'fp4', 'fp8', 'bf16' or absent, got {c.expert_dtype!r}")
+    if c.quantization_config is not None:
+        qc = c.quantization_config
+        if qc.quant_method != "fp8" or qc.fmt != "e4m3":
+            _fail(f"quantization_config: only fp8 e4m3 is supported, got {qc.quant_method}/{qc.fmt}")
+        if len(qc.weight_block_size) != 2 or min(qc.weight_block_size) <= 0:
+            _fail(f"quantization_config.weight_block_size must be two positive ints, got {qc.weight_block_size}")
+    if any(r > 0 for r in c.compress_ratios) or c.family == "v4.1":
+        if c.index_head_dim % FP4_BLOCK or c.index_head_dim & (c.index_head_dim - 1):
+            _fail(f"index_head_dim ({c.index_head_dim}) must be a power of two and a multiple of {FP4_BLOCK} "
+                  f"(Hadamard rotation and FP4 blocks)")
+        if c.index_head_dim < c.qk_rope_head_dim:
+            _fail(f"index_head_dim ({c.index_head_dim}) must be at least qk_rope_head_dim ({c.qk_rope_head_dim})")
+        positive("index_n_heads")
+        positive("index_topk")
+    if c.family == "v4.1":
+        _validate_v41(c)
+
+
+def _validate_v41(c: ModelConfig) -> None:
+    backbone = c.compress_ratios[: c.num_hidden_layers]
+    for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+        ids = getattr(c, name)
+        if ids is None:
+            _fail(f"a V4.1 config needs {name}")
+        for i in ids:
+            if not 0 <= i < c.num_hidden_layers:
+                _fail(f"{name} names layer {i}, outside 0..{c.num_hidden_layers - 1}")
+            if backbone[i] == 0:
+                _fail(f"{name} names layer {i}, which does not compress (ratio 0)")
+        if list(ids) != sorted(set(ids)):
+            _fail(f"{name} must be strictly increasing, got {list(ids)}")
+    if not set(c.kv_source_layer_ids) <= set(c.index_source_layer_ids):
+        _fail("every kv_source_layer_id must also be an index_source_layer_id")
+    cs = c.candidate_source_layer_id
+    if cs is not None:
+        if cs not in c.kv_source_layer_ids:
+            _fail(f"candidate_source_layer_id {cs} must be one of kv_source_layer_ids {list(c.kv_source_layer_ids)}")
+        for i in c.index_source_layer_ids:
+            if i not in c.kv_source_layer_ids and i < cs:
+                _fail(f"Reindex layer {i} comes before the candidate source layer {cs}")
+        if not (c.candidate_topk_blocks and c.candidate_block_size):
+            _fail("candidate_source_layer_id needs candidate_topk_blocks and candidate_block_size")
+    first_src = c.kv_source_layer_ids[0] if c.kv_source_layer_ids else None
+    for i, r in enumerate(backbone):
+        if r > 0 and first_src is not None and i < first_src:
+            _fail(f"layer {i} compresses (ratio {r}) before the first kv source layer {first_src}")
+
+
+def load_config(source: str | Path) -> ModelConfig:
+    """A preset name, a config.json path, or a model directory."""
+    from hybridkv.presets import PRESETS, get_preset
+
+    if isinstance(source, str) and source in PRESETS:
+        return get_preset(source)
+    return ModelConfig.from_json(source)

@@ -1,0 +1,114 @@
+"""Hybrid attention layer: every layer attends over its 128-token sliding window; CSA layers (ratio
+4) add the Lightning Indexer's top-k compressed entries, HCA layers (ratio 128) add all visible
+compressed entries; pure-SWA layers (ratio 0) use the window only. One softmax with a per-head
+sink runs over the union."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.config import KV_FP8_BLOCK, ModelConfig
+from hybridkv.model.compressor import Compressor
+from hybridkv.model.indexer import Indexer
+from hybridkv.model.linear import Linear
+from hybridkv.model.norm import RMSNorm, rms_normalize
+from hybridkv.model.state import ForwardBatch, Segment
+from hybridkv.ops.quant import fp8_round_trip
+from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
+from hybridkv.ops.sparse_attn import sparse_attn
+
+
+def layer_inv_freq(config: ModelConfig, ratio: int) -> torch.Tensor:
+    """Compressing layers use compress_rope_theta with YaRN; pure-window layers plain rope_theta."""
+    rs = config.rope_scaling
+    if ratio and rs is not None:
+        return yarn_inv_freq(config.qk_rope_head_dim, config.compress_rope_theta, rs.factor,
+                             rs.original_max_position_embeddings, rs.beta_fast, rs.beta_slow)
+    return yarn_inv_freq(config.qk_rope_head_dim, config.compress_rope_theta if ratio else config.rope_theta)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.layer_id, self.ratio = layer_id, c.layer_ratio(layer_id)
+        self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
+        self.window, self.eps, self.groups, self.o_rank = c.sliding_window, c.rms_norm_eps, c.o_groups, c.o_lora_rank
+        self.scale = self.head_dim**-0.5
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, fmt, dtype, c.fp8_block)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fmt, dtype, c.fp8_block)
+        self.wkv = Linear(c.hidden_size, self.head_dim, fmt, dtype, c.fp8_block)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.groups, self.groups * self.o_rank, "float", dtype)
+        self.wo_b = Linear(self.groups * self.o_rank, c.hidden_size, fmt, dtype, c.fp8_block)
+        self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype) if self.ratio else None
+        self.indexer = Indexer(c, self.ratio, fmt, dtype) if self.ratio == 4 else None
+        self.kv_pow2 = c.kv_pow2_scales
+        self.register_buffer("inv_freq", layer_inv_freq(c, self.ratio), persistent=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, dim] (the whole flat batch) -> [T, dim]."""
+        freqs = rope_freqs(batch.positions, self.inv_freq)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope((q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype),
+                       freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), freqs)
+        kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
+                        kv[..., -self.rope_dim:]], -1)
+
+        comp_rows = idx_q = idx_w = idx_rows = None
+        if self.compressor is not None:
+            comp_rows = self.compressor.project(x, batch.positions)
+        if self.indexer is not None:
+            idx_q = self.indexer.queries(qr, freqs)
+            idx_w = self.indexer.head_weights(x)
+            idx_rows = self.indexer.compressor.project(x, batch.positions)
+
+        o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        for seg in batch.segments:
+            r = seg.rows
+            o[r] = self._attend_segment(
+                seg, q[r], kv[r], batch.positions[r],
+                None if comp_rows is None else (comp_rows[0][r], comp_rows[1][r]),
+                None if idx_q is None else (idx_q[r], idx_w[r], idx_rows[0][r], idx_rows[1][r]))
+        o = apply_rope(o.to(x.dtype), freqs, inverse=True)
+        o = o.reshape(x.shape[0], self.groups, -1)
+        wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
+        return self.wo_b(o.flatten(1))
+
+    def _attend_segment(self, seg: Segment, q, kv, positions, comp_rows, idx_inputs) -> torch.Tensor:
+        layer_kv = seg.kv.layer(self.layer_id)
+        prev = layer_kv.window_rows(seg.start_pos)
+        layer_kv.write_window(seg.start_pos, kv)
+        keys = torch.cat([prev.to(kv.dtype), kv])
+        first_pos = seg.start_pos - prev.shape[0]
+        # window: query at position t sees positions [t - window + 1, t], listed oldest first
+        # (the reference's order, which fixes the float summation order)
+        win_pos = (positions - self.window + 1).clamp(min=0).unsqueeze(1) + torch.arange(self.window, device=kv.device)
+        idx = torch.where(win_pos <= positions.unsqueeze(1), win_pos - first_pos, -1)
+        if self.compressor is not None:
+            first, new = self.compressor.update(layer_kv.compressor_state("kv"), *comp_rows, seg.start_pos,
+                                                self.inv_freq)
+            if new.shape[0]:
+                layer_kv.append_entries("kv", first, new)
+            n_entries = seg.end_pos // self.ratio
+            entries = layer_kv.entries("kv", n_entries)
+            if self.indexer is not None:
+                iq, iw, ikv, iscore = idx_inputs
+                first, new = self.indexer.compressor.update(layer_kv.compressor_state("index"), ikv, iscore,
+                                                            seg.start_pos, self.inv_freq)
+                if new.shape[0]:
+                    layer_kv.append_entries("index", first, new)
+                comp_idx = self.indexer.select(iq, iw, layer_kv.entries("index", n_entries), positions)
+            else:
+                cols = torch.arange(n_entries, device=kv.device)
+                comp_idx = torch.where(cols.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), cols, -1)
+            comp_idx = torch.where(comp_idx >= 0, comp_idx + keys.shape[0], -1)
+            idx = torch.cat([idx, comp_idx], dim=1)
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+        return sparse_attn(q, keys, idx, self.attn_sink, self.scale)

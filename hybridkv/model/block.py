@@ -1,0 +1,41 @@
+"""One transformer block: attention and MoE sub-blocks, each wrapped in an mHC site."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.config import ModelConfig
+from hybridkv.model.attention import Attention
+from hybridkv.model.mhc import hc_post, hc_pre
+from hybridkv.model.moe import MoE
+from hybridkv.model.norm import RMSNorm
+from hybridkv.model.state import ForwardBatch
+
+
+def _f32(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.hc_iters, self.hc_eps, self.norm_eps = c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps
+        self.attn = Attention(c, layer_id, fmt, dtype)
+        self.ffn = MoE(c, layer_id, fmt, expert_fmt, dtype)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _f32(mix, hc_dim), _f32(mix), _f32(3)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _f32(mix, hc_dim), _f32(mix), _f32(3)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hc, dim] -> [T, hc, dim]."""
+        y, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
+                               self.hc_eps, self.norm_eps)
+        x = hc_post(self.attn(self.attn_norm(y), batch), x, post, comb)
+        y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
+                               self.hc_eps, self.norm_eps)
+        return hc_post(self.ffn(self.ffn_norm(y), input_ids), x, post, comb)

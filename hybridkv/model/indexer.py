@@ -1,0 +1,40 @@
+"""Lightning Indexer (CSA layers): scores the compressed entries for every query with a small
+multi-head ReLU scorer over FP4-simulated, Hadamard-rotated queries and keys, and keeps the top-k."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.config import ModelConfig
+from hybridkv.model.compressor import Compressor
+from hybridkv.model.linear import Linear
+from hybridkv.ops.hadamard import hadamard_transform
+from hybridkv.ops.indexer_topk import causal_topk, index_scores
+from hybridkv.ops.quant import fp4_round_trip
+from hybridkv.ops.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig, ratio: int, fmt: str, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.ratio = (config.index_n_heads, config.index_head_dim,
+                                                              config.index_topk, ratio)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt, dtype, config.fp8_block)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, "float", dtype)
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self.compressor = Compressor(config, ratio, self.head_dim, rotate=True, dtype=dtype)
+
+    def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """[T, heads, head_dim]: RoPE on the last dims of each head, Hadamard, FP4 round trip."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, freqs)
+        return fp4_round_trip(hadamard_transform(q), 32)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights_proj(x) * self.weight_scale
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top-k entry ids [T, k] (−1 = unused) among entries visible to each query."""
+        visible = (positions + 1) // self.ratio
+        return causal_topk(index_scores(q, w, keys), visible, self.topk)

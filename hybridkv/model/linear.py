@@ -1,0 +1,71 @@
+"""Linear layers in the release's weight formats.
+
+- "float": a dense weight [out, in] in the model's float dtype.
+- "fp8":   e4m3 weight [out, in] + e8m0 scale per (block_out × block_in) tile; the input is
+           quantised to e4m3 per `block_in` values with power-of-two scales before the GEMM.
+- "fp4":   E2M1 pairs packed in int8 [out, in/2] (low nibble = even element) + e8m0 scale per 32
+           inputs; the input is FP8-quantised per `act_block` values as for fp8.
+Without a GEMM kernel for the quantised formats the weight is dequantised (exactly) once and cached;
+the activation quantisation is applied all the same, so the numerics equal the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.ops.quant import act_quant_sim, dequant_fp4_weight, dequant_fp8_weight
+
+FORMATS = ("float", "fp8", "fp4")
+FP4_WEIGHT_BLOCK = 32
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, fmt: str = "float", dtype: torch.dtype = torch.float32,
+                 block: tuple[int, int] = (128, 128)):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}")
+        self.in_features, self.out_features, self.fmt, self.block = in_features, out_features, fmt, tuple(block)
+        self.compute_dtype = dtype
+        if fmt == "float":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            self.register_parameter("scale", None)
+        elif fmt == "fp8":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                       requires_grad=False)
+            sb = (-(-out_features // block[0]), -(-in_features // block[1]))
+            self.scale = nn.Parameter(torch.empty(sb, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.int8),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(out_features, in_features // FP4_WEIGHT_BLOCK,
+                                                  dtype=torch.float8_e8m0fnu), requires_grad=False)
+        self._dense: tuple[tuple, torch.Tensor] | None = None
+
+    @property
+    def act_block(self) -> int:
+        return self.block[1]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor of the compute dtype (cached for quantised formats)."""
+        if self.fmt == "float":
+            return self.weight
+        key = (self.weight.data_ptr(), self.weight._version, self.scale._version, self.weight.device)
+        if self._dense is None or self._dense[0] != key:
+            if self.fmt == "fp8":
+                w = dequant_fp8_weight(self.weight, self.scale, self.block, self.compute_dtype)
+            else:
+                w = dequant_fp4_weight(self.weight, self.scale, FP4_WEIGHT_BLOCK, self.compute_dtype)
+            self._dense = (key, w)
+        return self._dense[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "float":
+            return F.linear(x.to(self.weight.dtype), self.weight).to(self.compute_dtype)
+        x = act_quant_sim(x, self.act_block)
+        return F.linear(x.to(self.compute_dtype), self.dense_weight())
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"

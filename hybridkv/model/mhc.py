@@ -1,0 +1,37 @@
+"""Manifold-constrained hyper-connections: the residual stream is `hc` parallel copies; each
+sub-block reads a σ-weighted mix of them and writes back through `post` weights and a doubly
+stochastic (Sinkhorn) combination of the copies. Parameters are owned by the block (release names
+`hc_{attn,ffn,head}_{fn,base,scale}`); these functions are the math."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.ops.sinkhorn import hc_split_sinkhorn
+
+
+def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    flat = x.flatten(1).float()
+    return F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hc, dim] -> (sub-block input [T, dim], post [T, hc], comb [T, hc, hc])."""
+    pre, post, comb = hc_split_sinkhorn(_mixes(x, fn, norm_eps), scale, base, x.shape[1], iters, eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
+    return y.to(x.dtype), post, comb
+
+
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """x'_k = post_k · f + Σ_j comb[j, k] · x_j."""
+    y = post.unsqueeze(-1) * f.float().unsqueeze(1) + (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
+    return y.to(f.dtype)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final collapse of the stream before the LM head: σ-weighted sum of the copies (no Sinkhorn)."""
+    pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale + base) + eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)

@@ -1,0 +1,90 @@
+"""Mixture of experts: sqrt-softplus gate with an aux-loss-free selection bias (or a fixed
+token-id → experts table on hash layers), routed SwiGLU experts with clamping, one shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.config import ModelConfig
+from hybridkv.model.linear import Linear
+
+
+class Gate(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.topk, self.score_func, self.route_scale = (config.num_experts_per_tok, config.scoring_func,
+                                                        config.routed_scaling_factor)
+        self.norm_topk = config.norm_topk_prob
+        self.hash = layer_id < config.num_hash_layers
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.int32))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> routing weights [T, k] (float32), expert ids [T, k]."""
+        scores = F.linear(x.float(), self.weight.float())
+        if self.score_func == "softmax":
+            scores = scores.softmax(-1)
+        elif self.score_func == "sigmoid":
+            scores = scores.sigmoid()
+        else:
+            scores = F.softplus(scores).sqrt()
+        if self.hash:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = (scores + self.bias).topk(self.topk, dim=-1).indices
+        w = scores.gather(1, ids)
+        if self.score_func != "softmax" and self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.route_scale, ids
+
+
+class Expert(nn.Module):
+    """SwiGLU with `up` clamped to [−limit, limit] and `gate` to ≤ limit; the routing weight is applied
+    before w2."""
+
+    def __init__(self, dim: int, inter: int, fmt: str, dtype: torch.dtype, block: tuple[int, int], limit: float):
+        super().__init__()
+        self.w1 = Linear(dim, inter, fmt, dtype, block)
+        self.w2 = Linear(inter, dim, fmt, dtype, block)
+        self.w3 = Linear(dim, inter, fmt, dtype, block)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = weights * h
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.n_experts = c.n_routed_experts
+        self.gate = Gate(c, layer_id)
+        self.experts = nn.ModuleList(
+            Expert(c.hidden_size, c.moe_intermediate_size, expert_fmt, dtype, c.fp8_block, c.swiglu_limit)
+            for _ in range(c.n_routed_experts))
+        self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows, slot = torch.where(ids == e)
+            y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+        y += self.shared_experts(x).float()
+        return y.to(x.dtype)

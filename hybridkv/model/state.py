@@ -1,0 +1,190 @@
+"""The interface between the model and per-request KV state, and its simplest implementation.
+
+The model never owns request state. For each forward it receives a `ForwardBatch`: a flat run of
+tokens made of `Segment`s, one per request, each carrying that request's `SequenceKV` and the
+absolute position of its first token. A batch may mix requests at any positions and lengths
+(prefill chunks and decode steps together).
+
+`SequenceKV` gives the model, per layer, a `LayerKV` with four things:
+- the sliding-window ring (the last `window` tokens' KV rows),
+- each compressor's fixed-size partial-block state (float32),
+- the compressed entries appended so far, by kind ("kv": the main latent, "index": indexer keys).
+`ContiguousKV` keeps all of it in per-request tensors. A paged store implements the same methods
+over block tables without any change to the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from hybridkv.config import ModelConfig
+
+
+class CompressorState:
+    """Token rows of the pending block(s): [coff·ratio, coff·d] kv and score (score includes ape).
+    Overlapping compressors keep the previous complete block in rows [0, ratio) and the current
+    partial block in [ratio, 2·ratio); others keep the current block in [0, ratio)."""
+
+    def __init__(self, ratio: int, width: int, overlap: bool, device: torch.device | str | None = None):
+        rows = ratio * (2 if overlap else 1)
+        self.ratio, self.overlap = ratio, overlap
+        self.kv = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        self.score = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.score.nbytes
+
+    def copy_(self, other: "CompressorState") -> None:
+        self.kv.copy_(other.kv)
+        self.score.copy_(other.score)
+
+
+class LayerKV(Protocol):
+    def window_rows(self, start_pos: int) -> torch.Tensor:
+        """KV rows of positions [max(0, start_pos - window), start_pos), oldest first."""
+
+    def write_window(self, start_pos: int, rows: torch.Tensor) -> None:
+        """Record the rows of positions [start_pos, start_pos + len(rows))."""
+
+    def compressor_state(self, kind: str) -> CompressorState: ...
+
+    def append_entries(self, kind: str, first: int, rows: torch.Tensor) -> None:
+        """Store compressed entries first, first+1, ... (entries arrive in order)."""
+
+    def entries(self, kind: str, count: int) -> torch.Tensor:
+        """The first `count` compressed entries [count, d]."""
+
+
+class ContiguousLayerKV:
+    def __init__(self, window: int, width: int, ratio: int, entry_widths: dict[str, int],
+                 compressor_widths: dict[str, int], dtype: torch.dtype, device=None):
+        self.window, self.ratio = window, ratio
+        self.ring = torch.zeros(window, width, dtype=dtype, device=device)
+        overlap = ratio == 4
+        self.states = {k: CompressorState(ratio, w, overlap, device) for k, w in compressor_widths.items()}
+        self._entries = {k: torch.zeros(0, w, dtype=dtype, device=device) for k, w in entry_widths.items()}
+        self._counts = {k: 0 for k in entry_widths}
+
+    def window_rows(self, start_pos: int) -> torch.Tensor:
+        first = max(0, start_pos - self.window)
+        slots = torch.arange(first, start_pos, device=self.ring.device) % self.window
+        return self.ring[slots]
+
+    def write_window(self, start_pos: int, rows: torch.Tensor) -> None:
+        n = rows.shape[0]
+        keep = min(n, self.window)
+        pos = torch.arange(start_pos + n - keep, start_pos + n, device=self.ring.device)
+        self.ring[pos % self.window] = rows[n - keep:].to(self.ring.dtype)
+
+    def compressor_state(self, kind: str) -> CompressorState:
+        return self.states[kind]
+
+    def append_entries(self, kind: str, first: int, rows: torch.Tensor) -> None:
+        if first != self._counts[kind]:
+            raise RuntimeError(f"compressed '{kind}' entries out of order: have {self._counts[kind]}, got {first}")
+        buf = self._entries[kind]
+        need = first + rows.shape[0]
+        if need > buf.shape[0]:
+            grown = torch.zeros(max(need, 2 * buf.shape[0], 16), buf.shape[1], dtype=buf.dtype, device=buf.device)
+            grown[: buf.shape[0]] = buf
+            self._entries[kind] = buf = grown
+        buf[first:need] = rows.to(buf.dtype)
+        self._counts[kind] = need
+
+    def entries(self, kind: str, count: int) -> torch.Tensor:
+        return self._entries[kind][:count]
+
+    def num_entries(self, kind: str) -> int:
+        return self._counts[kind]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by kind: the window ring, compressor state, and compressed entries in use."""
+        out = {"window": self.ring.nbytes, "compressor state": sum(s.nbytes for s in self.states.values())}
+        for kind, buf in self._entries.items():
+            out[kind] = self._counts[kind] * buf.shape[1] * buf.element_size()
+        return out
+
+
+class SequenceKV(Protocol):
+    def layer(self, layer_id: int) -> LayerKV: ...
+
+
+class ContiguousKV:
+    """All KV state of one request in plain per-layer tensors (no paging, no sharing)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+        self.config = config
+        self.layers: list[ContiguousLayerKV] = []
+        for layer_id in range(config.num_layers_with_mtp):
+            ratio = config.layer_ratio(layer_id)
+            coff = 2 if ratio == 4 else 1
+            entry_widths: dict[str, int] = {}
+            comp_widths: dict[str, int] = {}
+            if ratio:
+                entry_widths["kv"] = config.head_dim
+                comp_widths["kv"] = coff * config.head_dim
+                if ratio == 4:
+                    entry_widths["index"] = config.index_head_dim
+                    comp_widths["index"] = coff * config.index_head_dim
+            self.layers.append(ContiguousLayerKV(config.sliding_window, config.head_dim, ratio, entry_widths,
+                                                 comp_widths, dtype, device))
+
+    def layer(self, layer_id: int) -> ContiguousLayerKV:
+        return self.layers[layer_id]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by this request, by kind ("window", "compressor state", "kv", "index")."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            for k, v in layer.nbytes().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+
+@dataclass
+class Segment:
+    """One request's tokens inside a flat batch: rows [start, start + length) at positions
+    [start_pos, start_pos + length)."""
+
+    kv: SequenceKV
+    start: int
+    length: int
+    start_pos: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.length
+
+
+@dataclass
+class ForwardBatch:
+    segments: list[Segment]
+    positions: torch.Tensor = field(default=None)  # [T] absolute position of every row
+
+    @classmethod
+    def build(cls, items: list[tuple[SequenceKV, int, int]], device=None) -> "ForwardBatch":
+        """items: (kv, start_pos, length) per request, in row order."""
+        segments, start, pos = [], 0, []
+        for kv, start_pos, length in items:
+            if length <= 0:
+                raise ValueError("a segment needs at least one token")
+            segments.append(Segment(kv, start, length, start_pos))
+            pos.append(torch.arange(start_pos, start_pos + length))
+            start += length
+        return cls(segments, torch.cat(pos).to(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def last_rows(self) -> torch.Tensor:
+        """Row index of every segment's last token."""
+        return torch.tensor([s.start + s.length - 1 for s in self.segments], device=self.positions.device)

@@ -1,0 +1,92 @@
+"""The DeepSeek-V4 causal LM: embedding → hc-fold stream → blocks → hc head → norm → logits,
+plus the MTP block(s) that predict the token after next from the last stream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.config import ModelConfig
+from hybridkv.errors import ConfigError
+from hybridkv.model.block import Block
+from hybridkv.model.linear import Linear
+from hybridkv.model.mhc import hc_head
+from hybridkv.model.norm import RMSNorm
+from hybridkv.model.state import ForwardBatch
+
+
+def _add_hc_head(module: nn.Module, hc: int, dim: int) -> None:
+    """`hc_head_{fn,base,scale}`: the parameters that collapse the stream for the LM head."""
+    module.hc_head_fn = nn.Parameter(torch.empty(hc, hc * dim, dtype=torch.float32))
+    module.hc_head_base = nn.Parameter(torch.empty(hc, dtype=torch.float32))
+    module.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+
+class MTPBlock(Block):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
+        super().__init__(config, layer_id, fmt, expert_fmt, dtype)
+        d = config.hidden_size
+        self.e_proj = Linear(d, d, fmt, dtype, config.fp8_block)
+        self.h_proj = Linear(d, d, fmt, dtype, config.fp8_block)
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        _add_hc_head(self, config.hc_mult, d)
+
+
+def weight_formats(config: ModelConfig) -> tuple[str, str]:
+    """(format of the quantisable linears, format of the routed experts)."""
+    fmt = "fp8" if config.quantized else "float"
+    expert = {"fp4": "fp4", "fp8": "fp8", "bf16": "float", None: fmt}[config.expert_dtype]
+    return fmt, expert
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if config.family != "v4":
+            raise ConfigError(f"the {config.family} family cannot be instantiated by this model "
+                              f"(model_type {config.model_type!r}); V3.2 is an accounting-only preset")
+        c = self.config = config
+        self.dtype = dtype
+        fmt, expert_fmt = weight_formats(c)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Block(c, i, fmt, expert_fmt, dtype) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+        _add_hc_head(self, c.hc_mult, c.hidden_size)
+        self.mtp = nn.ModuleList(MTPBlock(c, c.num_hidden_layers + i, fmt, expert_fmt, dtype)
+                                 for i in range(c.num_nextn_predict_layers))
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                after_layer: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
+        """input_ids [T] (flat batch) -> final stream [T, hc, dim]. `after_layer(i, h)` is called with
+        the stream after block i; if it returns a tensor, that replaces the stream (teacher forcing)."""
+        h = self.embed(input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, input_ids)
+            if after_layer is not None:
+                replaced = after_layer(i, h)
+                h = h if replaced is None else replaced
+        return h
+
+    def logits(self, h: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
+        """Stream rows [N, hc, dim] -> float32 logits [N, vocab]. `owner` holds the hc head and final
+        norm to use (the model itself, or an MTP block)."""
+        m = owner if owner is not None else self
+        x = hc_head(h, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, self.config.hc_eps, self.config.rms_norm_eps)
+        return F.linear(m.norm(x).float(), self.head.weight.float())
+
+    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, depth: int = 0) -> torch.Tensor:
+        """MTP block `depth` on stream rows h [T, hc, dim] and the ids of the following tokens
+        (next_ids[i] = token at position i + 1) -> its output stream [T, hc, dim]."""
+        m = self.mtp[depth]
+        e = m.enorm(self.embed(next_ids))
+        x = m.e_proj(e).unsqueeze(1) + m.h_proj(m.hnorm(h))
+        return m(x, batch, next_ids)
+
+    def mtp_logits(self, h_mtp: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return self.logits(h_mtp, self.mtp[depth])

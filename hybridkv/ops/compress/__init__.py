@@ -1,0 +1,1 @@
+from hybridkv.ops.compress.reference import pool_blocks, softmax_pool  # noqa: F401

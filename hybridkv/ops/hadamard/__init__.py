@@ -1,0 +1,1 @@
+from hybridkv.ops.hadamard.reference import hadamard_transform  # noqa: F401

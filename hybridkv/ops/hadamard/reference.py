@@ -1,0 +1,24 @@
+"""Walsh-Hadamard rotation of the last dim (Sylvester order), scaled by d^-1/2: the rotation V4
+applies to indexer queries and keys before their FP4 round trip."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=8)
+def _hadamard_matrix(n: int) -> torch.Tensor:
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    h = _hadamard_matrix(d).to(device=x.device, dtype=torch.float32)
+    return (x.float() @ h * d**-0.5).to(x.dtype)

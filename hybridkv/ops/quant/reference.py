@@ -1,0 +1,122 @@
+"""FP8 (e4m3) and FP4 (e2m1) quantisation as the V4 reference simulates it.
+
+Scales are powers of two, `2^ceil(log2(amax / qmax))`, computed from the float32 bits exactly as
+the reference kernels do; amax is clamped below at 1e-4 (FP8) and 6·2^-126 (FP4). Values round to
+nearest, ties to even. A "round trip" quantises and dequantises in place of storing the low
+precision value, so that stored and simulated numbers are identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+FP8_AMAX_FLOOR = 1e-4
+FP4_AMAX_FLOOR = 6.0 * 2.0**-126
+# E2M1 code -> value for codes 0..7 (bit 3 is the sign).
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """2^ceil(log2(amax * (1/qmax))) in float32, bit-exact with the reference's integer trick."""
+    x = amax.float() * torch.tensor(1.0 / qmax, dtype=torch.float32)
+    mant, exp = torch.frexp(x)  # x = mant * 2^exp, mant in [0.5, 1)
+    ceil_log2 = torch.where(mant == 0.5, exp - 1, exp)
+    return torch.ldexp(torch.ones_like(x), ceil_log2)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"last dimension {n} is not a multiple of the quantisation block {block}")
+    return x.reshape(*x.shape[:-1], n // block, block)
+
+
+def fp8_round_trip(x: torch.Tensor, block: int, pow2: bool = True) -> torch.Tensor:
+    """Quantise blocks of the last dim to e4m3 and back; returns x's dtype."""
+    xb = _blocks(x.float(), block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=FP8_AMAX_FLOOR)
+    s = pow2_scale(amax, FP8_MAX) if pow2 else amax / FP8_MAX
+    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def act_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The activation quantisation before an FP8/FP4 GEMM (per `block` inputs, power-of-two scales)."""
+    return fp8_round_trip(x, block, pow2=True)
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values in [-6, 6] to the nearest E2M1 value, ties to even mantissa."""
+    a = v.abs()
+    q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    return torch.copysign(q.clamp(max=FP4_MAX), v)
+
+
+def quant_fp4(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 values (as float32 on the E2M1 grid) and their power-of-two scales per block."""
+    xb = _blocks(x.float(), block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR)
+    s = pow2_scale(amax, FP4_MAX)
+    q = e2m1_round((xb / s).clamp(-FP4_MAX, FP4_MAX))
+    return q.reshape(x.shape), s.squeeze(-1)
+
+
+def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    q, s = quant_fp4(x, block)
+    out = _blocks(q, block) * s.unsqueeze(-1)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """int8/uint8 [..., n/2] (two E2M1 codes per byte, low nibble = even element) -> float32 [..., n]."""
+    b = packed.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+    mag = E2M1_VALUES.to(packed.device)[codes & 0x7]
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def pack_fp4(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of unpack_fp4 for values already on the E2M1 grid; returns int8 [..., n/2]."""
+    v = values.float()
+    mag = v.abs()
+    table = E2M1_VALUES.to(v.device)
+    code = (mag.unsqueeze(-1) == table).to(torch.int64).argmax(-1)
+    if not torch.equal(table[code], mag):
+        raise ValueError("pack_fp4: values are not on the E2M1 grid")
+    code = code | ((torch.signbit(v) & (mag > 0)).to(torch.int64) << 3)
+    pairs = code.reshape(*code.shape[:-1], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).view(torch.int8)
+
+
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    s = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return s[: shape[0], : shape[1]]
+
+
+def dequant_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """e4m3 [out, in] with one scale per block -> dense weight (exact in bf16 and fp32)."""
+    w = weight.float()
+    return (w * _expand_blocks(scale, tuple(w.shape), block)).to(dtype)
+
+
+def quant_fp8_weight(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense weight -> e4m3 weight and e8m0 block scales (power of two), the release's layout."""
+    out_f, in_f = w.shape
+    nb0, nb1 = -(-out_f // block[0]), -(-in_f // block[1])
+    pad = torch.zeros(nb0 * block[0], nb1 * block[1], dtype=torch.float32, device=w.device)
+    pad[:out_f, :in_f] = w.float()
+    tiles = pad.reshape(nb0, block[0], nb1, block[1])
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=FP8_AMAX_FLOOR)
+    s = pow2_scale(amax, FP8_MAX)
+    q = (w.float() / _expand_blocks(s, (out_f, in_f), block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s.to(torch.float8_e8m0fnu)
+
+
+def dequant_fp4_weight(packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed E2M1 [out, in/2] with one e8m0 scale per `block` inputs -> dense [out, in]."""
+    v = unpack_fp4(packed)
+    return (v * scale.float().repeat_interleave(block, -1)[..., : v.shape[-1]]).to(dtype)

@@ -1,0 +1,1 @@
+from hybridkv.ops.sparse_attn.reference import sparse_attn  # noqa: F401

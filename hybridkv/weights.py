@@ -1,0 +1,203 @@
+"""Checkpoints in the release format: HF-style directories with `config.json` and either
+`model.safetensors` or shards listed in `model.safetensors.index.json`.
+
+Tensor names are the model's own parameter paths, which are the release's names
+(`layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.scale`, `hc_head_fn`, `mtp.0.e_proj.weight`,
+...). Formats: FP8 e4m3 weights with e8m0 (or float32 power-of-two) block scales; routed experts as
+packed E2M1 pairs in I8/U8 with e8m0 scales per 32; `tid2eid` as I64 or I32; everything else any
+float dtype. Every tensor the model needs is checked for presence, shape and dtype before anything
+is copied, and the error names the tensor, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybridkv.config import ModelConfig
+from hybridkv.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_FLOATS = {"F32", "BF16", "F16", "F64"}
+# the model's dtype -> dtypes a checkpoint may store it as
+_ACCEPTED = {
+    torch.float8_e4m3fn: {"F8_E4M3"},
+    torch.float8_e8m0fnu: {"F8_E8M0", "F32"},
+    torch.int8: {"I8", "U8"},
+    torch.int32: {"I32", "I64"},
+}
+_ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+             torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64"}
+
+
+def _accepted(dtype: torch.dtype) -> set[str]:
+    return _ACCEPTED.get(dtype, _FLOATS)
+
+
+def _describe(dtype: torch.dtype) -> str:
+    return "/".join(sorted(_accepted(dtype)))
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files = {name: model_dir / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.exists():
+                raise CheckpointError(f"{index} lists shard {f.name}, which does not exist in {model_dir}")
+        return files
+    single = model_dir / SINGLE_FILE
+    if not single.exists():
+        raise CheckpointError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+class _Reader:
+    """Open safetensors files on demand; read shapes/dtypes without loading data."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._stack = ExitStack()
+        self._open: dict[Path, object] = {}
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _handle(self, name: str):
+        path = self.files[name]
+        if path not in self._open:
+            try:
+                self._open[path] = self._stack.enter_context(safe_open(path, "pt"))
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read {path}: {e}") from None
+        return self._open[path]
+
+    def meta(self, name: str) -> tuple[list[int], str]:
+        s = self._handle(name).get_slice(name)
+        return list(s.get_shape()), s.get_dtype()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+def _convert(name: str, t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if target.dtype == torch.float8_e8m0fnu and t.dtype == torch.float32:
+        mant, _ = torch.frexp(t)
+        if not bool(((mant == 0.5) & (t > 0)).all()):
+            raise CheckpointError(f"tensor {name}: float32 scales must be positive powers of two to load as e8m0")
+        return t.to(torch.float8_e8m0fnu)
+    if target.dtype == torch.int8:
+        return t.view(torch.int8) if t.dtype != torch.int8 else t
+    return t.to(target.dtype)
+
+
+def load_state(model: torch.nn.Module, model_dir: str | Path) -> None:
+    """Copy a checkpoint into `model`, after checking every tensor's presence, shape and dtype."""
+    files = checkpoint_files(Path(model_dir))
+    expected = model.state_dict()
+    missing = [n for n in expected if n not in files]
+    unexpected = [n for n in files if n not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing tensor(s): {_some(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensor(s) not used by this config: {_some(unexpected)}")
+    with _Reader(files) as reader:
+        for name, target in expected.items():
+            if name not in files:
+                continue
+            shape, st_dtype = reader.meta(name)
+            want_shape = list(target.shape)
+            if shape != want_shape or st_dtype not in _accepted(target.dtype):
+                problems.append(f"tensor {name}: expected shape {want_shape} dtype {_describe(target.dtype)}, "
+                                f"found shape {shape} dtype {st_dtype}")
+        if problems:
+            raise CheckpointError(f"checkpoint {model_dir} does not match the model config:\n  " + "\n  ".join(problems))
+        with torch.no_grad():
+            for name, target in expected.items():
+                target.copy_(_convert(name, reader.tensor(name), target))
+
+
+def _some(names: list[str], k: int = 8) -> str:
+    head = ", ".join(names[:k])
+    return head + (f", ... ({len(names)} in all)" if len(names) > k else "")
+
+
+def iter_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint, in release dtypes (tid2eid as I64)."""
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        if name.endswith("tid2eid"):
+            t = t.to(torch.int64)
+        yield name, t.contiguous()
+
+
+def save_checkpoint(model: torch.nn.Module, config: ModelConfig, model_dir: str | Path,
+                    max_shard_bytes: int | None = None) -> None:
+    """Write config.json and the weights (one file, or shards of at most max_shard_bytes + an index).
+    Files are written under temporary names and renamed, so a crash leaves no half checkpoint."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in iter_state(model):
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    written: list[tuple[Path, Path]] = []
+    if len(shards) == 1:
+        written.append((model_dir / (SINGLE_FILE + ".tmp"), model_dir / SINGLE_FILE))
+        save_file(shards[0], written[-1][0], metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            written.append((model_dir / (fname + ".tmp"), model_dir / fname))
+            save_file(shard, written[-1][0], metadata=meta)
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+        idx_tmp = model_dir / (INDEX_FILE + ".tmp")
+        idx_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        written.append((idx_tmp, model_dir / INDEX_FILE))
+    cfg_tmp = model_dir / "config.json.tmp"
+    cfg_tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    written.append((cfg_tmp, model_dir / "config.json"))
+    for tmp, final in written:
+        tmp.replace(final)
+    stale = model_dir / (INDEX_FILE if len(shards) == 1 else SINGLE_FILE)
+    if stale.exists():
+        stale.unlink()
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """(Transformer, ModelConfig) from a model directory."""
+    from hybridkv.model import Transformer
+
+    config = ModelConfig.from_json(Path(model_dir))
+    dtype = dtype or torch.float32
+    with torch.device(device):
+        model = Transformer(config, dtype=dtype)
+    load_state(model, model_dir)
+    return model.eval(), config

@@ -1,0 +1,149 @@
+"""Each reference op against the math it claims."""
+
+import math
+
+import pytest
+import torch
+
+from hybridkv.ops.compress import pool_blocks
+from hybridkv.ops.hadamard import hadamard_transform
+from hybridkv.ops.indexer_topk import causal_topk, index_scores
+from hybridkv.ops.quant import (E2M1_VALUES, dequant_fp4_weight, dequant_fp8_weight, e2m1_round, fp4_round_trip,
+                                fp8_round_trip, pack_fp4, pow2_scale, quant_fp8_weight, unpack_fp4)
+from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
+from hybridkv.ops.sinkhorn import hc_split_sinkhorn
+from hybridkv.ops.sparse_attn import sparse_attn
+
+
+def test_pow2_scale_is_ceil_log2():
+    amax = torch.tensor([448.0, 448.0 * 2, 1.0, 447.0, 449.0, 6.0, 1e-4])
+    got = pow2_scale(amax, 448.0)
+    expect = torch.tensor([2.0 ** math.ceil(math.log2(float(a) * (1 / 448))) for a in amax.tolist()])
+    assert torch.equal(got, expect)
+    assert torch.equal(pow2_scale(torch.tensor([6.0, 12.0, 7.0]), 6.0), torch.tensor([1.0, 2.0, 2.0]))
+
+
+def test_e2m1_round_ties_to_even():
+    v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.9, 7.0, -0.25, -2.5, 0.26])
+    assert e2m1_round(v).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.0, -2.0, 0.5]
+
+
+def test_fp4_round_trip_values_on_grid():
+    x = torch.randn(4, 64)
+    y = fp4_round_trip(x, 32)
+    blocks = y.view(4, 2, 32)
+    scale = pow2_scale(x.view(4, 2, 32).abs().amax(-1), 6.0)
+    codes = (blocks / scale.unsqueeze(-1)).abs()
+    assert torch.isin(codes, E2M1_VALUES).all()
+    assert (y - x).abs().max() <= scale.max() * 1.0  # at most half the widest gap (2) × scale
+
+
+def test_fp8_round_trip_pow2_and_plain():
+    x = torch.randn(3, 128) * 5
+    y = fp8_round_trip(x, 64, pow2=True)
+    s = pow2_scale(x.view(3, 2, 64).abs().amax(-1, keepdim=True), 448.0)
+    assert torch.equal(y.view(3, 2, 64), (x.view(3, 2, 64) / s).to(torch.float8_e4m3fn).float() * s)
+    z = fp8_round_trip(x, 64, pow2=False)
+    assert (z - x).abs().max() < 0.07 * x.abs().max() and not torch.equal(y, z)
+
+
+def test_fp4_pack_unpack_round_trip():
+    vals = E2M1_VALUES[torch.randint(0, 8, (5, 64))] * torch.where(torch.rand(5, 64) < 0.5, -1.0, 1.0)
+    packed = pack_fp4(vals)
+    assert packed.dtype == torch.int8 and packed.shape == (5, 32)
+    assert torch.equal(unpack_fp4(packed), vals)
+    # low nibble holds the even element
+    one = pack_fp4(torch.tensor([[0.5, 6.0]]))
+    assert int(one.view(torch.uint8)) == (0x7 << 4) | 0x1
+
+
+def test_fp8_weight_quant_dequant():
+    w = torch.randn(200, 300)
+    q, s = quant_fp8_weight(w, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3) and s.dtype == torch.float8_e8m0fnu
+    back = dequant_fp8_weight(q, s, (128, 128))
+    assert ((back - w).abs() / w.abs().clamp(min=1e-2)).median() < 0.05
+
+
+def test_fp4_weight_dequant_uses_scale_per_32():
+    vals = torch.ones(2, 64)
+    s = torch.tensor([[1.0, 4.0], [0.5, 2.0]]).to(torch.float8_e8m0fnu)
+    w = dequant_fp4_weight(pack_fp4(vals), s, 32)
+    assert torch.equal(w[:, :32], torch.tensor([[1.0], [0.5]]).expand(2, 32))
+    assert torch.equal(w[:, 32:], torch.tensor([[4.0], [2.0]]).expand(2, 32))
+
+
+def test_hadamard_is_orthonormal():
+    x = torch.randn(7, 64)
+    y = hadamard_transform(x)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    assert torch.allclose(hadamard_transform(y), x, atol=1e-5)  # H/sqrt(d) is its own inverse
+    assert torch.allclose(hadamard_transform(torch.eye(4))[1], torch.tensor([1.0, -1, 1, -1]) / 2)
+
+
+def test_rope_interleaved_and_inverse():
+    inv = yarn_inv_freq(8, 10000.0)
+    pos = torch.arange(5)
+    f = rope_freqs(pos, inv)
+    x = torch.randn(5, 3, 12)
+    y = apply_rope(x, f)
+    assert torch.equal(y[..., :4], x[..., :4])  # only the last 8 dims rotate
+    # adjacent pairs rotate as complex numbers
+    c = torch.complex(x[..., 4::2], x[..., 5::2]) * f.unsqueeze(1)
+    assert torch.allclose(y[..., 4::2], c.real, atol=1e-6) and torch.allclose(y[..., 5::2], c.imag, atol=1e-6)
+    assert torch.allclose(apply_rope(y, f, inverse=True), x, atol=1e-6)
+
+
+def test_yarn_interpolates_low_frequencies_only():
+    plain = yarn_inv_freq(64, 160000.0)
+    yarn = yarn_inv_freq(64, 160000.0, factor=16, original_seq_len=65536, beta_fast=32, beta_slow=1)
+    assert torch.equal(yarn[:4], plain[:4])              # high frequencies untouched
+    assert torch.allclose(yarn[-1], plain[-1] / 16)       # lowest frequency divided by the factor
+
+
+def test_sinkhorn_doubly_stochastic():
+    mixes = torch.randn(10, 24)
+    pre, post, comb = hc_split_sinkhorn(mixes, torch.tensor([1.0, 1.0, 1.0]), torch.zeros(24), 4, 20, 1e-6)
+    assert ((pre > 0) & (pre < 1.01)).all() and ((post > 0) & (post < 2)).all()
+    assert torch.allclose(comb.sum(-2), torch.ones(10, 4), atol=1e-5)
+    assert torch.allclose(comb.sum(-1), torch.ones(10, 4), atol=1e-3)
+
+
+def test_pool_blocks_overlap_matches_definition():
+    d, r = 3, 4
+    kv, score = torch.randn(2, r, 2 * d), torch.randn(2, r, 2 * d)
+    prev_kv, prev_score = torch.zeros(r, 2 * d), torch.full((r, 2 * d), float("-inf"))
+    out = pool_blocks(kv, score, True, prev_kv, prev_score)
+    # block 0: only its own tokens through channels [d, 2d)
+    w0 = score[0, :, d:].softmax(0)
+    assert torch.allclose(out[0], (w0 * kv[0, :, d:]).sum(0))
+    # block 1: block 0's tokens via [0, d) and its own via [d, 2d), one softmax over 8 rows
+    rows_s = torch.cat([score[0, :, :d], score[1, :, d:]])
+    rows_kv = torch.cat([kv[0, :, :d], kv[1, :, d:]])
+    assert torch.allclose(out[1], (rows_s.softmax(0) * rows_kv).sum(0))
+
+
+def test_causal_topk():
+    scores = torch.tensor([[5.0, 4.0, 3.0, 9.0], [1.0, 7.0, 2.0, 0.0]])
+    idx = causal_topk(scores, torch.tensor([2, 4]), 3)
+    assert sorted(i for i in idx[0].tolist() if i >= 0) == [0, 1] and idx[0].tolist().count(-1) == 1
+    assert idx[1].tolist() == [1, 2, 0]
+
+
+def test_index_scores():
+    q, w, k = torch.randn(3, 4, 8), torch.randn(3, 4), torch.randn(5, 8)
+    expect = (torch.relu(torch.einsum("thd,nd->thn", q, k)) * w.unsqueeze(-1)).sum(1)
+    assert torch.allclose(index_scores(q, w, k), expect)
+
+
+@pytest.mark.parametrize("sink", [-2.0, 3.0])
+def test_sparse_attn_matches_softmax_with_sink(sink):
+    t, h, d, n = 3, 2, 8, 6
+    q, kv = torch.randn(t, h, d), torch.randn(n, d)
+    idx = torch.tensor([[0, 2, -1], [5, -1, -1], [1, 3, 4]])
+    o = sparse_attn(q, kv, idx, torch.full((h,), sink), 0.5)
+    for ti in range(t):
+        sel = [i for i in idx[ti].tolist() if i >= 0]
+        logits = torch.cat([(q[ti] @ kv[sel].T) * 0.5, torch.full((h, 1), sink)], dim=1)
+        p = logits.softmax(-1)[:, :-1]
+        assert torch.allclose(o[ti], p @ kv[sel], atol=1e-6)
