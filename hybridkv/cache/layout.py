@@ -16,14 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridkv.cache.formats import index_entry_bytes, main_entry_bytes
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 
 FORMATS = ("fp8", "bf16", "v41")
-
-
-def _round_up(n: float, m: int) -> int:
-    return int(-(-n // m) * m)
 
 
 @dataclass(frozen=True)
@@ -45,12 +42,10 @@ def entry_bytes(config: ModelConfig, fmt: str) -> EntryBytes:
         return EntryBytes(latent + 4 * 4 + rd * 2, di + 4, 0)
     if fmt == "bf16":
         return EntryBytes(d * 2, di * 2, d * 2)
-    fp4_index = di // 2 + di // 32
     if fmt == "fp8":
-        nope = d - rd
-        main = _round_up(nope + rd * 2 + -(-nope // 64), 8)
-        return EntryBytes(main, fp4_index, main)
-    return EntryBytes(d // 2 + d // 16, fp4_index, d + d // 32)
+        main = main_entry_bytes(d, rd)
+        return EntryBytes(main, index_entry_bytes(di), main)
+    return EntryBytes(d // 2 + d // 16, index_entry_bytes(di), d + d // 32)
 
 
 @dataclass

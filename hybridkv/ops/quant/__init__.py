@@ -1,5 +1,7 @@
 from hybridkv.ops.quant.reference import (  # noqa: F401
     E2M1_VALUES,
+    FP4_AMAX_FLOOR,
+    FP8_AMAX_FLOOR,
     act_quant_sim,
     dequant_fp4_weight,
     dequant_fp8_weight,
