@@ -191,6 +191,25 @@ def save_checkpoint(model: torch.nn.Module, config: ModelConfig, model_dir: str 
         stale.unlink()
 
 
+def checkpoint_identity(model_dir: str | Path) -> str:
+    """A content fingerprint of a checkpoint (config, tensor table, and samples of every file's
+    bytes) that names the model in prefix-cache keys: caches never mix models."""
+    import hashlib
+
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
+    for f in sorted(set(checkpoint_files(model_dir).values())):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            h.update(f.name.encode() + size.to_bytes(8, "little"))
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return h.hexdigest()[:32]
+
+
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """(Transformer, ModelConfig) from a model directory."""
     from hybridkv.model import Transformer

@@ -111,4 +111,6 @@ class Attention(nn.Module):
             comp_idx = torch.where(comp_idx >= 0, comp_idx + keys.shape[0], -1)
             idx = torch.cat([idx, comp_idx], dim=1)
             keys = torch.cat([keys, entries.to(keys.dtype)])
-        return sparse_attn(q, keys, idx, self.attn_sink, self.scale)
+        out = sparse_attn(q, keys, idx, self.attn_sink, self.scale)
+        layer_kv.done(seg.end_pos)
+        return out

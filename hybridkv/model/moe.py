@@ -85,6 +85,6 @@ class MoE(nn.Module):
             if n == 0:
                 continue
             rows, slot = torch.where(ids == e)
-            y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+            y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()  # rows are unique per expert
         y += self.shared_experts(x).float()
         return y.to(x.dtype)

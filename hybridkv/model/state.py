@@ -58,6 +58,9 @@ class LayerKV(Protocol):
     def entries(self, kind: str, count: int) -> torch.Tensor:
         """The first `count` compressed entries [count, d]."""
 
+    def done(self, end_pos: int) -> None:
+        """Called when the layer has processed the request up to end_pos (a store may snapshot)."""
+
 
 class ContiguousLayerKV:
     def __init__(self, window: int, width: int, ratio: int, entry_widths: dict[str, int],
@@ -100,6 +103,9 @@ class ContiguousLayerKV:
 
     def num_entries(self, kind: str) -> int:
         return self._counts[kind]
+
+    def done(self, end_pos: int) -> None:
+        pass
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by kind: the window ring, compressor state, and compressed entries in use."""

@@ -1,0 +1,225 @@
+"""The engine loop: admit requests, schedule a step, run the model over the step's ragged batch,
+sample, publish completed blocks and state snapshots to the prefix cache, and report events."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.cache.paged import PagedKVStore
+from hybridkv.cache.prefix import PrefixCache, WindowPolicy, root_hash
+from hybridkv.config import ModelConfig
+from hybridkv.engine.sampling import SamplingParams, sample
+from hybridkv.engine.scheduler import Chunk, Scheduler
+from hybridkv.engine.sequence import Sequence, Status
+from hybridkv.engine.tokenizer import Tokenizer, require
+from hybridkv.errors import RequestError
+from hybridkv.model import ForwardBatch, Transformer
+
+
+@dataclass
+class EngineConfig:
+    kv_format: str = "native"            # native | bf16 | fp8
+    window_policy: str = "full"          # full | checkpoint(N) | zero
+    num_blocks: int = 512                # logical blocks of block_tokens positions
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class Event:
+    """Something a request produced in one step."""
+
+    request_id: str
+    token_id: int | None
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+    forward_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, model_identity: str,
+                 config: EngineConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config: ModelConfig = model.config
+        self.ec = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs, self.ec.kv_format,
+                                  model.dtype, self.device)
+        self.policy = WindowPolicy.parse(self.ec.window_policy, self.store.block_tokens)
+        self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
+        self.model_identity = model_identity
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
+        self._ids = itertools.count()
+
+    # ----- requests -----
+    def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Validate and queue a request; raises RequestError naming what is wrong."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = require(self.tokenizer, "a text prompt").encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.stop:
+            require(self.tokenizer, "stop strings")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        max_pos = self.config.max_position_embeddings
+        if len(ids) >= max_pos:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_pos - 1} "
+                               f"(max_position_embeddings {max_pos})")
+        pool_tokens = self.store.pool.num_blocks * self.store.block_tokens
+        if len(ids) + 1 > pool_tokens:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the KV pool holds {pool_tokens}; "
+                               f"start the engine with more blocks")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests and self.requests[rid].status is not Status.FINISHED:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, root_hash(self.model_identity, params.cache_salt))
+        self.requests[rid] = seq
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks and slot."""
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----- the step -----
+    def step(self) -> list[Event]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self._forward(chunks)
+        events: list[Event] = []
+        for c in chunks:
+            seq = c.seq
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.num_computed = c.start + c.length
+            self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
+            self._publish_snapshots(seq)
+            if c.wants_logits:
+                events.append(self._emit(seq, logits[seq.request_id]))
+        self.stats.steps += 1
+        self.stats.forward_tokens += sum(c.length for c in chunks)
+        return events
+
+    def _forward(self, chunks: list[Chunk]) -> dict[str, torch.Tensor]:
+        items, ids, logit_rows, owners = [], [], [], []
+        row = 0
+        for c in chunks:
+            seq = c.seq
+            hook = self._snapshot_hook(seq) if self.policy.snapshots and self.prefix.enabled else None
+            view = self.store.view(seq.cache, hook)
+            for start, n in c.segments:
+                items.append((view, start, n))
+                ids.extend(seq.token_ids[start:start + n])
+                row += n
+            if c.wants_logits:
+                logit_rows.append(row - 1)
+                owners.append(seq.request_id)
+        batch = ForwardBatch.build(items, self.device)
+        with torch.inference_mode():
+            h = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+            out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
+        return {rid: out[i] for i, rid in enumerate(owners)}
+
+    def _snapshot_hook(self, seq: Sequence):
+        bt = self.store.block_tokens
+        n_layers = self.store.num_layers
+
+        def on_layer_done(layer_id: int, end_pos: int) -> None:
+            if end_pos % bt or end_pos <= seq.cache.frozen_until:
+                return
+            per_layer = seq.pending_snapshots.setdefault(end_pos, {})
+            per_layer[layer_id] = self.prefix.capture(seq.cache.slot, layer_id)
+            if len(per_layer) == n_layers:
+                seq.pending_snapshots.pop(end_pos)
+                seq.new_snapshots.append((end_pos, [per_layer[i] for i in range(n_layers)]))
+        return on_layer_done
+
+    def _publish_snapshots(self, seq: Sequence) -> None:
+        """Publish the boundaries the policy keeps; remember the latest one (checkpoint policy
+        publishes it when the request ends)."""
+        for boundary, snap in seq.new_snapshots:
+            if self.policy.publishes(boundary):
+                self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)
+            seq.rolling_snapshot = (boundary, snap)
+        seq.new_snapshots = []
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
+        if self.record_logits:
+            seq.step_logits.append(logits.detach().clone())
+        s = sample(logits, seq.params, seq.generator)
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.stats.cached_prompt_tokens += seq.num_cached_tokens
+        seq.token_ids.append(s.token_id)
+        seq.output_ids.append(s.token_id)
+        seq.logprobs.append(s.logprob)
+        if s.top_logprobs is not None:
+            seq.top_logprobs.append(s.top_logprobs)
+        self.stats.generation_tokens += 1
+        delta = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+            delta, seq.text = text[len(seq.text):], text
+        reason = self._stop_reason(seq, s.token_id)
+        if reason == "stop" and seq.params.stop and seq.text:
+            cut = min((i for i in (seq.text.find(x) for x in seq.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                emitted_before = len(seq.text) - len(delta)
+                seq.text = seq.text[:cut]
+                delta = delta[:max(0, cut - emitted_before)]
+        if reason:
+            self._finish(seq, reason)
+        return Event(seq.request_id, s.token_id, delta, reason is not None, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token == self.config.eos_token_id) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and any(x in seq.text for x in p.stop):
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_position_embeddings:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.policy.kind == "checkpoint" and seq.rolling_snapshot is not None and seq.cache is not None:
+            boundary, snap = seq.rolling_snapshot
+            self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)
+        seq.rolling_snapshot = None
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.stats.requests_finished += 1
+        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1

@@ -1,0 +1,82 @@
+"""The public offline API: `LLM(model_dir).generate(prompts, SamplingParams)` and `.stream(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridkv.engine.core import EngineConfig, EngineCore, Event
+from hybridkv.engine.sampling import SamplingParams
+from hybridkv.engine.sequence import Sequence
+from hybridkv.engine.tokenizer import Tokenizer
+from hybridkv.errors import RequestError
+from hybridkv.weights import checkpoint_identity, load_model
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    replayed_tokens: int = 0
+    ttft: float | None = None
+    latency: float | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finish_reason, seq.error,
+                   seq.num_cached_tokens, seq.num_replayed_tokens, seq.ttft,
+                   None if seq.finish_time is None else seq.finish_time - seq.arrival, list(seq.logprobs),
+                   list(seq.top_logprobs))
+
+
+class LLM:
+    """Offline generation with continuous batching, chunked prefill and prefix caching."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                 **engine_options):
+        self.model_dir = Path(model_dir)
+        self.model, self.config = load_model(self.model_dir, device=device, dtype=dtype)
+        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        self.engine = EngineCore(self.model, self.tokenizer, checkpoint_identity(self.model_dir),
+                                 EngineConfig(**engine_options))
+
+    def _submit(self, prompts, params) -> list[Sequence | RequestOutput]:
+        if isinstance(prompts, (str, tuple)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        out = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                out.append(self.engine.add_request(prompt, SamplingParams() if p is None else p))
+            except RequestError as e:  # this request is refused; the others run
+                out.append(RequestOutput(f"rejected-{i}", [], [], finish_reason="error", error=str(e)))
+        return out
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion; outputs in prompt order. A prompt the
+        engine cannot take comes back with finish_reason "error" and the reason; the rest run."""
+        seqs = self._submit(prompts, params)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [s if isinstance(s, RequestOutput) else RequestOutput.of(s) for s in seqs]
+
+    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[Event]:
+        """Token events of all prompts as they are produced."""
+        seqs = self._submit(prompts, params)
+        for s in seqs:
+            if isinstance(s, RequestOutput):
+                yield Event(s.request_id, None, finished=True, finish_reason="error", text=s.error or "")
+        while self.engine.has_unfinished():
+            yield from self.engine.step()

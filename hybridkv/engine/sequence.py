@@ -1,0 +1,78 @@
+"""A request inside the engine: its tokens, progress, cache placement and outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.cache.paged import SeqCache
+from hybridkv.cache.prefix import Snapshot
+from hybridkv.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    root: bytes                                   # prefix-hash root (model identity + cache salt)
+    arrival: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0                          # positions whose KV is in the cache
+    cache: SeqCache | None = None
+    block_hashes: list[bytes] = field(default_factory=list)   # hashes of this request's complete blocks
+    num_cached_tokens: int = 0                     # prompt tokens served from the prefix cache
+    num_replayed_tokens: int = 0                   # tokens recomputed by bounded replay
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    pending_snapshots: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+    step_logits: list[torch.Tensor] = field(default_factory=list)   # only when the engine records them
+    new_snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)
+    rolling_snapshot: tuple[int, Snapshot] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: everything computed is dropped; prompt + output so far are recomputed."""
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.cache = None
+        self.block_hashes = []
+        self.pending_snapshots = {}
+        self.new_snapshots = []
+        self.rolling_snapshot = None
+        self.num_preemptions += 1
