@@ -64,6 +64,46 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a.model, a.max_tokens, a.chunk)
 
 
+def cmd_generate(a: argparse.Namespace) -> int:
+    import time
+
+    from hybridkv.engine import LLM, SamplingParams
+    from hybridkv.errors import RequestError
+
+    llm = LLM(a.model_dir, device=a.device, kv_format=a.kv_format, window_policy=a.window_policy,
+              num_blocks=a.num_blocks, max_num_batched_tokens=a.max_batched_tokens)
+    if a.prompt_ids is not None:
+        prompt = [int(x) for x in a.prompt_ids.replace(",", " ").split()]
+    elif a.prompt_file is not None:
+        prompt = open(a.prompt_file, encoding="utf-8").read()
+    else:
+        prompt = a.prompt
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, stop=a.stop or [])
+    t0 = time.perf_counter()
+    try:
+        seq = llm.engine.add_request(prompt, params)
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    while llm.engine.has_unfinished():
+        for ev in llm.engine.step():
+            out = ev.text if llm.tokenizer is not None else f"{ev.token_id} "
+            print(out, end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    n_out = len(seq.output_ids)
+    decode_s = elapsed - (seq.ttft or 0)
+    store = llm.engine.store
+    blocks = -(-len(seq.token_ids) // store.block_tokens)
+    held = blocks * sum(store.block_bytes().values())
+    print()
+    print(f"[prompt {len(seq.prompt_ids)} tokens, cached {seq.num_cached_tokens}, TTFT {1000 * (seq.ttft or 0):.1f} ms, "
+          f"{n_out} tokens at {(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0:.1f} tok/s, "
+          f"finish {seq.finish_reason}; KV {store.bytes_per_token():.2f} B/token ({store.fmt}): {_human(held)} in "
+          f"{blocks} blocks + {_human(sum(r[0].nbytes for r in store.ring))} window]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridkv", description="DeepSeek-V4-family models and their KV memory system")
     sub = p.add_subparsers(dest="command", required=True)
@@ -77,6 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="entry format (default: fp8 for V4, v41 for V4.1)")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kv_calc)
+
+    g = sub.add_parser("generate", help="stream a completion from a model directory, then one line of stats")
+    g.add_argument("model_dir")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    src.add_argument("--prompt-ids", help="token ids, comma or space separated (models without a tokenizer)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--kv-format", choices=["native", "bf16", "fp8"], default="native")
+    g.add_argument("--window-policy", default="full", help="full | checkpoint(N) | zero")
+    g.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 128 positions")
+    g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")
     d.add_argument("--model", default=None, help="model directory (default: the shipped model)")

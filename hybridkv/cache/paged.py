@@ -43,16 +43,23 @@ class _Codec:
             self.storage_dtype = torch.bfloat16 if fmt == "bf16" else dtype
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """[..., dim] entries -> [..., width] stored form."""
         if self.fmt != "fp8":
             return rows.to(self.storage_dtype)
-        return pack_index_fp4(rows) if self.kind == "index" else pack_main_fp8(rows, self.rope)
+        flat = rows.reshape(-1, self.dim)
+        packed = pack_index_fp4(flat) if self.kind == "index" else pack_main_fp8(flat, self.rope)
+        return packed.reshape(*rows.shape[:-1], self.width)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """[..., width] stored form -> [..., dim] entries in the compute dtype."""
         if self.fmt != "fp8":
             return stored.to(self.dtype)
+        flat = stored.reshape(-1, self.width)
         if self.kind == "index":
-            return unpack_index_fp4(stored, self.dim, self.dtype)
-        return unpack_main_fp8(stored, self.dim, self.rope, self.dtype)
+            out = unpack_index_fp4(flat, self.dim, self.dtype)
+        else:
+            out = unpack_main_fp8(flat, self.dim, self.rope, self.dtype)
+        return out.reshape(*stored.shape[:-1], self.dim)
 
     def row_bytes(self) -> int:
         return self.width * torch.empty(0, dtype=self.storage_dtype).element_size()
@@ -248,3 +255,67 @@ class PagedSeqKV:
 
     def layer(self, layer_id: int) -> PagedLayerKV:
         return self._layers[layer_id]
+
+
+class PagedDecodeKV:
+    """The batched (`DecodeKV`) view of a group of requests that each decode one token."""
+
+    def __init__(self, store: PagedKVStore, seqs: list[SeqCache], positions: torch.Tensor, on_layer_done=None):
+        self.store, self.seqs, self.on_layer_done = store, seqs, on_layer_done
+        dev = store.device
+        self.positions = positions.to(dev)
+        self.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        width = max(len(s.block_table) for s in seqs)
+        self.tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                   dtype=torch.long, device=dev)
+        self.window_start = torch.tensor([s.window_start for s in seqs], dtype=torch.long, device=dev)
+        self.frozen = torch.tensor([s.frozen_until for s in seqs], dtype=torch.long, device=dev)
+        self._b = torch.arange(len(seqs), device=dev)
+
+    def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        W = self.store.config.sliding_window
+        ring = self.store.ring[layer_id]
+        codec = self.store.codec["kv"]
+        ring[self.slots, self.positions % W] = codec.encode(rows)
+        window_pos = self.positions.unsqueeze(1) - W + 1 + torch.arange(W, device=rows.device)
+        keys = codec.decode(ring[self.slots.unsqueeze(1), window_pos % W])
+        return keys, window_pos >= self.window_start.clamp(min=0).unsqueeze(1)
+
+    def compressor_state(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, score = self.store.states[layer_id][kind]
+        return kv[self.slots], score[self.slots]
+
+    def store_compressor_state(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
+        st_kv, st_score = self.store.states[layer_id][kind]
+        st_kv[self.slots] = kv
+        st_score[self.slots] = score
+
+    def _per_block(self, layer_id: int) -> int:
+        return self.store.block_tokens // self.store.config.layer_ratio(layer_id)
+
+    def append_entries(self, layer_id: int, kind: str, which: torch.Tensor, entry_ids: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+        ratio = self.store.config.layer_ratio(layer_id)
+        keep = entry_ids >= self.frozen[which] // ratio     # entries a prefix hit provides stay as they are
+        which, entry_ids, rows = which[keep], entry_ids[keep], rows[keep]
+        per = self._per_block(layer_id)
+        blocks = self.tables[which, entry_ids // per]
+        self.store.entries[layer_id][kind][blocks, entry_ids % per] = self.store.codec[kind].encode(rows)
+
+    def entries(self, layer_id: int, kind: str, counts: torch.Tensor) -> torch.Tensor:
+        per = self._per_block(layer_id)
+        nb = max(1, -(-int(counts.max()) // per))
+        pool = self.store.entries[layer_id][kind]
+        rows = pool[self.tables[:, :nb]]                                   # [B, nb, per, E]
+        rows = rows.reshape(rows.shape[0], nb * per, rows.shape[-1])
+        return self.store.codec[kind].decode(rows)
+
+    def gather_entries(self, layer_id: int, kind: str, idx: torch.Tensor) -> torch.Tensor:
+        per = self._per_block(layer_id)
+        blocks = self.tables[self._b.unsqueeze(1), idx // per]
+        return self.store.codec[kind].decode(self.store.entries[layer_id][kind][blocks, idx % per])
+
+    def done(self, layer_id: int) -> None:
+        if self.on_layer_done is not None:
+            for seq, pos in zip(self.seqs, self.positions.tolist()):
+                self.on_layer_done(seq, layer_id, pos + 1)

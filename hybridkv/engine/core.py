@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.cache.paged import PagedKVStore
+from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore
 from hybridkv.cache.prefix import PrefixCache, WindowPolicy, root_hash
 from hybridkv.config import ModelConfig
 from hybridkv.engine.sampling import SamplingParams, sample
@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
     enable_prefix_caching: bool = True
+    max_model_len: int | None = None     # longest request (default: max_position_embeddings)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class EngineCore:
         self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
         self.model_identity = model_identity
+        self.max_model_len = self.ec.max_model_len or self.config.max_position_embeddings
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
@@ -85,10 +87,11 @@ class EngineCore:
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
-        max_pos = self.config.max_position_embeddings
-        if len(ids) >= max_pos:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_pos - 1} "
-                               f"(max_position_embeddings {max_pos})")
+        max_len = self.max_model_len
+        if len(ids) >= max_len:
+            what = (f"max_position_embeddings {max_len}" if max_len == self.config.max_position_embeddings
+                    else f"max_model_len {max_len}")
+            raise RequestError(f"the prompt has {len(ids)} tokens; this engine takes at most {max_len - 1} ({what})")
         pool_tokens = self.store.pool.num_blocks * self.store.block_tokens
         if len(ids) + 1 > pool_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV pool holds {pool_tokens}; "
@@ -132,12 +135,19 @@ class EngineCore:
         return events
 
     def _forward(self, chunks: list[Chunk]) -> dict[str, torch.Tensor]:
+        """One model forward over the step's chunks: prefill chunks as segments, single-token steps
+        as one batched decode group. Returns the logits of every chunk that ends its request's
+        known tokens."""
+        snapshots = self.policy.snapshots and self.prefix.enabled
         items, ids, logit_rows, owners = [], [], [], []
+        decodes = [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
+        decode_ids = {id(c) for c in decodes}
         row = 0
         for c in chunks:
+            if id(c) in decode_ids:
+                continue
             seq = c.seq
-            hook = self._snapshot_hook(seq) if self.policy.snapshots and self.prefix.enabled else None
-            view = self.store.view(seq.cache, hook)
+            view = self.store.view(seq.cache, self._snapshot_hook(seq) if snapshots else None)
             for start, n in c.segments:
                 items.append((view, start, n))
                 ids.extend(seq.token_ids[start:start + n])
@@ -145,7 +155,19 @@ class EngineCore:
             if c.wants_logits:
                 logit_rows.append(row - 1)
                 owners.append(seq.request_id)
-        batch = ForwardBatch.build(items, self.device)
+        decode = None
+        if decodes:
+            positions = torch.tensor([c.start for c in decodes], dtype=torch.long)
+            hooks = {id(c.seq.cache): self._snapshot_hook(c.seq) for c in decodes} if snapshots else None
+            on_done = (lambda sc, layer, end: hooks[id(sc)](layer, end)) if snapshots else None
+            dkv = PagedDecodeKV(self.store, [c.seq.cache for c in decodes], positions, on_done)
+            decode = (dkv, positions)
+            for c in decodes:
+                ids.append(c.seq.token_ids[c.start])
+                logit_rows.append(row)
+                owners.append(c.seq.request_id)
+                row += 1
+        batch = ForwardBatch.build(items, self.device, decode)
         with torch.inference_mode():
             h = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
             out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
@@ -209,7 +231,7 @@ class EngineCore:
             return "stop"
         if p.stop and any(x in seq.text for x in p.stop):
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_position_embeddings:
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

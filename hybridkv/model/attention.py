@@ -13,7 +13,7 @@ from hybridkv.model.compressor import Compressor
 from hybridkv.model.indexer import Indexer
 from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm, rms_normalize
-from hybridkv.model.state import ForwardBatch, Segment
+from hybridkv.model.state import DecodeKV, ForwardBatch, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.sparse_attn import sparse_attn
@@ -75,6 +75,12 @@ class Attention(nn.Module):
                 seg, q[r], kv[r], batch.positions[r],
                 None if comp_rows is None else (comp_rows[0][r], comp_rows[1][r]),
                 None if idx_q is None else (idx_q[r], idx_w[r], idx_rows[0][r], idx_rows[1][r]))
+        if batch.decode is not None:
+            r = batch.decode.rows
+            o[r] = self._attend_decode(
+                batch.decode.kv, q[r], kv[r],
+                None if comp_rows is None else (comp_rows[0][r], comp_rows[1][r]),
+                None if idx_q is None else (idx_q[r], idx_w[r], idx_rows[0][r], idx_rows[1][r]))
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -114,3 +120,41 @@ class Attention(nn.Module):
         out = sparse_attn(q, keys, idx, self.attn_sink, self.scale)
         layer_kv.done(seg.end_pos)
         return out
+
+    def _attend_decode(self, dkv: DecodeKV, q, kv, comp_rows, idx_inputs) -> torch.Tensor:
+        """One token for each of B requests at once (same math as _attend_segment)."""
+        lid, pos = self.layer_id, dkv.positions
+        keys, valid = dkv.window(lid, kv)                                  # [B, W, D], [B, W]
+        if self.compressor is not None:
+            n_entries = (pos + 1) // self.ratio
+            self._compress_decode(dkv, "kv", self.compressor, *comp_rows)
+            if self.indexer is not None:
+                iq, iw, ikv, iscore = idx_inputs
+                self._compress_decode(dkv, "index", self.indexer.compressor, ikv, iscore)
+                index_keys = dkv.entries(lid, "index", n_entries)          # [B, N, di]
+                scores = (torch.einsum("bhd,bnd->bhn", iq.float(), index_keys.float()).relu_()
+                          * iw.float().unsqueeze(-1)).sum(1)
+                cols = torch.arange(scores.shape[1], device=kv.device)
+                scores = scores.masked_fill(cols >= n_entries.unsqueeze(1), float("-inf"))
+                k = min(self.indexer.topk, scores.shape[1])
+                sel = scores.topk(k, dim=-1).indices
+                sel_ok = sel < n_entries.unsqueeze(1)
+                comp = dkv.gather_entries(lid, "kv", torch.where(sel_ok, sel, 0))
+            else:
+                comp = dkv.entries(lid, "kv", n_entries)
+                sel_ok = torch.arange(comp.shape[1], device=kv.device) < n_entries.unsqueeze(1)
+            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
+            valid = torch.cat([valid, sel_ok], dim=1)
+        b, length, _ = keys.shape
+        flat_idx = torch.arange(b * length, device=kv.device).view(b, length)
+        out = sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
+                          self.scale)
+        dkv.done(lid)
+        return out
+
+    def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score) -> None:
+        st_kv, st_score = dkv.compressor_state(self.layer_id, kind)
+        which, entries = compressor.update_decode(st_kv, st_score, rows_kv, rows_score, dkv.positions, self.inv_freq)
+        dkv.store_compressor_state(self.layer_id, kind, st_kv, st_score)
+        if which.numel():
+            dkv.append_entries(self.layer_id, kind, which, dkv.positions[which] // self.ratio, entries)

@@ -14,7 +14,7 @@ from hybridkv.config import KV_FP8_BLOCK, ModelConfig
 from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import CompressorState
-from hybridkv.ops.compress import pool_blocks
+from hybridkv.ops.compress import pool_blocks, pool_each
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs
@@ -67,6 +67,27 @@ class Compressor(nn.Module):
         state.kv[cur + rest:cur + r] = 0
         state.score[cur + rest:cur + r] = float("-inf")
         return first_block, entries
+
+    def update_decode(self, st_kv: torch.Tensor, st_score: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                      positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request, batched: st_kv/st_score [B, rows, width] are the requests' states
+        (updated in place). Returns (indices of the requests that completed a block, their entries)."""
+        r = self.ratio
+        cur = r if self.overlap else 0
+        b = torch.arange(kv.shape[0], device=kv.device)
+        st_kv[b, cur + positions % r] = kv.float()
+        st_score[b, cur + positions % r] = score.float()
+        sel = ((positions + 1) % r == 0).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            return sel, kv.new_zeros(0, self.head_dim)
+        skv, ssc = st_kv[sel], st_score[sel]
+        pooled = pool_each(skv[:, cur:], ssc[:, cur:], self.overlap, skv[:, :r], ssc[:, :r])
+        if self.overlap:
+            st_kv[sel, :r] = skv[:, r:]
+            st_score[sel, :r] = ssc[:, r:]
+        st_kv[sel, cur:cur + r] = 0
+        st_score[sel, cur:cur + r] = float("-inf")
+        return sel, self._finish(pooled, positions[sel] + 1 - r, inv_freq)
 
     def _finish(self, pooled: torch.Tensor, block_starts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """RMSNorm, RoPE at the block's first position, then the storage round trip."""

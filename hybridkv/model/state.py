@@ -119,6 +119,35 @@ class SequenceKV(Protocol):
     def layer(self, layer_id: int) -> LayerKV: ...
 
 
+class DecodeKV(Protocol):
+    """Batched access, layer by layer, to the KV of a group of requests that each feed exactly one
+    token (decode steps). Lets a layer run its decode rows as a handful of batched operations
+    instead of one pass per request. Row b of every tensor belongs to the group's b-th request."""
+
+    positions: torch.Tensor  # [B] long: the position each row's token sits at
+
+    def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the new rows [B, D]; return the window keys [B, W, D] (oldest first, ending with the
+        new row) and their validity [B, W]."""
+
+    def compressor_state(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the rows' compressor states (kv, score) [B, rows, width]."""
+
+    def store_compressor_state(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None: ...
+
+    def append_entries(self, layer_id: int, kind: str, which: torch.Tensor, entry_ids: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+        """Store entry entry_ids[i] of request which[i] (row indices into the group)."""
+
+    def entries(self, layer_id: int, kind: str, counts: torch.Tensor) -> torch.Tensor:
+        """Every request's first counts[b] entries, padded: [B, N >= max(counts), d]."""
+
+    def gather_entries(self, layer_id: int, kind: str, idx: torch.Tensor) -> torch.Tensor:
+        """Entries idx[b, k] of request b: [B, K, d] (rows for idx < 0 are unspecified)."""
+
+    def done(self, layer_id: int) -> None: ...
+
+
 class ContiguousKV:
     """All KV state of one request in plain per-layer tensors (no paging, no sharing)."""
 
@@ -171,13 +200,24 @@ class Segment:
 
 
 @dataclass
+class DecodeGroup:
+    """Rows of the flat batch that are single-token steps, served together through `kv`."""
+
+    rows: torch.Tensor   # [B] row indices into the flat batch
+    kv: DecodeKV
+
+
+@dataclass
 class ForwardBatch:
     segments: list[Segment]
     positions: torch.Tensor = field(default=None)  # [T] absolute position of every row
+    decode: DecodeGroup | None = None               # rows outside `segments` run batched
 
     @classmethod
-    def build(cls, items: list[tuple[SequenceKV, int, int]], device=None) -> "ForwardBatch":
-        """items: (kv, start_pos, length) per request, in row order."""
+    def build(cls, items: list[tuple[SequenceKV, int, int]], device=None,
+              decode: tuple[DecodeKV, torch.Tensor] | None = None) -> "ForwardBatch":
+        """items: (kv, start_pos, length) per request, in row order. `decode`: a DecodeKV and the
+        positions of its rows, which come after the items' rows."""
         segments, start, pos = [], 0, []
         for kv, start_pos, length in items:
             if length <= 0:
@@ -185,12 +225,19 @@ class ForwardBatch:
             segments.append(Segment(kv, start, length, start_pos))
             pos.append(torch.arange(start_pos, start_pos + length))
             start += length
-        return cls(segments, torch.cat(pos).to(device))
+        group = None
+        if decode is not None:
+            dkv, dpos = decode
+            group = DecodeGroup(torch.arange(start, start + dpos.numel(), device=device), dkv)
+            pos.append(dpos.cpu())
+        return cls(segments, torch.cat(pos).to(device), group)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
     def last_rows(self) -> torch.Tensor:
-        """Row index of every segment's last token."""
-        return torch.tensor([s.start + s.length - 1 for s in self.segments], device=self.positions.device)
+        """Row index of every segment's last token, then every decode row."""
+        rows = torch.tensor([s.start + s.length - 1 for s in self.segments], dtype=torch.long,
+                            device=self.positions.device)
+        return rows if self.decode is None else torch.cat([rows, self.decode.rows])

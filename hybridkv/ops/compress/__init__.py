@@ -1,1 +1,1 @@
-from hybridkv.ops.compress.reference import pool_blocks, softmax_pool  # noqa: F401
+from hybridkv.ops.compress.reference import pool_blocks, pool_each, softmax_pool  # noqa: F401
