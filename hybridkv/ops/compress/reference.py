@@ -34,3 +34,30 @@ def pool_blocks(kv: torch.Tensor, score: torch.Tensor, overlap: bool,
     rows_kv = torch.cat([prev_kv[..., :d], kv[..., d:]], dim=1)
     rows_score = torch.cat([prev_score[..., :d], score[..., d:]], dim=1)
     return softmax_pool(rows_kv, rows_score)
+
+
+def block_rows(kv: torch.Tensor, score: torch.Tensor, overlap: bool, prev_kv: torch.Tensor | None = None,
+               prev_score: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows each entry pools, [n, L, d] (L = ratio, or 2·ratio when overlapping), as `pool_blocks` sees them."""
+    if not overlap:
+        return kv, score
+    d = kv.shape[-1] // 2
+    pk = torch.cat([prev_kv.unsqueeze(0), kv[:-1]], dim=0)
+    ps = torch.cat([prev_score.unsqueeze(0), score[:-1]], dim=0)
+    return (torch.cat([pk[..., :d], kv[..., d:]], dim=1), torch.cat([ps[..., :d], score[..., d:]], dim=1))
+
+
+def finish_entries(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float, freqs: torch.Tensor, kind: str,
+                   out_dtype: torch.dtype, fp8_block: int = 64, pow2: bool = True) -> torch.Tensor:
+    """RMSNorm, RoPE at each entry's first position (`freqs` [n, rope/2] complex), then the storage round
+    trip: "main" FP8 on the nope dims (blocks of 64), "index" Hadamard + FP4 (blocks of 32)."""
+    from hybridkv.ops.hadamard import hadamard_transform
+    from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
+    from hybridkv.ops.rope import apply_rope
+    x = pooled.to(out_dtype).float()
+    c = (norm_weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))).to(out_dtype)
+    c = apply_rope(c, freqs)
+    if kind == "index":
+        return fp4_round_trip(hadamard_transform(c), 32)
+    rd = 2 * freqs.shape[-1]
+    return torch.cat([fp8_round_trip(c[..., :-rd], fp8_block, pow2), c[..., -rd:]], dim=-1)
