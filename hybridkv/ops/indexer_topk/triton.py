@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.backend import is_deterministic
 from hybridkv.ops.paged import PagedBatch
 
 NBINS = 256
@@ -218,7 +219,9 @@ def _run(q, weights, pool_flat, row_stride, block_tables, token_req, vis, topk, 
     block_h = max(16, triton.next_power_of_2(h))
     block_d = triton.next_power_of_2(head_dim)
     if block_t is None:
-        block_t = 1 if t <= 64 else max(1, 256 // block_h)
+        # one-token tiles for decode, and always in deterministic mode (the score of a token must not
+        # depend on the tile shape its batch happens to give it)
+        block_t = 1 if t <= 64 or is_deterministic() else max(1, 256 // block_h)
     group = max(block_t, (SCORE_BUFFER // (4 * n_max)) // block_t * block_t)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     score_chunk = min(SCORE_CHUNK, max(64, triton.next_power_of_2(n_max)))
