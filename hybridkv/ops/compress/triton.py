@@ -51,7 +51,8 @@ def _e2m1_round(v):
 
 @triton.jit
 def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, ENT_REQ, ENT_J,
-                    eps, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
+                    eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+                    MODE: tl.constexpr,
                     OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr):
     e = tl.program_id(0)
     d = tl.arange(0, D)
@@ -119,7 +120,7 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
         # Hadamard rotation (scaled by D^-1/2) as a product with the ±1 matrix, then E2M1 in blocks of 32
         xm = tl.reshape(x, [1, D]) + tl.zeros([16, D], tl.float32)
         hm = tl.load(HAD + d[:, None] * D + d[None, :])
-        x = tl.max(tl.dot(xm, hm, input_precision=PREC), 0) * (1.0 / tl.sqrt(D * 1.0))
+        x = tl.max(tl.dot(xm, hm, input_precision=PREC), 0) * had_scale
         if OUT_BF16:
             x = _bf16_round(x)
         xb = tl.reshape(x, [D // 32, 32])
@@ -159,7 +160,7 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
     compress_kernel[(n,)](kv_rows, score_rows, kv_rows.stride(0), kv_rows.stride(1), norm_weight.float().contiguous(),
                           cos.float().contiguous(), sin.float().contiguous(), cos.shape[1] if cos.dim() > 1 else 0,
                           had, out, out.stride(0), bt, bt.stride(0) if paged else 0, req, ent_j.to(torch.int32),
-                          eps, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
+                          eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
                           EPB=entries_per_block, PAGED=paged, PREC="ieee", num_warps=4)
 
 

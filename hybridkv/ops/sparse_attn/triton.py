@@ -212,12 +212,13 @@ def _launch(q, sink, scale, new_kv, ring, pool, pool_row_stride, block_tables, i
     grid = (t, triton.cdiv(h, bh), n_split)
     if n_split == 1:
         sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), out, out.stride(0), 0, out.stride(1), dummy, 0, 0,
-                                 *args_tail, FINAL=True, num_warps=warps, **common)
+                                 *args_tail, FINAL=True, num_warps=warps, num_stages=2, **common)
         return out
     part = torch.empty(t, n_split, h, head_dim, dtype=torch.float32, device=dev)
     ml = torch.empty(t, n_split, 2, h, dtype=torch.float32, device=dev)
     sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), part, part.stride(0), part.stride(1), part.stride(2),
-                             ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps, **common)
+                             ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps, num_stages=2,
+                             **common)
     combine_kernel[(t, triton.cdiv(h, bh))](part, part.stride(0), part.stride(1), part.stride(2), ml, ml.stride(0),
                                             ml.stride(1), out, out.stride(0), out.stride(1), positions, sink, h, k_idx,
                                             D=head_dim, BLOCK_D=block_d, BLOCK_H=bh, WINDOW=window, MODE=mode,
