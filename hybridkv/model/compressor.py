@@ -10,14 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.config import KV_FP8_BLOCK, ModelConfig
+from hybridkv.config import ModelConfig
 from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import CompressorState
-from hybridkv.ops.compress import pool_blocks, pool_each
-from hybridkv.ops.hadamard import hadamard_transform
-from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
-from hybridkv.ops.rope import apply_rope, rope_freqs
+from hybridkv.ops.compress import block_rows, compress_entries, each_block_rows
+from hybridkv.ops.rope import rope_freqs
 
 
 class Compressor(nn.Module):
@@ -55,12 +53,12 @@ class Compressor(nn.Module):
         if n_done > 0:
             blocks_kv = rows_kv[: n_done * r].unflatten(0, (n_done, r))
             blocks_score = rows_score[: n_done * r].unflatten(0, (n_done, r))
-            pooled = pool_blocks(blocks_kv, blocks_score, self.overlap, state.kv[:r], state.score[:r])
+            rows = block_rows(blocks_kv, blocks_score, self.overlap, state.kv[:r], state.score[:r])
             if self.overlap:
                 state.kv[:r] = blocks_kv[-1]
                 state.score[:r] = blocks_score[-1]
-            entries = self._finish(pooled, torch.arange(first_block, first_block + n_done, device=kv.device) * r,
-                                   inv_freq)
+            starts = torch.arange(first_block, first_block + n_done, device=kv.device) * r
+            entries = self._finish(rows, starts, inv_freq)
         rest = rows_kv.shape[0] - n_done * r
         state.kv[cur:cur + rest] = rows_kv[n_done * r:]
         state.score[cur:cur + rest] = rows_score[n_done * r:]
@@ -81,19 +79,16 @@ class Compressor(nn.Module):
         if sel.numel() == 0:
             return sel, kv.new_zeros(0, self.head_dim)
         skv, ssc = st_kv[sel], st_score[sel]
-        pooled = pool_each(skv[:, cur:], ssc[:, cur:], self.overlap, skv[:, :r], ssc[:, :r])
+        rows = each_block_rows(skv[:, cur:], ssc[:, cur:], self.overlap, skv[:, :r], ssc[:, :r])
         if self.overlap:
             st_kv[sel, :r] = skv[:, r:]
             st_score[sel, :r] = ssc[:, r:]
         st_kv[sel, cur:cur + r] = 0
         st_score[sel, cur:cur + r] = float("-inf")
-        return sel, self._finish(pooled, positions[sel] + 1 - r, inv_freq)
+        return sel, self._finish(rows, positions[sel] + 1 - r, inv_freq)
 
-    def _finish(self, pooled: torch.Tensor, block_starts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """RMSNorm, RoPE at the block's first position, then the storage round trip."""
-        c = self.norm(pooled.to(self.out_dtype))
-        c = apply_rope(c, rope_freqs(block_starts, inv_freq))
-        if self.rotate:
-            return fp4_round_trip(hadamard_transform(c), 32)
-        nope = fp8_round_trip(c[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2)
-        return torch.cat([nope, c[..., -self.rope_dim:]], dim=-1)
+    def _finish(self, rows: tuple[torch.Tensor, torch.Tensor], block_starts: torch.Tensor,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+        """Pool, RMSNorm, RoPE at each block's first position, storage round trip."""
+        return compress_entries(*rows, self.norm.weight, self.norm.eps, rope_freqs(block_starts, inv_freq),
+                                "index" if self.rotate else "main", self.out_dtype, pow2=self.kv_pow2)

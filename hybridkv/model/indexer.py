@@ -10,7 +10,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.linear import Linear
 from hybridkv.ops.hadamard import hadamard_transform
-from hybridkv.ops.indexer_topk import causal_topk, index_scores
+from hybridkv.ops.indexer_topk import indexer_topk
 from hybridkv.ops.quant import fp4_round_trip
 from hybridkv.ops.rope import apply_rope
 
@@ -37,4 +37,4 @@ class Indexer(nn.Module):
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Top-k entry ids [T, k] (−1 = unused) among entries visible to each query."""
         visible = (positions + 1) // self.ratio
-        return causal_topk(index_scores(q, w, keys), visible, self.topk)
+        return indexer_topk(q, w, keys, visible, self.topk)

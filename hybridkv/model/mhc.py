@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.sinkhorn import hc_split_sinkhorn
+from hybridkv.ops.mhc import mhc_post, mhc_pre
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -19,15 +19,12 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
            norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hc, dim] -> (sub-block input [T, dim], post [T, hc], comb [T, hc, hc])."""
-    pre, post, comb = hc_split_sinkhorn(_mixes(x, fn, norm_eps), scale, base, x.shape[1], iters, eps)
-    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
-    return y.to(x.dtype), post, comb
+    return mhc_pre(x, F.linear(x.flatten(1).float(), fn), scale, base, iters, eps, norm_eps)
 
 
 def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """x'_k = post_k · f + Σ_j comb[j, k] · x_j."""
-    y = post.unsqueeze(-1) * f.float().unsqueeze(1) + (comb.unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)
-    return y.to(f.dtype)
+    return mhc_post(f, residual, post, comb)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,

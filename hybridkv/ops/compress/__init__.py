@@ -1,1 +1,62 @@
-from hybridkv.ops.compress.reference import pool_blocks, pool_each, softmax_pool  # noqa: F401
+"""The compressor's pooling and entry finishing. `compress_entries` returns finished entries
+(pool → RMSNorm → RoPE → storage round trip); `compress_paged` also writes them into a paged pool,
+packed or as float values. One fused Triton kernel on CUDA, the plain-torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.compress.reference import (  # noqa: F401
+    block_rows, each_block_rows, finish_entries, pool_blocks, softmax_pool)
+
+
+def _kernel_ok(x: torch.Tensor, d: int, rope: int, kind: str, pow2: bool) -> bool:
+    if not use_triton(x) or d & (d - 1) or not pow2:
+        return False
+    return d % 32 == 0 if kind == "index" else (rope % 64 == 0 and d >= 64)
+
+
+def compress_entries(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     freqs: torch.Tensor, kind: str, out_dtype: torch.dtype, pow2: bool = True) -> torch.Tensor:
+    """kv_rows/score_rows [n, L, d] (L rows pooled per entry, see `block_rows`), freqs [n, rope/2] complex
+    -> entries [n, d] of out_dtype, on the storage grid ("main": FP8 nope; "index": Hadamard + FP4)."""
+    n, _, d = kv_rows.shape
+    if n and _kernel_ok(kv_rows, d, 2 * freqs.shape[-1], kind, pow2):
+        from hybridkv.ops.compress import triton as kernels
+        out = torch.empty(n, d, dtype=out_dtype, device=kv_rows.device)
+        kernels.compress_write(kv_rows, score_rows, norm_weight, eps, freqs.real, freqs.imag, kind, out, False,
+                               torch.arange(n, dtype=torch.int32, device=kv_rows.device),
+                               out_bf16=out_dtype == torch.bfloat16)
+        return out
+    return finish_entries(softmax_pool(kv_rows.float(), score_rows.float()), norm_weight, eps, freqs, kind, out_dtype,
+                          pow2=pow2)
+
+
+def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   freqs: torch.Tensor, kind: str, pool: torch.Tensor, fmt: str, block_tables: torch.Tensor,
+                   ent_req: torch.Tensor, ent_j: torch.Tensor, entries_per_block: int,
+                   out_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Finish n entries and write entry ent_j[i] of request ent_req[i] into
+    pool[block_tables[req, j // epb], j % epb]. fmt: "fp8" (main, 584-B), "fp4" (index, 68-B) or
+    "bf16" (float values of the pool's dtype)."""
+    n, _, d = kv_rows.shape
+    packed = fmt in ("fp8", "fp4")
+    flat = pool.view(-1, pool.shape[-1])
+    if n and _kernel_ok(kv_rows, d, 2 * freqs.shape[-1], kind, True):
+        from hybridkv.ops.compress import triton as kernels
+        kernels.compress_write(kv_rows, score_rows, norm_weight, eps, freqs.real, freqs.imag, kind, flat, packed,
+                               ent_j.to(torch.int32), ent_req.to(torch.int32), block_tables, entries_per_block,
+                               out_bf16=out_dtype == torch.bfloat16)
+        return
+    from hybridkv.ops.paged import PagedBatch, entry_rows
+    x = finish_entries(softmax_pool(kv_rows.float(), score_rows.float()), norm_weight, eps, freqs, kind, out_dtype)
+    if fmt == "fp8":
+        from hybridkv.cache.formats import pack_main_fp8
+        x = pack_main_fp8(x, 2 * freqs.shape[-1])
+    elif fmt == "fp4":
+        from hybridkv.cache.formats import pack_index_fp4
+        x = pack_index_fp4(x)
+    view = PagedBatch(ent_req, ent_j, ent_req, block_tables, ent_req, ent_req)
+    rows = entry_rows(view, ent_req.long(), ent_j.long(), entries_per_block)
+    flat[rows] = x.to(flat.dtype)

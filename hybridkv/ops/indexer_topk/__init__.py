@@ -1,1 +1,35 @@
+"""Lightning Indexer scoring and causal top-k: `indexer_topk` over contiguous keys,
+`indexer_topk_paged` over a paged key pool (layout in `hybridkv.ops.paged`). Triton kernels on
+CUDA (exact radix select; indices in ascending entry order), the plain-torch reference elsewhere
+(indices in score order). Both return −1 in unused slots."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.indexer_topk import reference
 from hybridkv.ops.indexer_topk.reference import causal_topk, index_scores  # noqa: F401
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """q [T, H, d], weights [T, H], keys [N, d], visible [T] -> [T, min(topk, N)] entry ids, −1 padded."""
+    if use_triton(q):
+        from hybridkv.ops.indexer_topk import triton as kernels
+        return kernels.indexer_topk(q, weights, keys, visible, topk).long()
+    return reference.causal_topk(reference.index_scores(q, weights, keys), visible, topk)
+
+
+def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
+                       fmt: str = "bf16", head_dim: int | None = None, max_visible: int | None = None) -> torch.Tensor:
+    """Top-k compressed entries of each token of a paged batch among its visible ones (j < (pos+1)//ratio).
+
+    pool [num_blocks, block_tokens // ratio, Ei]: "bf16" (float elements, Ei = head_dim) or "fp4"
+    (68-B packed keys). Returns [T, topk] entry ids, −1 padded (int32 from the kernel, int64 from
+    the reference). `max_visible` (an upper bound of the visible counts) avoids a host sync.
+    """
+    if use_triton(q):
+        from hybridkv.ops.indexer_topk import triton as kernels
+        return kernels.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, max_visible)
+    return reference.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim)

@@ -28,3 +28,32 @@ def causal_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch
     masked = scores.masked_fill(invisible, float("-inf"))
     idx = masked.topk(k, dim=-1).indices
     return torch.where(idx >= visible.unsqueeze(1), -1, idx)
+
+
+def decode_keys(pool: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    """Indexer key rows in format `fmt` ("bf16"/float elements or "fp4" 68-B packed) -> float32 [rows, dim]."""
+    flat = pool.reshape(-1, pool.shape[-1])
+    if fmt == "fp4":
+        from hybridkv.cache.formats import unpack_index_fp4  # the packed layout is defined there
+        return unpack_index_fp4(flat, dim)
+    return flat.float()
+
+
+def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
+                       fmt: str = "bf16", head_dim: int | None = None) -> torch.Tensor:
+    """Per request: gather its visible keys through its block table, score, causal top-k. [T, topk], −1 padded."""
+    from hybridkv.ops.paged import entry_rows
+    head_dim = head_dim or q.shape[-1]
+    keys_all = decode_keys(pool, fmt, head_dim)
+    vis = (batch.positions.long() + 1) // ratio
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    for r in range(batch.slots.shape[0]):
+        toks = torch.nonzero(batch.token_req == r).flatten()
+        if toks.numel() == 0:
+            continue
+        n = int(vis[toks].max())
+        cols = torch.arange(n, device=q.device)
+        rows = entry_rows(batch, torch.full_like(cols, r), cols, batch.block_tokens // ratio)
+        sel = causal_topk(index_scores(q[toks], weights[toks], keys_all[rows]), vis[toks], topk)
+        out[toks, : sel.shape[1]] = sel
+    return out

@@ -1,1 +1,39 @@
-from hybridkv.ops.sparse_attn.reference import sparse_attn  # noqa: F401
+"""Sparse attention with a per-head sink: `sparse_attn` over contiguous rows and an index list,
+`sparse_attn_paged` over the window ring, the chunk's new rows and a paged compressed pool
+(layout in `hybridkv.ops.paged`). Triton kernels on CUDA, the plain-torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.sparse_attn import reference
+from hybridkv.ops.sparse_attn.reference import gather_paged
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D], kv [N, D], idx [T, K] (int, −1 = none), sink [H] -> o [T, H, D] (float32)."""
+    if use_triton(q):
+        from hybridkv.ops.sparse_attn import triton as kernels
+        return kernels.sparse_attn(q, kv, idx, sink, scale)
+    return reference.sparse_attn(q, kv, idx, sink, scale)
+
+
+def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, new_kv: torch.Tensor,
+                      ring: torch.Tensor | None, pool: torch.Tensor | None, idx: torch.Tensor | None = None,
+                      ratio: int = 0, fmt: str = "bf16", head_dim: int | None = None, rope_dim: int = 0,
+                      window: int = 128, max_pos: int | None = None) -> torch.Tensor:
+    """Attention of every token of a paged batch over its window and compressed rows.
+
+    q [T, H, D]; new_kv [T, E] the chunk's own rows; ring [num_slots, window, E]; pool
+    [num_blocks, entries_per_block, E] (None for window-only layers); idx [T, K] compressed entry ids
+    (CSA, −1 = none) or None with `ratio` set (HCA: all visible entries). Entries are `fmt` "bf16"
+    (float elements) or "fp8" (584-B packed, needs head_dim/rope_dim). Returns [T, H, D] float32.
+    """
+    head_dim = head_dim or q.shape[-1]
+    if use_triton(q):
+        from hybridkv.ops.sparse_attn import triton as kernels
+        return kernels.sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx, ratio, fmt, head_dim,
+                                         rope_dim, window, max_pos)
+    rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, fmt, head_dim, rope_dim, window)
+    return reference.sparse_attn(q, rows, index, sink, scale)

@@ -32,3 +32,46 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torc
     if t <= tile:
         return _attend(q, kv, idx, sink, scale)
     return torch.cat([_attend(q[i:i + tile], kv, idx[i:i + tile], sink, scale) for i in range(0, t, tile)])
+
+
+def decode_entries(x: torch.Tensor, fmt: str, head_dim: int, rope_dim: int) -> torch.Tensor:
+    """Pool/ring/new rows in entry format `fmt` -> float32 [rows, head_dim]."""
+    flat = x.reshape(-1, x.shape[-1])
+    if fmt == "fp8":
+        from hybridkv.cache.formats import unpack_main_fp8  # the packed layout is defined there
+        return unpack_main_fp8(flat, head_dim, rope_dim)
+    return flat.float()
+
+
+def gather_paged(batch, new_kv, ring, pool, idx=None, ratio=0, fmt="bf16", head_dim=None, rope_dim=0,
+                 window=128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a paged batch attends to, as (rows [M, D] float32, index [T, window + K]) for
+    `sparse_attn`: token t's window positions [t − window + 1, t] oldest first (−1 before position 0),
+    then its compressed entries (CSA: `idx[t]`; HCA: every j < (t+1)//ratio)."""
+    dev = batch.positions.device
+    parts = [decode_entries(new_kv, fmt, head_dim, rope_dim)]
+    off_ring = parts[0].shape[0]
+    if ring is not None:
+        parts.append(decode_entries(ring, fmt, head_dim, rope_dim))
+    off_pool = sum(p.shape[0] for p in parts)
+    if pool is not None:
+        parts.append(decode_entries(pool, fmt, head_dim, rope_dim))
+    rows = torch.cat(parts)
+    pos = batch.positions.long()
+    req = batch.token_req.long()
+    start, row0 = batch.seg_start.long()[req], batch.seg_row0.long()[req]
+    p = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=dev)
+    new_row = row0.unsqueeze(1) + p - start.unsqueeze(1)
+    ring_row = off_ring + batch.slots.long()[req].unsqueeze(1) * window + p.clamp(min=0) % window
+    win = torch.where(p >= start.unsqueeze(1), new_row, ring_row)
+    cols = [torch.where(p >= 0, win, -1)]
+    if idx is not None or ratio:
+        from hybridkv.ops.paged import entry_rows
+        per_block = batch.block_tokens // ratio
+        if idx is None:
+            n = int((pos.max() + 1) // ratio) if pos.numel() else 0
+            j = torch.arange(n, device=dev).expand(pos.shape[0], n)
+            idx = torch.where(j < ((pos + 1) // ratio).unsqueeze(1), j, -1)
+        r = entry_rows(batch, req.unsqueeze(1).expand_as(idx), idx, per_block)
+        cols.append(torch.where(r >= 0, r + off_pool, -1))
+    return rows, torch.cat(cols, dim=1)

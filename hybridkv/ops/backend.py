@@ -1,0 +1,64 @@
+"""Which implementation an op runs, and the deterministic (batch-invariant) mode.
+
+The public function of every op calls `use_triton(tensor)`: Triton kernels run on CUDA tensors
+when Triton imports, the plain-torch reference everywhere else. `HYBRIDKV_KERNELS=reference`
+forces the reference on CUDA too (for A/B runs). Tests of the kernels call the `triton` modules
+directly (on CPU under `TRITON_INTERPRET=1`).
+
+Deterministic mode (`set_deterministic(True)` or `with deterministic():`) makes a token's result
+independent of the batch it runs in: kernels use fixed split sizes and fixed reduction orders
+that depend only on the token's own work, and on CUDA the torch matmuls and row reductions the
+model uses are replaced by batch-invariant Triton kernels (`hybridkv.ops.batch_invariant`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+_DETERMINISTIC = False
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    if os.environ.get("HYBRIDKV_KERNELS", "auto") == "reference":
+        return False
+    return x.is_cuda and triton_available()
+
+
+def is_deterministic() -> bool:
+    return _DETERMINISTIC
+
+
+def set_deterministic(on: bool) -> None:
+    """Switch batch-invariant execution on or off (process-wide)."""
+    global _DETERMINISTIC
+    _DETERMINISTIC = bool(on)
+    if torch.cuda.is_available() and triton_available():
+        from hybridkv.ops import batch_invariant
+        batch_invariant.enable(on)
+
+
+@contextlib.contextmanager
+def deterministic(on: bool = True):
+    prev = _DETERMINISTIC
+    set_deterministic(on)
+    try:
+        yield
+    finally:
+        set_deterministic(prev)

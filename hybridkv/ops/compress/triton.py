@@ -1,0 +1,175 @@
+"""Triton kernel for the compressor: one program per new entry pools its L token rows (per-channel
+online softmax), applies RMSNorm and RoPE at the entry's first position, the storage round trip
+(main: e4m3 nope dims in blocks of 64 with ue8m0 scales; indexer: Hadamard + E2M1 in blocks of 32)
+and writes the entry straight into its paged pool row, packed (584-B / 68-B) or as float values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAIN_PACKED, MAIN_FLOAT, INDEX_PACKED, INDEX_FLOAT = 0, 1, 2, 3
+
+
+@triton.jit
+def _pow2_ceil_exp(amax, inv_qmax):
+    """Biased exponent of 2^ceil(log2(amax * inv_qmax)) (bit-exact with the reference's frexp form)."""
+    u = (amax * inv_qmax).to(tl.int32, bitcast=True)
+    return ((u >> 23) & 255) + ((u & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _bf16_round(x):
+    """float32 -> nearest bf16 (ties to even), kept as float32 (by hand, as the interpreter truncates)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(v):
+    """Round float32 values in [-448, 448] to the e4m3 grid, ties to even (done by hand: the Triton
+    interpreter's own float32 -> fp8 conversion mis-rounds across binade boundaries)."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / ulp + 12582912.0) - 12582912.0) * ulp
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _e2m1_round(v):
+    a = tl.abs(v)
+    y = tl.where(a < 2, a * 2, tl.where(a < 4, a, a * 0.5))
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & ((r.to(tl.int32) % 2) == 1), r - 1, r)
+    q = tl.minimum(tl.where(a < 2, r * 0.5, tl.where(a < 4, r, r * 2)), 6.0)
+    return tl.where(v < 0, -q, q)
+
+
+@triton.jit
+def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, ENT_REQ, ENT_J,
+                    eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+                    MODE: tl.constexpr,
+                    OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr):
+    e = tl.program_id(0)
+    d = tl.arange(0, D)
+    # per-channel online softmax over the L rows
+    m = tl.full([D], float("-inf"), tl.float32)
+    den = tl.zeros([D], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    base = e.to(tl.int64) * s_row_n
+    for l0 in range(0, L, ROWS):
+        rows = l0 + tl.arange(0, ROWS)
+        off = base + rows[:, None] * s_row_l + d[None, :]
+        sc = tl.load(SCORE + off)
+        kv = tl.load(KV + off)
+        m_new = tl.maximum(m, tl.max(sc, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(sc - m_safe[None, :])
+        alpha = tl.exp(m - m_safe)
+        den = den * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p * kv, 0)
+        m = m_new
+    x = acc / den
+    if OUT_BF16:
+        x = _bf16_round(x)
+    # RMSNorm
+    x = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(NORM_W + d)
+    if OUT_BF16:
+        x = _bf16_round(x)
+    # RoPE on the last ROPE dims (adjacent pairs)
+    pair = tl.arange(0, D // 2)
+    ridx = pair - (D - ROPE) // 2
+    rmask = ridx >= 0
+    cos = tl.load(COS + e.to(tl.int64) * s_cs + ridx, mask=rmask, other=1.0)
+    sin = tl.load(SIN + e.to(tl.int64) * s_cs + ridx, mask=rmask, other=0.0)
+    a, b = tl.split(tl.reshape(x, [D // 2, 2]))
+    x = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), [D])
+    if OUT_BF16:
+        x = _bf16_round(x)
+    # destination row
+    j = tl.load(ENT_J + e)
+    if PAGED:
+        blk = tl.load(BT + tl.load(ENT_REQ + e).to(tl.int64) * s_bt + j // EPB)
+        row = blk.to(tl.int64) * EPB + j % EPB
+    else:
+        row = j.to(tl.int64)
+    out = OUT + row * s_out_row
+    if MODE <= 1:
+        NOPE: tl.constexpr = D - ROPE
+        xb = tl.reshape(x, [D // 64, 64])
+        amax = tl.maximum(tl.max(tl.abs(xb), 1), 1e-4)
+        sexp = _pow2_ceil_exp(amax, 1.0 / 448.0)
+        scale = (sexp << 23).to(tl.float32, bitcast=True)
+        qv = _e4m3_round(tl.minimum(tl.maximum(xb / scale[:, None], -448.0), 448.0)).to(tl.float8e4nv)
+        deq = tl.reshape(qv.to(tl.float32) * scale[:, None], [D])
+        if MODE == 0:
+            tl.store(out + d, qv.to(tl.uint8, bitcast=True).reshape([D]), mask=d < NOPE)
+            rb = _bf16_round(x).to(tl.int32, bitcast=True) >> 16
+            r = d - NOPE
+            tl.store(out + NOPE + 2 * r, (rb & 255).to(tl.uint8), mask=r >= 0)
+            tl.store(out + NOPE + 2 * r + 1, ((rb >> 8) & 255).to(tl.uint8), mask=r >= 0)
+            blocks = tl.arange(0, D // 64)
+            tl.store(out + NOPE + 2 * ROPE + blocks, sexp.to(tl.uint8), mask=blocks < NOPE // 64)
+        else:
+            tl.store(out + d, tl.where(d < NOPE, deq, x).to(OUT.dtype.element_ty))
+    else:
+        # Hadamard rotation (scaled by D^-1/2) as a product with the ±1 matrix, then E2M1 in blocks of 32
+        xm = tl.reshape(x, [1, D]) + tl.zeros([16, D], tl.float32)
+        hm = tl.load(HAD + d[:, None] * D + d[None, :])
+        x = tl.max(tl.dot(xm, hm, input_precision=PREC), 0) * had_scale
+        if OUT_BF16:
+            x = _bf16_round(x)
+        xb = tl.reshape(x, [D // 32, 32])
+        amax = tl.maximum(tl.max(tl.abs(xb), 1), 6.0 * 1.1754943508222875e-38)
+        sexp = _pow2_ceil_exp(amax, 1.0 / 6.0)
+        scale = (sexp << 23).to(tl.float32, bitcast=True)
+        qv = _e2m1_round(tl.minimum(tl.maximum(xb / scale[:, None], -6.0), 6.0))
+        if MODE == 3:
+            tl.store(out + d, tl.reshape(qv * scale[:, None], [D]).to(OUT.dtype.element_ty))
+        else:
+            mag = tl.abs(qv)
+            code = tl.where(mag < 2, mag * 2, tl.where(mag < 4, mag + 2, mag * 0.5 + 4)).to(tl.int32)
+            code = tl.where((qv < 0) & (mag > 0), code | 8, code)
+            lo, hi = tl.split(tl.reshape(code, [D // 2, 2]))
+            tl.store(out + pair, (lo | (hi << 4)).to(tl.uint8))
+            blocks = tl.arange(0, D // 32)
+            tl.store(out + D // 2 + blocks, sexp.to(tl.uint8))
+
+
+def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor, packed: bool,
+                   ent_j: torch.Tensor, ent_req: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+                   entries_per_block: int = 1, out_bf16: bool = False) -> None:
+    """Pool, finish and write n entries. kv_rows/score_rows [n, L, d] float32; cos/sin [n, rope/2];
+    out: pool rows [num_rows, E] (flat) written at row block_tables[req, j // epb]·epb + j % epb (or j)."""
+    n, L, d = kv_rows.shape
+    if n == 0:
+        return
+    kv_rows, score_rows = kv_rows.float().contiguous(), score_rows.float().contiguous()
+    rows = 8 if L % 8 == 0 else L
+    mode = {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
+            ("index", False): INDEX_FLOAT}[(kind, packed)]
+    had = _hadamard(d, kv_rows.device) if kind == "index" else kv_rows
+    paged = block_tables is not None
+    bt = block_tables if paged else ent_j
+    req = ent_req if ent_req is not None else ent_j
+    compress_kernel[(n,)](kv_rows, score_rows, kv_rows.stride(0), kv_rows.stride(1), norm_weight.float().contiguous(),
+                          cos.float().contiguous(), sin.float().contiguous(), cos.shape[1] if cos.dim() > 1 else 0,
+                          had, out, out.stride(0), bt, bt.stride(0) if paged else 0, req, ent_j.to(torch.int32),
+                          eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
+                          EPB=entries_per_block, PAGED=paged, PREC="ieee", num_warps=4)
+
+
+_HAD: dict = {}
+
+
+def _hadamard(d: int, device) -> torch.Tensor:
+    key = (d, str(device))
+    if key not in _HAD:
+        from hybridkv.ops.hadamard.reference import _hadamard_matrix
+        _HAD[key] = _hadamard_matrix(d).to(device=device, dtype=torch.float32).contiguous()
+    return _HAD[key]

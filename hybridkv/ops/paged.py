@@ -1,0 +1,73 @@
+"""Where a batch's KV rows live, in the form the paged kernels read it (one owner: the ops layer).
+
+A flat batch of T query tokens belongs to R requests. Per request r:
+- `slots[r]`: its row in every window ring pool `[num_slots, window, E]` (ring row = pos % window),
+- `block_tables[r]`: int32 ids of its logical blocks in every compressed pool
+  `[num_blocks, entries_per_block, E]`; compressed entry j of a ratio-`ratio` layer lives in block
+  `block_tables[r, j // (block_tokens // ratio)]`, slot `j % (block_tokens // ratio)`,
+- `seg_start[r]`: position of the chunk's first token; positions before it are read from the ring,
+  positions from it on from the chunk's own rows (`new_kv`),
+- `seg_row0[r]`: the flat row of that first token.
+Per token t: `token_req[t]` (its request) and `positions[t]` (absolute position).
+
+`E` is the entry format: "bf16" (or any float dtype: elements) or "fp8" (uint8 bytes, the 584-B
+packed layout of `hybridkv.cache.formats`); indexer pools are "bf16" or "fp4" (68-B packed keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    token_req: torch.Tensor      # [T] int32
+    positions: torch.Tensor      # [T] int32
+    slots: torch.Tensor          # [R] int32
+    block_tables: torch.Tensor   # [R, max_blocks] int32
+    seg_start: torch.Tensor      # [R] int32
+    seg_row0: torch.Tensor       # [R] int32
+    block_tokens: int = 128
+
+    @classmethod
+    def build(cls, segments: list[tuple[int, int, int, list[int] | torch.Tensor]], block_tokens: int = 128,
+              device=None) -> "PagedBatch":
+        """segments: (slot, start_pos, length, block ids) per request, in row order."""
+        tok_req, pos, slots, starts, rows0, tables = [], [], [], [], [], []
+        row = 0
+        for r, (slot, start, length, blocks) in enumerate(segments):
+            if length <= 0:
+                raise ValueError("a segment needs at least one token")
+            tok_req.append(torch.full((length,), r, dtype=torch.int32))
+            pos.append(torch.arange(start, start + length, dtype=torch.int32))
+            slots.append(slot)
+            starts.append(start)
+            rows0.append(row)
+            tables.append(torch.as_tensor(blocks, dtype=torch.int32).flatten())
+            row += length
+        width = max(1, max(t.numel() for t in tables))
+        bt = torch.full((len(tables), width), -1, dtype=torch.int32)
+        for r, t in enumerate(tables):
+            bt[r, : t.numel()] = t
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(torch.cat(tok_req).to(device), torch.cat(pos).to(device), torch.tensor(slots, **i32), bt.to(device),
+                   torch.tensor(starts, **i32), torch.tensor(rows0, **i32), block_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_req.shape[0])
+
+    def to(self, device) -> "PagedBatch":
+        return PagedBatch(*(getattr(self, f).to(device) for f in
+                            ("token_req", "positions", "slots", "block_tables", "seg_start", "seg_row0")),
+                          block_tokens=self.block_tokens)
+
+
+def entry_rows(batch: PagedBatch, req: torch.Tensor, entries: torch.Tensor, per_block: int) -> torch.Tensor:
+    """Flat pool rows (block * per_block + slot) of compressed entries `entries` of requests `req`;
+    −1 where the entry is −1."""
+    e = entries.long().clamp(min=0)
+    blk = batch.block_tables.long()[req.long(), e // per_block]
+    return torch.where(entries >= 0, blk * per_block + e % per_block, -1)

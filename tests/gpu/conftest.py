@@ -1,0 +1,15 @@
+"""GPU tests: the kernels compiled for the device at V4-Flash shapes, and the deterministic mode.
+Skipped without CUDA (and under the Triton interpreter)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,126 @@
+"""Every kernel against its reference on the GPU at V4-Flash shapes: 64 heads × 512 (rope 64),
+indexer 64 × 128, top-512, window 128, 584-B fp8 and 68-B FP4 entries; bf16 inputs."""
+
+import pytest
+import torch
+
+from hybridkv.cache.formats import pack_index_fp4, pack_main_fp8, unpack_index_fp4, unpack_main_fp8
+from hybridkv.ops.compress import triton as compress_k
+from hybridkv.ops.compress.reference import finish_entries, softmax_pool
+from hybridkv.ops.hadamard import hadamard_transform
+from hybridkv.ops.indexer_topk import reference as idx_ref
+from hybridkv.ops.indexer_topk import triton as idx_k
+from hybridkv.ops.mhc import reference as mhc_ref
+from hybridkv.ops.mhc import triton as mhc_k
+from hybridkv.ops.paged import PagedBatch, entry_rows
+from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
+from hybridkv.ops.rope import rope_freqs, yarn_inv_freq
+from hybridkv.ops.sparse_attn import reference as attn_ref
+from hybridkv.ops.sparse_attn import triton as attn_k
+from hybridkv.ops.sparse_attn.reference import gather_paged
+
+DEV = "cuda"
+H, D, ROPE, HI, DI, TOPK, W = 64, 512, 64, 64, 128, 512, 128
+
+
+def rel_rms(ref, out):
+    ref, out = ref.double(), out.double()
+    assert torch.isfinite(out).all()
+    return float((ref - out).square().mean().sqrt() / ref.square().mean().sqrt())
+
+
+def main_entries(n, fmt):
+    x = torch.randn(n, D, device=DEV)
+    x = torch.cat([fp8_round_trip(x[:, :-ROPE], 64), x[:, -ROPE:]], 1).bfloat16()
+    return pack_main_fp8(x.float(), ROPE) if fmt == "fp8" else x
+
+
+def batch_for(segments, block_tokens=128):
+    """segments: (start_pos, length); blocks handed out in a shuffled order."""
+    need = [(s + n + block_tokens - 1) // block_tokens for s, n in segments]
+    perm = torch.randperm(sum(need)).tolist()
+    items, a = [], 0
+    for r, ((s, n), k) in enumerate(zip(segments, need)):
+        items.append((r, s, n, perm[a:a + k]))
+        a += k
+    return PagedBatch.build(items, block_tokens, DEV), sum(need)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("case", ["csa-decode", "hca-decode", "csa-prefill"])
+def test_sparse_attn(fmt, case):
+    ctx = 65536
+    segs = {"csa-decode": [(ctx - 1 - 7 * i, 1) for i in range(8)], "hca-decode": [(4 * ctx - 1, 1), (ctx + 5, 1)],
+            "csa-prefill": [(ctx, 512)]}[case]
+    ratio = 128 if case.startswith("hca") else 4
+    batch, nblk = batch_for(segs)
+    t = batch.num_tokens
+    q = torch.randn(t, H, D, device=DEV).bfloat16()
+    new_kv, ring = main_entries(t, fmt), main_entries(len(segs) * W, fmt).view(len(segs), W, -1)
+    pool = main_entries(nblk * 128 // ratio, fmt).view(nblk, 128 // ratio, -1)
+    idx = None
+    if ratio == 4:
+        vis = (batch.positions.long() + 1) // 4
+        idx = (torch.rand(t, TOPK, device=DEV) * vis.unsqueeze(1)).long()
+        idx[:, -3:] = -1
+    sink = torch.randn(H, device=DEV)
+    kw = dict(fmt=fmt, head_dim=D, rope_dim=ROPE, window=W)
+    out = attn_k.sparse_attn_paged(q, sink, D ** -0.5, batch, new_kv, ring, pool, idx, ratio if idx is None else 4,
+                                   **kw)
+    rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio if idx is None else 4, **kw)
+    ref = attn_ref.sparse_attn(q.float(), rows, index, sink, D ** -0.5)
+    assert rel_rms(ref, out) <= 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_indexer_topk(fmt, case):
+    segs = [(65535 - 1000 * i, 1) for i in range(4)] if case == "decode" else [(32768, 256)]
+    batch, nblk = batch_for(segs)
+    t = batch.num_tokens
+    q = fp4_round_trip(hadamard_transform(torch.randn(t, HI, DI, device=DEV)), 32).bfloat16()
+    w = torch.randn(t, HI, device=DEV) * HI ** -0.5
+    keys = fp4_round_trip(hadamard_transform(torch.randn(nblk * 32, DI, device=DEV)), 32)
+    pool = (pack_index_fp4(keys) if fmt == "fp4" else keys.bfloat16()).view(nblk, 32, -1)
+    idx = idx_k.indexer_topk_paged(q, w, batch, pool, TOPK, 4, fmt, DI).long()
+    vis = (batch.positions.long() + 1) // 4
+    n = int(vis.max())
+    for tok in range(0, t, max(1, t // 16)):
+        cols = torch.arange(n, device=DEV)
+        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, 32)
+        s = idx_ref.index_scores(q[tok:tok + 1].float(), w[tok:tok + 1], keys[rows])[0, : int(vis[tok])]
+        sel = idx[tok][idx[tok] >= 0]
+        assert sel.numel() == min(TOPK, int(vis[tok])) and sel.unique().numel() == sel.numel()
+        got = s[sel].sort(descending=True).values
+        want = s.topk(sel.numel()).values
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind,L", [("main", 8), ("main", 128), ("index", 8)])
+def test_compress(kind, L):
+    n = 4096 if L == 8 else 256
+    d = D if kind == "main" else DI
+    kv, score = torch.randn(n, L, d, device=DEV), torch.randn(n, L, d, device=DEV)
+    w = 1 + 0.1 * torch.randn(d, device=DEV)
+    j = torch.arange(n, device=DEV)
+    freqs = rope_freqs(j * L, yarn_inv_freq(ROPE, 160000.0, 16, 65536, 32, 1).to(DEV))
+    ref = finish_entries(softmax_pool(kv, score), w, 1e-6, freqs, kind, torch.bfloat16).float()
+    ebytes = 584 if kind == "main" else 68
+    out = torch.zeros(n, ebytes, dtype=torch.uint8, device=DEV)
+    compress_k.compress_write(kv, score, w, 1e-6, freqs.real, freqs.imag, kind, out, True,
+                              j.to(torch.int32), out_bf16=True)
+    got = unpack_main_fp8(out, D, ROPE) if kind == "main" else unpack_index_fp4(out, DI)
+    assert rel_rms(ref, got) <= 1e-2
+
+
+def test_mhc():
+    t, hc, dim = 64, 4, 4096
+    x = torch.randn(t, hc, dim, device=DEV).bfloat16()
+    fn = torch.randn(24, hc * dim, device=DEV) * 0.01
+    scale, base = torch.rand(3, device=DEV) + 0.5, torch.randn(24, device=DEV) * 0.1
+    mixes = x.flatten(1).float() @ fn.T
+    y_ref, post_ref, comb_ref = mhc_ref.mhc_pre(x, mixes, scale, base, 20, 1e-6, 1e-6)
+    y, post, comb = mhc_k.mhc_pre(x, mixes, scale, base, 20, 1e-6, 1e-6)
+    assert rel_rms(y_ref.float(), y.float()) <= 1e-2 and rel_rms(comb_ref, comb) <= 1e-4
+    f = torch.randn(t, dim, device=DEV).bfloat16()
+    assert rel_rms(mhc_ref.mhc_post(f, x, post_ref, comb_ref).float(), mhc_k.mhc_post(f, x, post, comb).float()) <= 1e-2

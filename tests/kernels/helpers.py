@@ -1,0 +1,38 @@
+"""Shared pieces of the kernel tests: the error measure and a random paged batch."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.cache.formats import pack_main_fp8
+from hybridkv.ops.paged import PagedBatch
+from hybridkv.ops.quant import fp8_round_trip
+
+
+def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((ref - out).square().mean().sqrt() / ref.square().mean().sqrt().clamp(min=1e-30))
+
+
+def random_entries(n: int, head_dim: int, rope_dim: int, fmt: str, gen: torch.Generator) -> torch.Tensor:
+    """n entries already on the storage grid: float32 rows for "bf16" (kept fp32 for the interpreter),
+    packed uint8 rows for "fp8"."""
+    x = torch.randn(n, head_dim, generator=gen)
+    if fmt != "fp8":
+        return x
+    x = torch.cat([fp8_round_trip(x[:, : head_dim - rope_dim], 64), x[:, head_dim - rope_dim:].bfloat16().float()], 1)
+    return pack_main_fp8(x, rope_dim)
+
+
+def random_batch(segments: list[tuple[int, int]], num_blocks: int, block_tokens: int, num_slots: int,
+                 gen: torch.Generator, device="cpu") -> PagedBatch:
+    """segments: (start_pos, length) per request; each gets a distinct ring slot and random blocks."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    slots = torch.randperm(num_slots, generator=gen).tolist()
+    items = []
+    for r, (start, length) in enumerate(segments):
+        need = (start + length + block_tokens - 1) // block_tokens
+        blocks, perm = perm[:need], perm[need:]
+        items.append((slots[r], start, length, blocks))
+    return PagedBatch.build(items, block_tokens=block_tokens, device=device)
