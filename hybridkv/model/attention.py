@@ -15,7 +15,7 @@ from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm, rms_normalize
 from hybridkv.model.state import DecodeKV, ForwardBatch, Segment
 from hybridkv.ops.quant import fp8_round_trip
-from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
+from hybridkv.ops.rope import apply_rope, yarn_inv_freq
 from hybridkv.ops.sparse_attn import sparse_attn
 
 
@@ -47,11 +47,12 @@ class Attention(nn.Module):
         self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype) if self.ratio else None
         self.indexer = Indexer(c, self.ratio, fmt, dtype) if self.ratio == 4 else None
         self.kv_pow2 = c.kv_pow2_scales
+        self.rope_key = ("compressed" if self.ratio else "window", c.qk_rope_head_dim)
         self.register_buffer("inv_freq", layer_inv_freq(c, self.ratio), persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, dim] (the whole flat batch) -> [T, dim]."""
-        freqs = rope_freqs(batch.positions, self.inv_freq)
+        freqs = batch.rope(self.inv_freq, key=self.rope_key)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope((q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype),

@@ -63,9 +63,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "float":
-            return F.linear(x.to(self.weight.dtype), self.weight).to(self.compute_dtype)
+            w = self.weight
+            y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w)
+            return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)
         x = act_quant_sim(x, self.act_block)
-        return F.linear(x.to(self.compute_dtype), self.dense_weight())
+        return F.linear(x if x.dtype == self.compute_dtype else x.to(self.compute_dtype), self.dense_weight())
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"

@@ -212,6 +212,15 @@ class ForwardBatch:
     segments: list[Segment]
     positions: torch.Tensor = field(default=None)  # [T] absolute position of every row
     decode: DecodeGroup | None = None               # rows outside `segments` run batched
+    _rope: dict = field(default_factory=dict, repr=False)
+
+    def rope(self, inv_freq: torch.Tensor, key: object) -> torch.Tensor:
+        """Rotations of every row for one inverse-frequency table (layers with equal tables pass the
+        same key), computed once per forward."""
+        if key not in self._rope:
+            from hybridkv.ops.rope import rope_freqs
+            self._rope[key] = rope_freqs(self.positions, inv_freq)
+        return self._rope[key]
 
     @classmethod
     def build(cls, items: list[tuple[SequenceKV, int, int]], device=None,
