@@ -1,0 +1,31 @@
+"""Scores as the benchmarks define them.
+
+RULER: case-insensitive substring match. `string_match_all` (every task but qa) is the fraction of
+the references present in the output; `string_match_part` (qa) is 1 if any reference is present.
+MRCR: 0 unless the output starts with the random prefix; otherwise the difflib SequenceMatcher ratio
+of the output (prefix removed) against the expected answer (prefix removed).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+def string_match_all(output: str, references: list[str]) -> float:
+    out = output.lower()
+    return sum(r.lower() in out for r in references) / len(references) if references else 0.0
+
+
+def string_match_part(output: str, references: list[str]) -> float:
+    out = output.lower()
+    return float(any(r.lower() in out for r in references))
+
+
+def mrcr_score(output: str, answer: str, prefix: str) -> float:
+    if not output.startswith(prefix):
+        return 0.0
+    expected = answer[len(prefix):] if answer.startswith(prefix) else answer
+    return difflib.SequenceMatcher(None, output[len(prefix):], expected).ratio()
+
+
+SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
