@@ -4,7 +4,8 @@ Bytes are reported per tier and per kind, in three states:
 - `active`: held by requests now (their blocks, and the window/compressor state of their slots);
 - `cached`: kept for prefix hits and free to be reused (cached blocks nobody holds, window-state
   snapshots);
-- `capacity`: what the tier has allocated for the kind.
+- `capacity`: what the tier has allocated for the kind (window-state snapshots are allocated on
+  demand, up to the engine's `snapshot_bytes` budget, reported as `snapshot_budget`).
 
 The device tier is read from the engine's paged store. Other tiers plug in through an optional
 `engine.tier_usage()` returning the same shape ({tier: {kind: {"active", "cached", "capacity"}}}),
@@ -37,7 +38,7 @@ def device_tier(engine: EngineCore) -> dict[str, dict[str, int]]:
         if capacity.get(kind):
             out[kind] = {"active": used_slots * per_slot[kind], "cached": 0, "capacity": capacity[kind]}
     snaps = engine.prefix.snapshots
-    out[SNAPSHOT_KIND] = {"active": 0, "cached": snaps.nbytes, "capacity": snaps.capacity}
+    out[SNAPSHOT_KIND] = {"active": 0, "cached": snaps.nbytes, "capacity": snaps.nbytes}   # allocated on demand
     return out
 
 
@@ -56,6 +57,7 @@ def memory_snapshot(engine: EngineCore) -> dict:
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
         "preemptions": sched.num_preemptions,
         "slots": {"total": engine.store.max_slots, "free": engine.store.num_free_slots},
+        "snapshot_budget": engine.prefix.snapshots.capacity,
         "window_policy": str(engine.policy),
         "kv_format": engine.store.fmt,
         "prefix_caching": engine.prefix.enabled,
