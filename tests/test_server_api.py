@@ -211,3 +211,20 @@ def test_engine_failure_fails_only_that_request(live_server, client):
     assert httpx.get(live_server.url + "/health").status_code == 200
     live_server.wait_idle()
     live_server.engine.store.pool.check()
+
+
+def test_non_streaming_disconnect_aborts(live_server):
+    body = {"messages": [{"role": "user", "content": "long answer please"}], "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    live_server.wait_idle(timeout=5)
+    live_server.engine.store.pool.check()
+
+
+def test_streamed_text_never_splits_a_character(live_server, client):
+    live_server.script("UTFTEST", "温泉 ok ü")
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "UTFTEST"}],
+                                                 max_tokens=30, stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == "温泉 ok ü" and not any("\ufffd" in p for p in pieces)
+    assert len(live_server.server.tokenizer.encode("温")) > 1      # the character really spans several tokens

@@ -133,19 +133,29 @@ class EngineDriver:
 
     # ----- engine thread -----
     def _run(self) -> None:
-        while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            try:
-                cmd = self._cmds.get_nowait() if busy else self._cmds.get(timeout=self.snapshot_interval)
-                while True:
-                    self._command(cmd)
-                    cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                pass
-            if self.engine.has_unfinished():
-                self._step()
-            self._publish()
-        self.alive = False
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iteration()
+                except Exception as e:  # noqa: BLE001 - a bug in one request's bookkeeping fails that step only
+                    log.exception("engine loop iteration failed")
+                    self.steps_failed += 1
+                    self._fail_running(f"internal server error ({type(e).__name__}: {e}); the request was aborted")
+        finally:
+            self.alive = False
+
+    def _iteration(self) -> None:
+        busy = self.engine.has_unfinished()
+        try:
+            cmd = self._cmds.get_nowait() if busy else self._cmds.get(timeout=self.snapshot_interval)
+            while True:
+                self._command(cmd)
+                cmd = self._cmds.get_nowait()
+        except queue.Empty:
+            pass
+        if self.engine.has_unfinished():
+            self._step()
+        self._publish()
 
     def _command(self, cmd: tuple) -> None:
         kind = cmd[0]
