@@ -72,7 +72,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, cid: int,
         error = f"{type(e).__name__}: {e}"
     if error or usage is None:
         return {"error": error or "no usage in the stream"}
-    return {"ttft": stamps[0] - t0 if stamps else None, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"ttft": stamps[0] - t0 if stamps else None, "itl": gaps,
             "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
             "cached": usage["prompt_tokens_details"]["cached_tokens"], "latency": time.perf_counter() - t0}
 

@@ -112,14 +112,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     api_key = a.api_key or os.environ.get("HYBRIDKV_API_KEY") or None
     if a.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {a.host} without an API key (--api-key or HYBRIDKV_API_KEY)", file=sys.stderr)
-    server = build_server(a.model_dir, tokenizer_path=a.tokenizer, device=a.device, served_model_name=a.served_model_name,
-                          api_key=api_key, prefix_cache=a.prefix_cache, max_concurrency=a.max_concurrency,
+    server = build_server(a.model_dir, tokenizer_path=a.tokenizer, device=a.device,
+                          served_model_name=a.served_model_name, api_key=api_key, prefix_cache=a.prefix_cache,
+                          max_concurrency=a.max_concurrency,
                           num_blocks=a.num_blocks, kv_format=a.kv_format, max_batched_tokens=a.max_batched_tokens,
                           max_model_len=a.max_model_len, max_queued=a.max_queued, max_body_bytes=a.max_body_bytes,
                           max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
                           default_thinking=a.thinking)
-    print(f"serving {server.config.model_name} on http://{a.host}:{a.port} (web page at /, metrics at /metrics)",
-          file=sys.stderr)
+    print(f"serving {server.config.model_name} on http://{a.host}:{a.port} "
+          f"(web page at /, metrics at /metrics)", file=sys.stderr)
     run(server, a.host, a.port, a.log_level)
     return 0
 

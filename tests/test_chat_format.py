@@ -46,7 +46,8 @@ def test_tool_results_follow_call_order_and_join_user_text():
     calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
              {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "b", "content": "B"}, {"role": "tool", "tool_call_id": "a", "content": "A"},
+            {"role": "tool", "tool_call_id": "b", "content": "B"},
+            {"role": "tool", "tool_call_id": "a", "content": "A"},
             {"role": "user", "content": "more"}]
     out = encode_messages(msgs, "chat")
     assert out.endswith("<｜User｜><tool_result>A</tool_result>\n\n<tool_result>B</tool_result>\n\nmore"
@@ -108,7 +109,7 @@ def test_reply_parser_keeps_malformed_block_as_content():
     p = ReplyParser(thinking=False, tools=True)
     text = "Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nbroken"
     pieces_of(p, text, 2)
-    assert not p.reply.tool_calls and p.reply.content == "Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\nbroken"
+    assert not p.reply.tool_calls and p.reply.content == text
 
 
 def test_reply_parser_without_tools_or_thinking_passes_text_through():

@@ -41,7 +41,8 @@ def thinking_of(req: ChatRequest, default: bool) -> tuple[bool, str | None, bool
             explicit = _flag(kw[key], f"chat_template_kwargs.{key}")
     if "thinking_mode" in kw:
         if kw["thinking_mode"] not in ("chat", "thinking"):
-            raise bad("chat_template_kwargs.thinking_mode must be 'chat' or 'thinking'", "chat_template_kwargs.thinking_mode")
+            raise bad("chat_template_kwargs.thinking_mode must be 'chat' or 'thinking'",
+                      "chat_template_kwargs.thinking_mode")
         explicit = kw["thinking_mode"] == "thinking"
     effort = req.reasoning_effort or kw.get("reasoning_effort")
     if effort is not None and effort not in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
@@ -99,7 +100,7 @@ def tool_call_objects(calls: list[ToolCall], streaming: bool) -> list[dict]:
 
 def token_logprobs(token_texts, logprobs, top) -> list[dict]:
     out = []
-    for i, (t, lp) in enumerate(zip(token_texts, logprobs)):
+    for i, (t, lp) in enumerate(zip(token_texts, logprobs, strict=True)):
         entry = {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
         if top:
             entry["top_logprobs"] = [{"token": tt, "logprob": tlp, "bytes": list(tt.encode("utf-8"))}

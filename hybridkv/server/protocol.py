@@ -140,7 +140,8 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     out = []
     for j, c in enumerate(calls):
         p = f"{param}[{j}]"
-        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
+        if (not isinstance(c, dict) or c.get("type", "function") != "function"
+                or not isinstance(c.get("function"), dict)):
             raise bad(f"'{p}' must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", p)
         fn = c["function"]
         if not isinstance(fn.get("name"), str) or not _NAME.match(fn["name"]):
