@@ -104,6 +104,27 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from hybridkv.server.serve import build_server, run
+
+    api_key = a.api_key or os.environ.get("HYBRIDKV_API_KEY") or None
+    if a.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"warning: serving on {a.host} without an API key (--api-key or HYBRIDKV_API_KEY)", file=sys.stderr)
+    server = build_server(a.model_dir, tokenizer_path=a.tokenizer, device=a.device,
+                          served_model_name=a.served_model_name, api_key=api_key, prefix_cache=a.prefix_cache,
+                          max_concurrency=a.max_concurrency,
+                          num_blocks=a.num_blocks, kv_format=a.kv_format, max_batched_tokens=a.max_batched_tokens,
+                          max_model_len=a.max_model_len, max_queued=a.max_queued, max_body_bytes=a.max_body_bytes,
+                          max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
+                          default_thinking=a.thinking)
+    print(f"serving {server.config.model_name} on http://{a.host}:{a.port} "
+          f"(web page at /, metrics at /metrics)", file=sys.stderr)
+    run(server, a.host, a.port, a.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridkv", description="DeepSeek-V4-family models and their KV memory system")
     sub = p.add_subparsers(dest="command", required=True)
@@ -136,6 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server with the V4 chat format, metrics and a web page")
+    s.add_argument("model_dir")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set HYBRIDKV_API_KEY)")
+    s.add_argument("--prefix-cache", default="full", help="off | full | checkpoint(N) | zero (window policy)")
+    s.add_argument("--max-concurrency", type=int, default=16, help="requests running at once")
+    s.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those before 429")
+    s.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: what the engine can hold")
+    s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: context)")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: MODEL_DIR/tokenizer.json)")
+    s.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    s.add_argument("--thinking", action="store_true", help="thinking mode unless a request says otherwise")
+    s.add_argument("--kv-format", choices=["native", "bf16", "fp8"], default="native")
+    s.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 128 positions")
+    s.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")
     d.add_argument("--model", default=None, help="model directory (default: the shipped model)")

@@ -1,0 +1,274 @@
+"""The engine thread: the only code that touches the EngineCore while the server runs.
+
+Request handlers (asyncio) talk to it through a command queue (add, abort); the thread admits
+commands between steps, runs `step()`, and hands each request's outputs to that request's asyncio
+queue. Text is released only when it is final: a trailing partial UTF-8 character and a possible
+beginning of a stop string are held back, and the end-of-sentence marker is dropped. An exception
+inside a step fails the requests of that step (their blocks are freed) and the loop goes on.
+The thread also publishes a snapshot of the memory system for /metrics and the web page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from hybridkv.engine.core import EngineCore, Event
+from hybridkv.engine.sampling import SamplingParams
+from hybridkv.engine.sequence import Sequence
+from hybridkv.errors import RequestError
+from hybridkv.server.memory import memory_snapshot
+
+log = logging.getLogger("hybridkv.server")
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while serving a request (the request is aborted; the server goes on)."""
+
+
+@dataclass
+class Output:
+    """What one engine step produced for one request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)       # only when logprobs were asked for
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestHandle:
+    """The asyncio side of one request: iterate over its outputs."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, loop: asyncio.AbstractEventLoop):
+        self.request_id, self.prompt_tokens, self.loop = request_id, prompt_tokens, loop
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Output:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        self.finished = out.finished
+        return out
+
+
+@dataclass
+class _Live:
+    handle: RequestHandle
+    seq: Sequence
+    arrival: float
+    want_tokens: bool
+    sent: int = 0
+    first_time: float | None = None
+    last_time: float | None = None
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that could start one of the stop strings."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class EngineDriver:
+    def __init__(self, engine: EngineCore, metrics=None, eos_text: str | None = None,
+                 snapshot_interval: float = 0.2):
+        self.engine, self.metrics, self.eos_text = engine, metrics, eos_text
+        self.snapshot_interval = snapshot_interval
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._preemptions = 0
+        self._last_snapshot = 0.0
+        self.snapshot: dict = memory_snapshot(engine)
+        self.steps_failed = 0
+        self.alive = False
+
+    # ----- asyncio side -----
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout)
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, want_tokens: bool = False) -> RequestHandle:
+        """Queue a request; raises RequestError when the engine refuses it."""
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(f"req-{uuid.uuid4().hex}", len(prompt_ids), loop)
+        accepted = loop.create_future()
+        self._cmds.put(("add", handle, prompt_ids, params, want_tokens, accepted, time.perf_counter()))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(handle.request_id)
+            raise
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (at the next step boundary)."""
+        self._cmds.put(("abort", request_id))
+
+    # ----- engine thread -----
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iteration()
+                except Exception as e:  # noqa: BLE001 - a bug in one request's bookkeeping fails that step only
+                    log.exception("engine loop iteration failed")
+                    self.steps_failed += 1
+                    self._fail_running(f"internal server error ({type(e).__name__}: {e}); the request was aborted")
+        finally:
+            self.alive = False
+
+    def _iteration(self) -> None:
+        busy = self.engine.has_unfinished()
+        try:
+            cmd = self._cmds.get_nowait() if busy else self._cmds.get(timeout=self.snapshot_interval)
+            while True:
+                self._command(cmd)
+                cmd = self._cmds.get_nowait()
+        except queue.Empty:
+            pass
+        if self.engine.has_unfinished():
+            self._step()
+        self._publish()
+
+    def _command(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, handle, ids, params, want_tokens, accepted, arrival = cmd
+            try:
+                seq = self.engine.add_request(ids, params, handle.request_id)
+            except RequestError as e:
+                self._resolve(accepted, e)
+                return
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine thread
+                log.exception("engine refused a request")
+                self._resolve(accepted, EngineFailure(f"the engine could not take the request: {e}"))
+                return
+            self._live[handle.request_id] = _Live(handle, seq, arrival, want_tokens)
+            self._resolve(accepted, None)
+        elif kind == "abort":
+            live = self._live.pop(cmd[1], None)
+            if live is not None:
+                try:
+                    self.engine.abort(cmd[1])
+                except Exception:  # noqa: BLE001
+                    log.exception("abort failed for %s", cmd[1])
+                if self.metrics is not None:
+                    self.metrics.finished(live, "abort", time.perf_counter())
+                self._send(live, Output(finished=True, finish_reason="abort", prompt_tokens=len(live.seq.prompt_ids),
+                                        completion_tokens=len(live.seq.output_ids)))
+                self._publish(force=True)
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future, error: Exception | None) -> None:
+        def done():
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(None)
+        fut.get_loop().call_soon_threadsafe(done)
+
+    @staticmethod
+    def _send(live: _Live, out: Output) -> None:
+        live.handle.loop.call_soon_threadsafe(live.handle.queue.put_nowait, out)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("engine step failed")
+            self.steps_failed += 1
+            self._fail_running(f"internal engine error ({type(e).__name__}: {e}); the request was aborted")
+            return
+        n = self.engine.scheduler.num_preemptions
+        if self.metrics is not None and n > self._preemptions:
+            self.metrics.preemptions.inc(n - self._preemptions)
+        self._preemptions = n
+        for ev in events:
+            live = self._live.get(ev.request_id)
+            if live is not None:
+                self._deliver(live, ev)
+        if any(ev.finished for ev in events):
+            self._publish(force=True)
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.engine.scheduler.running):
+            live = self._live.pop(seq.request_id, None)
+            try:
+                self.engine.abort(seq.request_id)
+            except Exception:  # noqa: BLE001
+                log.exception("abort after a failed step failed for %s", seq.request_id)
+            if live is not None:
+                if self.metrics is not None:
+                    self.metrics.finished(live, "error", time.perf_counter())
+                self._send(live, Output(finished=True, finish_reason="error", error=message,
+                                        prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids)))
+
+    def _deliver(self, live: _Live, ev: Event) -> None:
+        seq, now = live.seq, time.perf_counter()
+        text = seq.text
+        if ev.finished:
+            if ev.finish_reason == "stop" and self.eos_text and text.endswith(self.eos_text):
+                text = text[:-len(self.eos_text)]
+            end = len(text)
+        else:
+            end = len(text)
+            while end > live.sent and text[end - 1] == "\ufffd":   # an incomplete UTF-8 character
+                end -= 1
+            if seq.params.stop:
+                end = min(end, len(text) - _partial_stop(text, seq.params.stop))
+        new = text[live.sent:end] if end > live.sent else ""
+        live.sent += len(new)
+        out = Output(new, [ev.token_id] if ev.token_id is not None else [], finished=ev.finished,
+                     finish_reason=ev.finish_reason, prompt_tokens=len(seq.prompt_ids),
+                     cached_tokens=seq.num_cached_tokens, completion_tokens=len(seq.output_ids))
+        if ev.token_id is not None:
+            out.logprobs = [seq.logprobs[-1]]
+            if live.want_tokens:
+                tok = self.engine.tokenizer
+                out.token_texts = [tok.decode([ev.token_id]) if tok else str(ev.token_id)]
+                if seq.params.logprobs:
+                    out.top_logprobs = [[(tok.decode([i]) if tok else str(i), lp) for i, lp in seq.top_logprobs[-1]]]
+        if self.metrics is not None:
+            self.metrics.token(live, now)
+        live.last_time = now
+        if live.first_time is None:
+            live.first_time = now
+        if ev.finished:
+            self._live.pop(seq.request_id, None)
+            if self.metrics is not None:
+                self.metrics.finished(live, ev.finish_reason or "stop", now)
+        self._send(live, out)
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._last_snapshot >= self.snapshot_interval:
+            try:
+                self.snapshot = memory_snapshot(self.engine)
+            except Exception:  # noqa: BLE001 - a stats failure must not stop serving
+                log.exception("memory snapshot failed")
+            self._last_snapshot = now

@@ -1,0 +1,64 @@
+"""A snapshot of the memory system for /metrics, /stats and the web page.
+
+Bytes are reported per tier and per kind, in three states:
+- `active`: held by requests now (their blocks, and the window/compressor state of their slots);
+- `cached`: kept for prefix hits and free to be reused (cached blocks nobody holds, window-state
+  snapshots);
+- `capacity`: what the tier has allocated for the kind (window-state snapshots are allocated on
+  demand, up to the engine's `snapshot_bytes` budget, reported as `snapshot_budget`).
+
+The device tier is read from the engine's paged store. Other tiers plug in through an optional
+`engine.tier_usage()` returning the same shape ({tier: {kind: {"active", "cached", "capacity"}}}),
+so a DRAM or disk tier shows up in the metrics and on the page without changes here.
+"""
+
+from __future__ import annotations
+
+from hybridkv.engine.core import EngineCore
+
+PAGED_KINDS = ("CSA main", "CSA indexer", "HCA")
+SLOT_KINDS = ("window", "compressor state")
+SNAPSHOT_KIND = "window snapshots"
+
+
+def device_tier(engine: EngineCore) -> dict[str, dict[str, int]]:
+    store, pool = engine.store, engine.store.pool
+    capacity = store.nbytes_by_kind()
+    per_block = store.block_bytes()
+    per_slot = {"window": sum(r[0].nbytes for r in store.ring),
+                "compressor state": sum(a[0].nbytes + b[0].nbytes for s in store.states for a, b in s.values())}
+    used_slots = store.max_slots - store.num_free_slots
+    cached_free = sum(1 for b in pool.blocks if b.ref_count == 0 and b.hash is not None)
+    out = {}
+    for kind in PAGED_KINDS:
+        if capacity.get(kind):
+            out[kind] = {"active": pool.num_used * per_block[kind], "cached": cached_free * per_block[kind],
+                         "capacity": capacity[kind]}
+    for kind in SLOT_KINDS:
+        if capacity.get(kind):
+            out[kind] = {"active": used_slots * per_slot[kind], "cached": 0, "capacity": capacity[kind]}
+    snaps = engine.prefix.snapshots
+    out[SNAPSHOT_KIND] = {"active": 0, "cached": snaps.nbytes, "capacity": snaps.nbytes}   # allocated on demand
+    return out
+
+
+def memory_snapshot(engine: EngineCore) -> dict:
+    pool, sched = engine.store.pool, engine.scheduler
+    tiers = {"device": device_tier(engine)}
+    extra = getattr(engine, "tier_usage", None)
+    if callable(extra):
+        tiers.update(extra())
+    return {
+        "tiers": tiers,
+        "blocks": {"total": pool.num_blocks, "active": pool.num_used,
+                   "cached": sum(1 for b in pool.blocks if b.ref_count == 0 and b.hash is not None),
+                   "block_tokens": engine.store.block_tokens, "evictions": pool.evictions},
+        "kv_usage": pool.num_used / pool.num_blocks,
+        "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
+        "preemptions": sched.num_preemptions,
+        "slots": {"total": engine.store.max_slots, "free": engine.store.num_free_slots},
+        "snapshot_budget": engine.prefix.snapshots.capacity,
+        "window_policy": str(engine.policy),
+        "kv_format": engine.store.fmt,
+        "prefix_caching": engine.prefix.enabled,
+    }

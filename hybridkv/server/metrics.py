@@ -1,0 +1,127 @@
+"""Prometheus metrics. Where vLLM has a counterpart the name is vLLM's (`vllm:...`, label
+`model_name`), so dashboards and autoscalers written for vLLM read them unchanged; the memory
+system's own series are `hybridkv:...` with `tier` and `kind` labels.
+
+Counters and histograms are updated by the engine thread as tokens come out; gauges are read
+from the driver's latest memory snapshot when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+disable_created_metrics()   # no *_created series (vLLM's exporter has none either)
+
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+class _SnapshotCollector:
+    def __init__(self, metrics: "Metrics"):
+        self.m = metrics
+
+    def collect(self):
+        snap = self.m.snapshot_source() if self.m.snapshot_source else None
+        if not snap:
+            return
+        name = self.m.model_name
+
+        def gauge(metric, doc, value, labels=(), values=()):
+            g = GaugeMetricFamily(metric, doc, labels=["model_name", *labels])
+            g.add_metric([name, *values], value)
+            return g
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", snap["requests"]["running"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap["requests"]["waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", snap["kv_usage"])
+        used = GaugeMetricFamily("hybridkv:kv_cache_bytes",
+                                 "KV bytes by tier and kind; state active = held by requests, cached = kept for "
+                                 "prefix hits.", labels=["model_name", "tier", "kind", "state"])
+        cap = GaugeMetricFamily("hybridkv:kv_cache_capacity_bytes", "KV bytes allocated, by tier and kind.",
+                                labels=["model_name", "tier", "kind"])
+        for tier, kinds in snap["tiers"].items():
+            for kind, v in kinds.items():
+                used.add_metric([name, tier, kind, "active"], v["active"])
+                used.add_metric([name, tier, kind, "cached"], v["cached"])
+                cap.add_metric([name, tier, kind], v["capacity"])
+        yield used
+        yield cap
+        b = snap["blocks"]
+        blocks = GaugeMetricFamily("hybridkv:kv_blocks", "KV blocks of the device pool by state.",
+                                   labels=["model_name", "state"])
+        blocks.add_metric([name, "active"], b["active"])
+        blocks.add_metric([name, "cached"], b["cached"])
+        blocks.add_metric([name, "free"], b["total"] - b["active"])
+        yield blocks
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.snapshot_source = None            # () -> dict, set by the app
+        r, labels = self.registry, ["model_name"]
+
+        def counter(n, doc, extra=()):
+            return Counter(n, doc, [*labels, *extra], registry=r)
+
+        def hist(n, doc, buckets):
+            return Histogram(n, doc, labels, buckets=buckets, registry=r)
+
+        self._prompt = counter("vllm:prompt_tokens", "Prompt tokens processed (cached or computed).")
+        self._cached = counter("vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
+        self._generation = counter("vllm:generation_tokens", "Tokens generated.")
+        self._pc_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self._pc_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._preempt = counter("vllm:num_preemptions", "Requests preempted (their KV freed and recomputed later).")
+        self._success = counter("vllm:request_success", "Requests finished, by reason.", ["finished_reason"])
+        self._rejected = counter("hybridkv:requests_rejected", "Requests answered with an error before running, "
+                                 "by HTTP status.", ["status"])
+        self._ttft = hist("vllm:time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self._itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                         ITL_BUCKETS)
+        self._e2e = hist("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self.registry.register(_SnapshotCollector(self))
+        for reason in ("stop", "length", "abort", "error"):
+            self._success.labels(model_name, reason)
+        self.preemptions = self._preempt.labels(model_name)
+        self._totals = dict.fromkeys(("prompt_tokens", "cached_prompt_tokens", "generation_tokens", "requests"), 0)
+
+    # ----- called by the engine thread -----
+    def token(self, live, now: float) -> None:
+        n = self.model_name
+        self._generation.labels(n).inc()
+        self._totals["generation_tokens"] += 1
+        if live.first_time is None:
+            seq = live.seq
+            self._totals["prompt_tokens"] += len(seq.prompt_ids)
+            self._totals["cached_prompt_tokens"] += seq.num_cached_tokens
+            self._ttft.labels(n).observe(now - live.arrival)
+            self._prompt.labels(n).inc(len(seq.prompt_ids))
+            self._cached.labels(n).inc(seq.num_cached_tokens)
+            self._pc_queries.labels(n).inc(len(seq.prompt_ids))
+            self._pc_hits.labels(n).inc(seq.num_cached_tokens)
+        else:
+            self._itl.labels(n).observe(now - live.last_time)
+
+    def finished(self, live, reason: str, now: float) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        self._totals["requests"] += 1
+        self._e2e.labels(self.model_name).observe(now - live.arrival)
+
+    # ----- called by the app -----
+    def rejected(self, status: int) -> None:
+        self._rejected.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def totals(self) -> dict:
+        """Running totals for /stats: prompt tokens, of which cached (the prefix hit rate), generated
+        tokens, finished requests."""
+        return dict(self._totals)
