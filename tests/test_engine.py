@@ -216,3 +216,22 @@ def test_fp8_layout_bytes_match_kv_calc(fixtures):
     b = native.generate([p], SamplingParams(max_tokens=6))[0]
     assert a.output_ids == b.output_ids
     assert_idle(llm)
+
+
+def test_stream_deltas_hold_multibyte_characters(fixtures, tmp_path):
+    """Streamed text deltas concatenate to the final text even when a character spans tokens."""
+    import shutil
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(fixtures / "v4-tiny", model_dir, ignore=shutil.ignore_patterns("golden.safetensors"))
+    shutil.copy(fixtures / "tokenizer-tiny" / "tokenizer.json", model_dir / "tokenizer.json")
+    llm = LLM(model_dir, num_blocks=16, max_num_seqs=2)
+    tok = llm.tokenizer
+    cjk = tok.encode("日本語のテキスト")
+    assert len(cjk) > 3  # byte-level pieces: characters span several tokens
+    events = list(llm.stream([cjk * 3], SamplingParams(max_tokens=24, temperature=1.0, seed=5)))
+    seq = next(iter(llm.engine.requests.values()))
+    assert "".join(e.text for e in events) == seq.text == tok.decode(seq.output_ids)
+    # an incomplete character is never emitted half-way (a random model may also emit invalid bytes,
+    # which decode to U+FFFD for good and are released once later text follows them)
+    assert all(not e.text.endswith("\ufffd") for e in events[:-1])

@@ -4,6 +4,7 @@ sample, publish completed blocks and state snapshots to the prefix cache, and re
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -212,9 +213,10 @@ class EngineCore:
         self.stats.generation_tokens += 1
         delta = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids)
-            delta, seq.text = text[len(seq.text):], text
+            delta = self._text_delta(seq)
         reason = self._stop_reason(seq, s.token_id)
+        if reason and self.tokenizer is not None:
+            delta += self._text_delta(seq, final=True)
         if reason == "stop" and seq.params.stop and seq.text:
             cut = min((i for i in (seq.text.find(x) for x in seq.params.stop) if i >= 0), default=-1)
             if cut >= 0:
@@ -224,6 +226,17 @@ class EngineCore:
         if reason:
             self._finish(seq, reason)
         return Event(seq.request_id, s.token_id, delta, reason is not None, reason)
+
+    def _text_delta(self, seq: Sequence, final: bool = False) -> str:
+        """New text since the last event. A character whose bytes span several tokens decodes to
+        U+FFFD until its last byte arrives, so trailing U+FFFD is held back until then (or the end)."""
+        text = self.tokenizer.decode(seq.output_ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        common = len(seq.text) if text.startswith(seq.text) else len(os.path.commonprefix([text, seq.text]))
+        delta = text[common:]
+        seq.text = text
+        return delta
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
