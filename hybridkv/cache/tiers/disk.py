@@ -272,15 +272,8 @@ class DiskTier(Tier):
             return
         name = self._name(record.key)
         k, path = (record.kind, name), self._path(record.kind, name)
-        with self.lock:
-            known = k in self._index
-        if known and path.exists():             # content-addressed: the same bytes are there
-            try:
-                os.utime(path, (now, now))
-                self._note(k, path.stat().st_size, now)
-                return
-            except OSError:
-                pass
+        # always (re)written, though content-addressed: a request recomputes a block only when no
+        # usable copy was found, and the rename replaces a damaged file with a good one
         data = record.encode(self.identity)
         tmp = self.dir / "tmp" / f"{name}.{self._host}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
