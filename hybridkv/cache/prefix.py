@@ -269,9 +269,9 @@ class PrefixCache:
             block_tokens = tokens[b * bt:(b + 1) * bt]
             h = block_hash(hashes[-1] if hashes else root, block_tokens)
             hashes.append(h)
-            self.store.pool.register(seq_cache.block_table[b], h, tuple(block_tokens))
+            owner = self.store.pool.register(seq_cache.block_table[b], h, tuple(block_tokens))
             self.registered += 1
-            if self.write_through:
+            if self.write_through and owner == seq_cache.block_table[b]:   # else another request wrote it
                 self.tiers.put(block_record(self.store, seq_cache.block_table[b], h, block_tokens))
 
     def capture(self, slot: int, layer_id: int) -> list[torch.Tensor]:
@@ -279,8 +279,9 @@ class PrefixCache:
 
     def publish(self, key: bytes, snapshot: Snapshot) -> None:
         if self.enabled:
+            known = key in self.snapshots          # published before (checkpoint: again at request end)
             self.snapshots.put(key, snapshot)
-            if self.write_through:
+            if self.write_through and not known:
                 self.tiers.put(state_record(key, snapshot))
 
     def finish(self, hashes: list[bytes], tokens: list[int], seq_cache) -> None:
