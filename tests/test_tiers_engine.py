@@ -92,14 +92,16 @@ def test_restart_hits_and_matches_a_cold_run(tmp_path, tiny_dir, base_extra, col
     assert_matches_cold(b["ids"][0], b["logits"][0], cold)
 
 
-@pytest.mark.parametrize("policy,tier", [("full", "dram"), ("checkpoint(256)", "disk"), ("zero", "disk")])
-def test_lower_tier_hit_restores_exactly_a_device_hit(tmp_path, tiny_dir, base_extra, policy, tier):
+@pytest.mark.parametrize("policy,tier,fmt", [("full", "dram", "native"), ("checkpoint(256)", "disk", "native"),
+                                             ("zero", "disk", "native"), ("full", "disk", "fp8")])
+def test_lower_tier_hit_restores_exactly_a_device_hit(tmp_path, fixtures, base_extra, policy, tier, fmt):
     base, extra = base_extra
-    device = make(tiny_dir, window_policy=policy, tiers={"dram_bytes": 0})
+    tiny_dir = fixtures / ("v4-tiny-fp8" if fmt == "fp8" else "v4-tiny")
+    device = make(tiny_dir, window_policy=policy, kv_format=fmt, tiers={"dram_bytes": 0})
     run(device, base)
     want = run(device, base + extra)                                  # a device hit
     tiers = {"dram_bytes": 1 << 30} if tier == "dram" else {"dram_bytes": 0, "disk_dir": str(tmp_path)}
-    llm = make(tiny_dir, window_policy=policy, tiers=tiers)
+    llm = make(tiny_dir, window_policy=policy, kv_format=fmt, tiers=tiers)
     run(llm, base)
     llm.engine.tiers.flush()
     llm.engine.prefix.clear_device()
