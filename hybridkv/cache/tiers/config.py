@@ -100,10 +100,6 @@ class TierConfig:
         if self.redis_url and not re.match(r"^(redis|rediss|unix)://", self.redis_url):
             raise ConfigError(f"redis URL {self.redis_url!r} must start with redis://, rediss:// or unix://")
 
-    @property
-    def any(self) -> bool:
-        return bool(self.dram_bytes or self.disk_dir or self.redis_url)
-
 
 def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     """The --kv-* options of every command that runs an engine."""
