@@ -70,8 +70,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from hybridkv.engine import LLM, SamplingParams
     from hybridkv.errors import RequestError
 
+    from hybridkv.cache.tiers import tier_config_from_args
+
     llm = LLM(a.model_dir, device=a.device, kv_format=a.kv_format, window_policy=a.window_policy,
-              num_blocks=a.num_blocks, max_num_batched_tokens=a.max_batched_tokens)
+              num_blocks=a.num_blocks, max_num_batched_tokens=a.max_batched_tokens, tiers=tier_config_from_args(a))
     if a.prompt_ids is not None:
         prompt = [int(x) for x in a.prompt_ids.replace(",", " ").split()]
     elif a.prompt_file is not None:
@@ -101,6 +103,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
           f"{n_out} tokens at {(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0:.1f} tok/s, "
           f"finish {seq.finish_reason}; KV {store.bytes_per_token():.2f} B/token ({store.fmt}): {_human(held)} in "
           f"{blocks} blocks + {_human(sum(r[0].nbytes for r in store.ring))} window]", file=sys.stderr)
+    llm.close()
+    tiers = llm.engine.cache_stats()
+    print("[prefix cache: " + "; ".join(
+        f"{name} {t.get('hits', 0)} hits, stored {_human(t.get('stored_bytes', 0))}, loaded "
+        f"{_human(t.get('loaded_bytes', 0))}, evicted {_human(t.get('evicted_bytes', 0))}"
+        for name, t in tiers.items() if name != "writer") + "]", file=sys.stderr)
     return 0
 
 
@@ -156,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 128 positions")
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--device", default="cpu")
+    from hybridkv.cache.tiers.config import add_tier_arguments
+
+    add_tier_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server with the V4 chat format, metrics and a web page")

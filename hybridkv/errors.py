@@ -15,3 +15,8 @@ class CheckpointError(HybridKVError):
 
 class RequestError(HybridKVError, ValueError):
     """A generation request is invalid (prompt too long, bad sampling parameter, ...)."""
+
+
+class CacheEntryError(HybridKVError):
+    """A stored KV cache entry (disk file, Redis value) is corrupt, truncated, or was written for
+    another model or entry layout. It is never loaded; the tier removes it."""

@@ -12,6 +12,8 @@ import torch
 
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore
 from hybridkv.cache.prefix import PrefixCache, WindowPolicy, root_hash
+from hybridkv.cache.tiers import TierConfig, TieredStore
+from hybridkv.cache.tiers.convert import layout_identity
 from hybridkv.config import ModelConfig
 from hybridkv.engine.sampling import SamplingParams, sample
 from hybridkv.engine.scheduler import Chunk, Scheduler
@@ -31,6 +33,13 @@ class EngineConfig:
     snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
     enable_prefix_caching: bool = True
     max_model_len: int | None = None     # longest request (default: max_position_embeddings)
+    tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiers, dict):
+            self.tiers = TierConfig(**self.tiers)
+        elif self.tiers is None:
+            self.tiers = TierConfig(dram_bytes=0)
 
 
 @dataclass
@@ -65,7 +74,10 @@ class EngineCore:
         self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs, self.ec.kv_format,
                                   model.dtype, self.device)
         self.policy = WindowPolicy.parse(self.ec.window_policy, self.store.block_tokens)
-        self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching)
+        self.tiers = (TieredStore.build(self.ec.tiers, layout_identity(self.store, model_identity), self.device)
+                      if self.ec.enable_prefix_caching else None)
+        self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching,
+                                  self.tiers)
         self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
         self.model_identity = model_identity
         self.max_model_len = self.ec.max_model_len or self.config.max_position_embeddings
@@ -114,6 +126,16 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Prefix-cache counters per tier (device, dram, disk, redis, writer): hits, bytes stored,
+        loaded and evicted, and what each holds now."""
+        return self.prefix.stats()
+
+    def close(self) -> None:
+        """Finish the lower tiers' pending writes and release them (idempotent)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ----- the step -----
     def step(self) -> list[Event]:
@@ -253,6 +275,7 @@ class EngineCore:
             boundary, snap = seq.rolling_snapshot
             self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)
         seq.rolling_snapshot = None
+        self.prefix.finish(seq.block_hashes, seq.token_ids, seq.cache)
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)

@@ -50,6 +50,16 @@ class LLM:
         self.engine = EngineCore(self.model, self.tokenizer, checkpoint_identity(self.model_dir),
                                  EngineConfig(**engine_options))
 
+    def close(self) -> None:
+        """Finish pending prefix-cache writes (disk, Redis) and release the tiers."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _submit(self, prompts, params) -> list[Sequence | RequestOutput]:
         if isinstance(prompts, (str, tuple)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
