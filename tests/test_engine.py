@@ -235,3 +235,14 @@ def test_stream_deltas_hold_multibyte_characters(fixtures, tmp_path):
     # an incomplete character is never emitted half-way (a random model may also emit invalid bytes,
     # which decode to U+FFFD for good and are released once later text follows them)
     assert all(not e.text.endswith("\ufffd") for e in events[:-1])
+
+
+def test_eviction_takes_a_prefix_tail_before_its_head(tiny_dir):
+    """When cached blocks must be evicted, the end of an old prefix goes before its start."""
+    llm = make(tiny_dir, num_blocks=6, max_num_seqs=2, tiers={"dram_bytes": 0})   # device tier only
+    old = prompts_of([600], seed=12)[0]
+    run_and_logits(llm, old, max_tokens=2)                 # 4 full blocks cached
+    run_and_logits(llm, prompts_of([300], seed=13)[0], max_tokens=2)  # needs 3 blocks: evicts 1 cached
+    hit = run_and_logits(llm, old, max_tokens=2)
+    assert hit.num_cached_tokens == 3 * 128                 # blocks 0-2 of the old prefix survived
+    assert_idle(llm)

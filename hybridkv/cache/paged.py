@@ -128,7 +128,9 @@ class PagedKVStore:
                 score[slot].fill_(float("-inf"))
 
     def free_seq(self, seq: SeqCache) -> None:
-        for b in seq.block_table:
+        # last block first: cached blocks are evicted oldest-freed first, so a prefix loses its
+        # tail before its head (the head is what most later requests share)
+        for b in reversed(seq.block_table):
             self.pool.release(b)
         seq.block_table = []
         self._free_slots.append(seq.slot)
