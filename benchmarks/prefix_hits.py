@@ -59,7 +59,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "tests" / "fixtures" / "v4-tiny"))
     ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--reply-tokens", type=int, default=256, help="tokens the model replies each turn")
     ap.add_argument("--policies", default="full,checkpoint(1024),zero")
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--json", default=None, help="write the results here")

@@ -73,11 +73,16 @@ class SeqCache:
     block_table: list[int] = field(default_factory=list)
     window_start: int = 0      # earliest position whose window row is valid (bounded replay starts later)
     frozen_until: int = 0      # entries complete before this position come from the prefix cache
+    pages: list[int] = field(default_factory=list)  # offload mode: device page of each block's CSA main entries, -1 = host only
 
 
 class PagedKVStore:
     def __init__(self, config: ModelConfig, num_blocks: int, max_slots: int, kv_format: str = "native",
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 resident_pages: int | None = None):
+        """resident_pages: when given, CSA main entries live in host memory (the full history) and
+        only the blocks a memory policy keeps resident are copied to a device pool of this many
+        pages (one page = one block's CSA main entries in every CSA layer)."""
         if kv_format not in KV_FORMATS:
             raise ConfigError(f"unknown KV format {kv_format!r}; choose one of {', '.join(KV_FORMATS)}")
         if kv_format == "fp8" and not config.kv_pow2_scales:
@@ -94,6 +99,10 @@ class PagedKVStore:
         main = self.codec["kv"]
         self.ring = [torch.zeros(max_slots, W, main.width, dtype=main.storage_dtype, device=self.device)
                      for _ in range(self.num_layers)]
+        self.offload = resident_pages is not None
+        self.host = torch.device("cpu")
+        self.page_pool = BlockPool(resident_pages) if self.offload else None
+        self.pages: dict[int, torch.Tensor] = {}    # CSA layer -> device pages [pages, entries/block, E]
         self.entries: list[dict[str, torch.Tensor]] = []
         self.states: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for layer_id in range(self.num_layers):
@@ -104,8 +113,13 @@ class PagedKVStore:
                 coff = 2 if ratio == 4 else 1
                 for kind in kinds:
                     c = self.codec[kind]
+                    offloaded = self.offload and ratio == 4 and kind == "kv"
                     ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
-                                             device=self.device)
+                                             device=self.host if offloaded else self.device,
+                                             pin_memory=offloaded and self.device.type == "cuda")
+                    if offloaded:
+                        self.pages[layer_id] = torch.zeros(resident_pages, self.block_tokens // ratio, c.width,
+                                                           dtype=c.storage_dtype, device=self.device)
                     rows, width = coff * ratio, coff * c.dim
                     sts[kind] = (torch.zeros(max_slots, rows, width, dtype=torch.float32, device=self.device),
                                  torch.full((max_slots, rows, width), float("-inf"), dtype=torch.float32,
@@ -132,8 +146,56 @@ class PagedKVStore:
         # tail before its head (the head is what most later requests share)
         for b in reversed(seq.block_table):
             self.pool.release(b)
-        seq.block_table = []
+        for p in seq.pages:
+            if p >= 0:
+                self.page_pool.release(p)
+        seq.block_table, seq.pages = [], []
         self._free_slots.append(seq.slot)
+
+    # ----- residency of CSA main entries (offload mode) -----
+    def attach_pages(self, seq: SeqCache) -> None:
+        """Give every block without a page entry one: new blocks start resident."""
+        if not self.offload:
+            return
+        while len(seq.pages) < len(seq.block_table):
+            seq.pages.append(self.page_pool.allocate())  # raises OutOfBlocks when the page pool is full
+
+    def set_resident(self, seq: SeqCache, keep: set[int]) -> tuple[int, int]:
+        """Make exactly the blocks in `keep` resident: evict the others' pages, load the missing ones
+        from host memory. Returns (pages loaded, pages evicted)."""
+        loaded = evicted = 0
+        for b, page in enumerate(seq.pages):
+            if page >= 0 and b not in keep:
+                self.page_pool.release(page)
+                seq.pages[b] = -1
+                evicted += 1
+        for b in sorted(keep):
+            if b < len(seq.pages) and seq.pages[b] < 0:
+                page = self.page_pool.allocate()
+                block = seq.block_table[b]
+                for layer_id, pages in self.pages.items():
+                    pages[page].copy_(self.entries[layer_id]["kv"][block], non_blocking=True)
+                seq.pages[b] = page
+                loaded += 1
+        return loaded, evicted
+
+    def resident_blocks(self, seq: SeqCache) -> list[int]:
+        if not self.offload:
+            return list(range(len(seq.block_table)))
+        return [b for b, p in enumerate(seq.pages) if p >= 0]
+
+    def device_bytes(self, seq: SeqCache) -> dict[str, int]:
+        """Device bytes this request holds, by kind (blocks it references, resident pages, its slot)."""
+        per_block = self.block_bytes()
+        out = {k: v * len(seq.block_table) for k, v in per_block.items()}
+        if self.offload:
+            out["CSA main"] = sum(1 for p in seq.pages if p >= 0) * self.page_bytes()
+        out["window"] = sum(r[0].nbytes for r in self.ring)
+        out["compressor state"] = sum(a[0].nbytes + b[0].nbytes for st in self.states for a, b in st.values())
+        return out
+
+    def page_bytes(self) -> int:
+        return sum(p[0].nbytes for p in self.pages.values())
 
     @property
     def num_free_slots(self) -> int:
@@ -165,12 +227,17 @@ class PagedKVStore:
         for layer_id, ents in enumerate(self.entries):
             kind = self.config.layer_kind(layer_id)
             for k, t in ents.items():
+                if layer_id in self.pages and k == "kv":
+                    out["CSA main"] += self.pages[layer_id].nbytes   # the host mirror is not device memory
+                    continue
                 out["CSA indexer" if k == "index" else ("CSA main" if kind == "csa" else "HCA")] += t.nbytes
             out["compressor state"] += sum(a.nbytes + b.nbytes for a, b in self.states[layer_id].values())
         return out
 
     def block_bytes(self) -> dict[str, int]:
-        """Bytes one block (block_tokens positions) holds in every layer, by kind."""
+        """Bytes one block (block_tokens positions) holds in every layer, by kind (in offload mode the
+        CSA main entries are counted where they are stored: host memory, plus a device page when
+        resident)."""
         out = {"CSA main": 0, "CSA indexer": 0, "HCA": 0}
         for layer_id, ents in enumerate(self.entries):
             kind = self.config.layer_kind(layer_id)
@@ -182,11 +249,15 @@ class PagedKVStore:
         return sum(self.block_bytes().values()) / self.block_tokens
 
     def used_bytes(self) -> int:
-        """Device bytes held by blocks in use plus the state of slots in use."""
-        per_block = sum(self.block_bytes().values())
+        """Device bytes held by blocks in use, resident pages, and the state of slots in use."""
+        per_block = self.block_bytes()
+        if self.offload:
+            per_block["CSA main"] = 0
         per_slot = (sum(r[0].nbytes for r in self.ring)
                     + sum(a[0].nbytes + b[0].nbytes for s in self.states for a, b in s.values()))
-        return self.pool.num_used * per_block + (self.max_slots - len(self._free_slots)) * per_slot
+        pages = self.page_pool.num_used * self.page_bytes() if self.offload else 0
+        return (self.pool.num_used * sum(per_block.values()) + pages
+                + (self.max_slots - len(self._free_slots)) * per_slot)
 
 
 class _PagedCompressorState(CompressorState):
@@ -230,15 +301,34 @@ class PagedLayerKV:
         if first < frozen:
             rows, first = rows[frozen - first:], frozen
         blocks, offs = self._locate(first, rows.shape[0])
-        self.store.entries[self.layer_id][kind][blocks, offs] = self.store.codec[kind].encode(rows)
+        encoded = self.store.codec[kind].encode(rows)
+        pool = self.store.entries[self.layer_id][kind]
+        pool[blocks.to(pool.device), offs.to(pool.device)] = encoded.to(pool.device)
+        if self._paged(kind):
+            pages = self._pages(blocks, first, rows.shape[0])
+            self.store.pages[self.layer_id][pages, offs] = encoded
+
+    def _paged(self, kind: str) -> bool:
+        return kind == "kv" and self.layer_id in self.store.pages
+
+    def _pages(self, blocks: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        per_block = self.store.block_tokens // self.ratio
+        idx = torch.arange(first, first + n) // per_block
+        pages = torch.tensor(self.seq.pages, dtype=torch.long)[idx]
+        if bool((pages < 0).any()):
+            raise RuntimeError("CSA entries of a block that is not resident were needed on the device")
+        return pages.to(self.store.device)
 
     def entries(self, kind: str, count: int) -> torch.Tensor:
         if count == 0:
             return torch.zeros(0, self.store.codec[kind].dim, dtype=self.store.dtype, device=self.store.device)
         per_block = self.store.block_tokens // self.ratio
         nb = -(-count // per_block)
-        table = torch.tensor(self.seq.block_table[:nb], dtype=torch.long, device=self.store.device)
-        pool = self.store.entries[self.layer_id][kind]
+        ids = self.seq.pages[:nb] if self._paged(kind) else self.seq.block_table[:nb]
+        if min(ids) < 0:
+            raise RuntimeError("CSA entries of a block that is not resident were needed on the device")
+        pool = self.store.pages[self.layer_id] if self._paged(kind) else self.store.entries[self.layer_id][kind]
+        table = torch.tensor(ids, dtype=torch.long, device=self.store.device)
         rows = pool.index_select(0, table).reshape(nb * per_block, pool.shape[-1])[:count]
         return self.store.codec[kind].decode(rows)
 
@@ -253,6 +343,7 @@ class PagedSeqKV:
 
     def __init__(self, store: PagedKVStore, seq: SeqCache, on_layer_done=None):
         self.store, self.seq = store, seq
+        self.capture = None   # an AttentionCapture when the engine wants attention mass recorded
         self._layers = [PagedLayerKV(store, seq, i, on_layer_done) for i in range(store.num_layers)]
 
     def layer(self, layer_id: int) -> PagedLayerKV:
@@ -270,6 +361,10 @@ class PagedDecodeKV:
         width = max(len(s.block_table) for s in seqs)
         self.tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
                                    dtype=torch.long, device=dev)
+        self.page_tables = None
+        if store.offload:
+            self.page_tables = torch.tensor([s.pages + [-1] * (width - len(s.pages)) for s in seqs],
+                                            dtype=torch.long, device=dev)
         self.window_start = torch.tensor([s.window_start for s in seqs], dtype=torch.long, device=dev)
         self.frozen = torch.tensor([s.frozen_until for s in seqs], dtype=torch.long, device=dev)
         self._b = torch.arange(len(seqs), device=dev)
@@ -302,7 +397,12 @@ class PagedDecodeKV:
         which, entry_ids, rows = which[keep], entry_ids[keep], rows[keep]
         per = self._per_block(layer_id)
         blocks = self.tables[which, entry_ids // per]
-        self.store.entries[layer_id][kind][blocks, entry_ids % per] = self.store.codec[kind].encode(rows)
+        encoded = self.store.codec[kind].encode(rows)
+        pool = self.store.entries[layer_id][kind]
+        pool[blocks.to(pool.device), (entry_ids % per).to(pool.device)] = encoded.to(pool.device)
+        if kind == "kv" and layer_id in self.store.pages:
+            pages = self.page_tables[which, entry_ids // per]
+            self.store.pages[layer_id][pages, entry_ids % per] = encoded
 
     def entries(self, layer_id: int, kind: str, counts: torch.Tensor) -> torch.Tensor:
         per = self._per_block(layer_id)
@@ -314,8 +414,20 @@ class PagedDecodeKV:
 
     def gather_entries(self, layer_id: int, kind: str, idx: torch.Tensor) -> torch.Tensor:
         per = self._per_block(layer_id)
+        if kind == "kv" and layer_id in self.store.pages:
+            pages = self.page_tables[self._b.unsqueeze(1), idx // per].clamp(min=0)  # callers mask non-resident
+            return self.store.codec[kind].decode(self.store.pages[layer_id][pages, idx % per])
         blocks = self.tables[self._b.unsqueeze(1), idx // per]
         return self.store.codec[kind].decode(self.store.entries[layer_id][kind][blocks, idx % per])
+
+    def resident(self, layer_id: int, n: int) -> torch.Tensor | None:
+        """[B, n] whether each request's entry j of this layer is on the device (None: all are)."""
+        if self.page_tables is None or layer_id not in self.store.pages:
+            return None
+        per = self._per_block(layer_id)
+        j = torch.arange(n, device=self.page_tables.device) // per
+        cols = j.clamp(max=self.page_tables.shape[1] - 1)
+        return (self.page_tables[:, cols] >= 0) & (j < self.page_tables.shape[1])
 
     def done(self, layer_id: int) -> None:
         if self.on_layer_done is not None:

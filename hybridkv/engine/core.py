@@ -19,8 +19,10 @@ from hybridkv.engine.sampling import SamplingParams, sample
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
 from hybridkv.engine.tokenizer import Tokenizer, require
-from hybridkv.errors import RequestError
+from hybridkv.errors import ConfigError, RequestError
+from hybridkv.memory import PolicyContext, parse_policy
 from hybridkv.model import ForwardBatch, Transformer
+from hybridkv.model.state import AttentionCapture
 
 
 @dataclass
@@ -31,8 +33,11 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None   # default: on, unless the memory policy offloads
     max_model_len: int | None = None     # longest request (default: max_position_embeddings)
+    memory_policy: str = "full"          # full | recency-N | random-p | oracle-K (CSA KV kept on the device)
+    resident_pages: int | None = None    # device pages for resident CSA KV when the policy offloads
+    oracle_query_tokens: int = 64        # prompt-end queries whose attention an oracle policy ranks by
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
 
     def __post_init__(self) -> None:
@@ -62,6 +67,8 @@ class EngineStats:
     steps: int = 0
     forward_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    pages_loaded: int = 0      # memory policy: resident CSA pages brought to the device
+    pages_evicted: int = 0
 
 
 class EngineCore:
@@ -71,8 +78,17 @@ class EngineCore:
         self.config: ModelConfig = model.config
         self.ec = config or EngineConfig()
         self.device = next(model.parameters()).device
+        self.memory = parse_policy(self.ec.memory_policy)
+        if self.memory.offloads:
+            if self.ec.enable_prefix_caching:
+                raise ConfigError(f"memory policy {self.memory} keeps part of each request's KV off the device; "
+                                  f"prefix caching cannot be combined with it (leave enable_prefix_caching unset)")
+            self.ec.enable_prefix_caching = False
+        elif self.ec.enable_prefix_caching is None:
+            self.ec.enable_prefix_caching = True
         self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs, self.ec.kv_format,
-                                  model.dtype, self.device)
+                                  model.dtype, self.device,
+                                  (self.ec.resident_pages or self.ec.num_blocks) if self.memory.offloads else None)
         self.policy = WindowPolicy.parse(self.ec.window_policy, self.store.block_tokens)
         self.tiers = (TieredStore.build(self.ec.tiers, layout_identity(self.store, model_identity), self.device)
                       if self.ec.enable_prefix_caching else None)
@@ -171,6 +187,9 @@ class EngineCore:
                 continue
             seq = c.seq
             view = self.store.view(seq.cache, self._snapshot_hook(seq) if snapshots else None)
+            if self.memory.needs_attention_mass and c.wants_logits and seq.first_token_time is None:
+                # the chunk that ends the prompt: record which entries its final queries attend to
+                view.capture = seq.capture = AttentionCapture(self.ec.oracle_query_tokens, c.start + c.length)
             for start, n in c.segments:
                 items.append((view, start, n))
                 ids.extend(seq.token_ids[start:start + n])
@@ -236,6 +255,8 @@ class EngineCore:
         delta = ""
         if self.tokenizer is not None:
             delta = self._text_delta(seq)
+        if self.memory.offloads:
+            self._after_token(seq)
         reason = self._stop_reason(seq, s.token_id)
         if reason and self.tokenizer is not None:
             delta += self._text_delta(seq, final=True)
@@ -248,6 +269,26 @@ class EngineCore:
         if reason:
             self._finish(seq, reason)
         return Event(seq.request_id, s.token_id, delta, reason is not None, reason)
+
+    def _after_token(self, seq: Sequence) -> None:
+        """Run the memory policy when the prefill has ended, then every `interval` decode steps."""
+        first = len(seq.output_ids) == 1
+        steps = len(seq.output_ids) - 1
+        if not first and steps % self.memory.interval:
+            return
+        mass = None
+        if self.memory.needs_attention_mass and seq.capture is not None:
+            per_block = self.store.block_tokens // 4
+            n = len(seq.cache.block_table)
+            mass = torch.zeros(n)
+            for layer_mass in seq.capture.mass.values():
+                blocks = torch.arange(layer_mass.numel()) // per_block
+                mass.index_add_(0, blocks, layer_mass.cpu())
+        ctx = PolicyContext(seq.request_id, len(seq.cache.block_table), seq.num_computed, self.store.block_tokens,
+                            steps, seq.params.seed or 0, mass)
+        loaded, evicted = self.store.set_resident(seq.cache, self.memory.resident(ctx))
+        self.stats.pages_loaded += loaded
+        self.stats.pages_evicted += evicted
 
     def _text_delta(self, seq: Sequence, final: bool = False) -> str:
         """New text since the last event. A character whose bytes span several tokens decodes to
@@ -276,6 +317,8 @@ class EngineCore:
             self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)
         seq.rolling_snapshot = None
         self.prefix.finish(seq.block_hashes, seq.token_ids, seq.cache)
+        if seq.cache is not None:
+            seq.device_kv_bytes = self.store.device_bytes(seq.cache)
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)

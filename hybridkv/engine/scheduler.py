@@ -47,6 +47,7 @@ class Scheduler:
         table = seq.cache.block_table
         while len(table) < need:
             table.append(self.store.pool.allocate())
+        self.store.attach_pages(seq.cache)
 
     def _free(self, seq: Sequence) -> None:
         if seq.cache is not None:

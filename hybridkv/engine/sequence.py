@@ -45,6 +45,8 @@ class Sequence:
     generator: torch.Generator | None = None
     pending_snapshots: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     step_logits: list[torch.Tensor] = field(default_factory=list)   # only when the engine records them
+    capture: object | None = None                  # attention mass recorded at the prompt's end (oracle policies)
+    device_kv_bytes: dict[str, int] | None = None  # device KV this request held when it finished, by kind
     new_snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)
     rolling_snapshot: tuple[int, Snapshot] | None = None
 

@@ -17,6 +17,7 @@ from hybridkv.model.state import DecodeKV, ForwardBatch, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, yarn_inv_freq
 from hybridkv.ops.sparse_attn import sparse_attn
+from hybridkv.ops.sparse_attn.reference import attention_probs
 
 
 def layer_inv_freq(config: ModelConfig, ratio: int) -> torch.Tensor:
@@ -119,8 +120,19 @@ class Attention(nn.Module):
             idx = torch.cat([idx, comp_idx], dim=1)
             keys = torch.cat([keys, entries.to(keys.dtype)])
         out = sparse_attn(q, keys, idx, self.attn_sink, self.scale)
+        capture = getattr(seg.kv, "capture", None)
+        if capture is not None and self.indexer is not None and seg.end_pos == capture.end_pos:
+            self._capture_mass(capture, q, keys, idx, n_entries)
         layer_kv.done(seg.end_pos)
         return out
+
+    def _capture_mass(self, capture, q, keys, idx, n_entries: int) -> None:
+        """Attention mass of each compressed entry from the segment's last `last_n` queries."""
+        rows = slice(max(0, q.shape[0] - capture.last_n), q.shape[0])
+        probs = attention_probs(q[rows], keys, idx[rows], self.attn_sink, self.scale).sum(1)  # [r, K]
+        comp = idx[rows] >= keys.shape[0] - n_entries
+        entry_ids = (idx[rows] - (keys.shape[0] - n_entries))[comp]
+        capture.add(self.layer_id, entry_ids, probs[comp], n_entries)
 
     def _attend_decode(self, dkv: DecodeKV, q, kv, comp_rows, idx_inputs) -> torch.Tensor:
         """One token for each of B requests at once (same math as _attend_segment)."""
@@ -136,10 +148,15 @@ class Attention(nn.Module):
                 scores = (torch.einsum("bhd,bnd->bhn", iq.float(), index_keys.float()).relu_()
                           * iw.float().unsqueeze(-1)).sum(1)
                 cols = torch.arange(scores.shape[1], device=kv.device)
-                scores = scores.masked_fill(cols >= n_entries.unsqueeze(1), float("-inf"))
+                hidden = cols >= n_entries.unsqueeze(1)
+                resident = dkv.resident(lid, scores.shape[1])
+                if resident is not None:  # a memory policy keeps only some entries on the device
+                    hidden = hidden | ~resident
+                scores = scores.masked_fill(hidden, float("-inf"))
                 k = min(self.indexer.topk, scores.shape[1])
-                sel = scores.topk(k, dim=-1).indices
-                sel_ok = sel < n_entries.unsqueeze(1)
+                top = scores.topk(k, dim=-1)
+                sel = top.indices
+                sel_ok = top.values > float("-inf")
                 comp = dkv.gather_entries(lid, "kv", torch.where(sel_ok, sel, 0))
             else:
                 comp = dkv.entries(lid, "kv", n_entries)

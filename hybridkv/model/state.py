@@ -115,7 +115,28 @@ class ContiguousLayerKV:
         return out
 
 
+class AttentionCapture:
+    """Asks the attention of CSA layers to record, for a request's last `last_n` query rows of this
+    forward, how much attention mass each compressed entry receives (summed over heads and rows),
+    per layer. Used by oracle memory policies and analysis."""
+
+    def __init__(self, last_n: int, end_pos: int):
+        self.last_n, self.end_pos = last_n, end_pos   # only the segment ending at end_pos records
+        self.mass: dict[int, torch.Tensor] = {}   # CSA layer id -> [entries] float32
+
+    def add(self, layer_id: int, entry_ids: torch.Tensor, weights: torch.Tensor, n_entries: int) -> None:
+        acc = self.mass.get(layer_id)
+        if acc is None or acc.numel() < n_entries:
+            grown = torch.zeros(n_entries, dtype=torch.float32, device=weights.device)
+            if acc is not None:
+                grown[: acc.numel()] = acc
+            acc = self.mass[layer_id] = grown
+        acc.index_add_(0, entry_ids, weights.float())
+
+
 class SequenceKV(Protocol):
+    capture: AttentionCapture | None   # optional: None when nothing is recorded
+
     def layer(self, layer_id: int) -> LayerKV: ...
 
 
@@ -145,6 +166,10 @@ class DecodeKV(Protocol):
     def gather_entries(self, layer_id: int, kind: str, idx: torch.Tensor) -> torch.Tensor:
         """Entries idx[b, k] of request b: [B, K, d] (rows for idx < 0 are unspecified)."""
 
+    def resident(self, layer_id: int, n: int) -> torch.Tensor | None:
+        """[B, n]: whether entry j of each request is on the device and may be selected (None when
+        every entry is). Entries not resident are never attended to."""
+
     def done(self, layer_id: int) -> None: ...
 
 
@@ -153,6 +178,7 @@ class ContiguousKV:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
         self.config = config
+        self.capture: AttentionCapture | None = None
         self.layers: list[ContiguousLayerKV] = []
         for layer_id in range(config.num_layers_with_mtp):
             ratio = config.layer_ratio(layer_id)

@@ -34,6 +34,19 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torc
     return torch.cat([_attend(q[i:i + tile], kv, idx[i:i + tile], sink, scale) for i in range(0, t, tile)])
 
 
+def attention_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """The weights `sparse_attn` gives each listed row: [T, H, K] (0 for idx −1; the sink's share is
+    the rest of each row's mass)."""
+    rows = kv[idx.clamp(min=0)].float()
+    s = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
+    s = s.masked_fill((idx < 0).unsqueeze(1), float("-inf"))
+    sink = sink.float().view(1, -1, 1)
+    m = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+    p = torch.exp(s - m)
+    return p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
+
+
 def decode_entries(x: torch.Tensor, fmt: str, head_dim: int, rope_dim: int) -> torch.Tensor:
     """Pool/ring/new rows in entry format `fmt` -> float32 [rows, head_dim]."""
     flat = x.reshape(-1, x.shape[-1])
