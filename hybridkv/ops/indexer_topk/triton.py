@@ -1,19 +1,28 @@
 """Triton kernels for the Lightning Indexer: scores of every visible compressed entry, then an
-exact causal top-k by radix select, returned in ascending entry order (what attention consumes).
+exact causal top-k, returned in ascending entry order (what attention consumes). Two launches:
 
-1. `score_kernel`: a tile of query tokens of one request × a chunk of its visible keys (bf16/fp32
-   rows, or 68-B packed FP4 rows dequantised in registers); `Σ_h w_h·ReLU(q_h·k)` as a GEMM over
-   (tokens·heads) × keys; writes an order-preserving uint32 key per score and, for one-token tiles,
-   the histogram of its top 8 bits.
-2. `hist_kernel` (levels 1–3): the histogram of the next 8 bits among keys that share the prefix
-   found so far; each program re-derives the prefix from the histograms (integer counts: the
-   result is exact and deterministic whatever the atomics' order).
-3. `count_kernel` and `write_kernel`: with the threshold key τ and the number r of τ-ties to keep,
-   every chunk counts its keys > τ and = τ; a chunk writes its selected entries at the exclusive
-   prefix of the earlier chunks' counts. Ties at τ are broken by entry order.
+1. Scoring, split along the entry axis so that a long context fills the GPU. Decode tokens use
+   `score_decode_kernel` (one token × a chunk of its keys per program, the keys as the rows of the
+   MMA, so the sum over heads stays inside a warp); prefill chunks use `score_tile_kernel` (a tile
+   of one request's tokens × a chunk of keys, tokens·heads as rows). Both write an
+   order-preserving uint32 key per score and, as the first selection stage, the largest key of
+   every `TILE` consecutive entries.
+2. `select_kernel`, one program per token: the TILE-maxima give a lower bound τ₀ of the k-th
+   largest score (the k-th largest maximum, to 16 bits); only tiles whose maximum reaches τ₀ can
+   hold a selected entry, and of those only the keys ≥ τ₀ (typically ≈ k of them). An exact
+   radix select over these candidates gives the threshold τ and how many τ-ties to keep; the
+   output lists the keys > τ and the first ties in entry order. Integer keys and fixed orders:
+   the result is exact (by score) and deterministic, and a token's result never depends on its
+   batch (each score is computed by one MMA row whatever the chunking).
+
+FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales) are read as 17 int32 words; a code's bits are
+placed in an fp16 whose value is the E2M1 value × 2⁻¹⁴ (E2M1's subnormal 0.5 lands on an fp16
+subnormal), then scaled by 2^(s−127+14) in fp32: exact, a few integer ops per element.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -22,179 +31,236 @@ import triton.language as tl
 from hybridkv.ops.backend import is_deterministic
 from hybridkv.ops.paged import PagedBatch
 
-NBINS = 256
+TILE = 64          # entries per maximum (first selection stage)
 
 
 @triton.jit
-def _load_keys(ptr, d, valid, D: tl.constexpr, FP4: tl.constexpr):
-    """Rows [BN, BD] as float32 from row base pointers [BN]; FP4 rows are D/2 code bytes then D/32
-    ue8m0 scales."""
-    p = ptr[:, None]
-    v = valid[:, None] & (d < D)[None, :]
+def _ordered(sc):
+    """float32 -> uint32 whose unsigned order is the float order (−0 and +0 equal)."""
+    u = (sc + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
+def _fp4_values(code, e):
+    """E2M1 codes (int32, 0..15) and their ue8m0 scale bytes -> float32 values, exactly."""
+    h = ((code & 7) << 9) | ((code & 8) << 12)                            # fp16 bits of e2m1 · 2⁻¹⁴
+    val = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return val * (tl.minimum(e + 14, 254) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_keys(rows, valid, POOL, s_row, D: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
+               OUT_T: tl.constexpr):
+    """Key rows [BN, D] as OUT_T. FP4 rows: D/2 code bytes (low nibble = even element), then D/32
+    ue8m0 scales; POOL holds int32 words when WORDS (row bytes a multiple of 4), else bytes."""
+    BN: tl.constexpr = rows.shape[0]
+    base = POOL + rows.to(tl.int64) * s_row
     if FP4:
-        byte = tl.load(p + d[None, :] // 2, mask=v, other=0).to(tl.int32)
-        code = (byte >> ((d[None, :] % 2) * 4)) & 15
-        e = (code >> 1) & 3
-        m = (code & 1).to(tl.float32)
-        pow2 = ((e + 125) << 23).to(tl.float32, bitcast=True)          # 2^(e-2)
-        mag = tl.where(e == 0, m * 0.5, (2.0 + m) * pow2)
-        val = tl.where(code >= 8, -mag, mag)
-        sb = tl.load(p + D // 2 + d[None, :] // 32, mask=v, other=127).to(tl.int32)
-        return val * (sb << 23).to(tl.float32, bitcast=True)
+        if WORDS:
+            NW: tl.constexpr = D // 8
+            wi = tl.arange(0, NW)
+            words = tl.load(base[:, None] + wi[None, :], mask=valid[:, None], other=0)          # [BN, NW]
+            sw = tl.load(base + NW, mask=valid, other=0x7F7F7F7F)                                # [BN]
+            code = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15             # [BN, NW, 8]
+            e = (sw[:, None] >> ((wi // 4) * 8)[None, :]) & 255                                 # [BN, NW]
+            k = tl.reshape(_fp4_values(code, e[:, :, None]), [BN, D])
+        else:
+            bi = tl.arange(0, D // 2)
+            byte = tl.load(base[:, None] + bi[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16, mask=valid[:, None], other=127).to(tl.int32)
+            code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15              # [BN, D/2, 2]
+            k = tl.reshape(_fp4_values(code, e[:, :, None]), [BN, D])
+        return k.to(OUT_T)
     else:
-        return tl.load(p + d[None, :], mask=v, other=0.0).to(tl.float32)
+        d = tl.arange(0, D)
+        return tl.load(base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(OUT_T)
 
 
 @triton.jit
-def score_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_N, KEYS, s_keys,
-                 HIST, s_hist, H, T,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr,
-                 EPB: tl.constexpr, FUSE_HIST: tl.constexpr, PREC: tl.constexpr):
+def _rows(BT, s_bt, r, j, jv, EPB: tl.constexpr, PAGED: tl.constexpr):
+    if PAGED:
+        blk = tl.load(BT + r * s_bt + j // EPB, mask=jv, other=0)
+        return blk.to(tl.int64) * EPB + j % EPB
+    else:
+        return j.to(tl.int64)
+
+
+@triton.jit
+def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, KEYS, s_keys, TMAX, s_tmax,
+                        H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+                        TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr,
+                        PREC: tl.constexpr):
+    """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows."""
+    t = tl.program_id(0)
+    n_start = tl.program_id(1) * CHUNK
+    vis = tl.load(VIS + t)
+    if n_start < vis:
+        r = tl.load(TOK_REQ + t).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, D)
+        q = tl.load(Q + t.to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :], mask=(h < H)[:, None], other=0.0)
+        w = tl.load(W + t.to(tl.int64) * sw_t + h, mask=h < H, other=0.0).to(tl.float32)
+        qt = tl.trans(q)                                                                         # [D, BLOCK_H]
+        end = tl.minimum(n_start + CHUNK, vis)
+        for n0 in range(n_start, end, BN):
+            j = n0 + tl.arange(0, BN)
+            jv = j < end
+            k = _load_keys(_rows(BT, s_bt, r, j, jv, EPB, PAGED), jv, POOL, s_pool_row, D, FP4, WORDS, q.dtype)
+            s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
+            key = tl.where(jv, _ordered(tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)), 0)
+            tl.store(KEYS + t.to(tl.int64) * s_keys + j, key.to(tl.int32, bitcast=True), mask=jv)
+            tmax = tl.max(tl.reshape(key, [BN // TILE_N, TILE_N]), 1)
+            ti = n0 // TILE_N + tl.arange(0, BN // TILE_N)
+            tl.store(TMAX + t.to(tl.int64) * s_tmax + ti, tmax.to(tl.int32, bitcast=True), mask=ti * TILE_N < end)
+
+
+@triton.jit
+def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT, KEYS,
+                      s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BN: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
+                      EPB: tl.constexpr, PREC: tl.constexpr):
+    """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN = TILE."""
     tile = tl.program_id(0)
-    chunk = tl.program_id(1)
+    n_start = tl.program_id(1) * CHUNK
     t0 = tl.load(TILE_T0 + tile)
-    nt = tl.load(TILE_N + tile)
+    nt = tl.load(TILE_CNT + tile)
     ti = tl.arange(0, BLOCK_T)
     tmask = ti < nt
     vis_t = tl.load(VIS + t0 + ti, mask=tmask, other=0)
     vis_max = tl.max(vis_t, 0)
-    n_start = chunk * CHUNK
     if n_start < vis_max:
         r = tl.load(TOK_REQ + t0).to(tl.int64)
         mrow = tl.arange(0, BLOCK_T * BLOCK_H)
         tok = t0 + mrow // BLOCK_H
         h = mrow % BLOCK_H
         rmask = (mrow // BLOCK_H < nt) & (h < H)
-        d = tl.arange(0, BLOCK_D)
-        q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
-                    mask=rmask[:, None] & (d < D)[None, :], other=0.0)
+        d = tl.arange(0, D)
+        q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=rmask[:, None],
+                    other=0.0)
         w = tl.load(W + tok.to(tl.int64) * sw_t + h, mask=rmask, other=0.0).to(tl.float32)
-        hist = tl.zeros([256], tl.int32)
         end = tl.minimum(n_start + CHUNK, vis_max)
-        for n0 in range(n_start, end, BLOCK_N):
-            j = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(n_start, end, BN):
+            j = n0 + tl.arange(0, BN)
             jv = j < end
-            if PAGED:
-                blk = tl.load(BT + r * s_bt + j // EPB, mask=jv, other=0)
-                row = blk.to(tl.int64) * EPB + j % EPB
-            else:
-                row = j.to(tl.int64)
-            k = _load_keys(POOL + row * s_pool_row, d, jv, D, FP4).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            s = tl.maximum(s, 0.0) * w[:, None]
-            sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BLOCK_N]), 1) + 0.0   # + 0.0 maps −0 to +0
-            u = sc.to(tl.uint32, bitcast=True)
-            key = tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+            k = _load_keys(_rows(BT, s_bt, r, j, jv, EPB, PAGED), jv, POOL, s_pool_row, D, FP4, WORDS, q.dtype)
+            s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]
+            sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
             valid = tmask[:, None] & (j[None, :] < vis_t[:, None])
+            key = tl.where(valid, _ordered(sc), 0)
             tl.store(KEYS + (t0 + ti).to(tl.int64)[:, None] * s_keys + j[None, :], key.to(tl.int32, bitcast=True),
                      mask=tmask[:, None] & jv[None, :])
-            if FUSE_HIST:
-                hist += tl.histogram(tl.reshape(key >> 24, [BLOCK_N]).to(tl.int32), 256,
-                                     mask=tl.reshape(valid, [BLOCK_N]))
-        if FUSE_HIST:
-            tl.atomic_add(HIST + t0.to(tl.int64) * s_hist + tl.arange(0, 256), hist)
+            tl.store(TMAX + (t0 + ti).to(tl.int64) * s_tmax + n0 // BN, tl.max(key, 1).to(tl.int32, bitcast=True),
+                     mask=tmask)
 
 
 @triton.jit
-def _threshold(hist_ptr, LEVELS: tl.constexpr, K):
-    """(prefix of the k-th largest key after LEVELS digits, how many keys equal to it to keep)."""
+def _digit_hist(PTR, n, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram of digit LEVEL (8 bits, from the top) of the keys PTR[0:n] whose higher digits equal `prefix`."""
+    hist = tl.zeros([256], tl.int32)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < n
+        key = tl.load(PTR + i, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        if LEVEL > 0:
+            m = m & ((key >> (32 - 8 * LEVEL)) == prefix)
+        hist += tl.histogram(((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32), 256, mask=m)
+    return hist
+
+
+@triton.jit
+def _pick(hist, krem):
+    """The bin holding the krem-th largest key and how many of its keys are still wanted."""
     b = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.uint32)
-    krem = K
-    for lvl in tl.static_range(LEVELS):
-        hcount = tl.load(hist_ptr + lvl * 256 + b)
-        suffix = tl.sum(hcount, 0) - tl.cumsum(hcount, 0) + hcount      # keys in bins ≥ b
-        bsel = tl.max(tl.where(suffix >= krem, b, -1), 0)
-        krem = krem - tl.sum(tl.where(b > bsel, hcount, 0), 0)
-        prefix = (prefix << 8) | bsel.to(tl.uint32)
-    return prefix, krem
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    bsel = tl.max(tl.where(at_or_above >= krem, b, -1), 0)
+    return bsel, krem - tl.sum(tl.where(b > bsel, hist, 0), 0)
 
 
 @triton.jit
-def hist_kernel(KEYS, s_keys, HIST, s_hist, VIS, K, LEVEL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K,
+                  TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, CBLOCK: tl.constexpr,
+                  TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr):
+    """Exact top-K of one token's keys (see the module docstring); writes all K output slots."""
     t = tl.program_id(0)
-    c = tl.program_id(1)
-    vis = tl.load(VIS + t)
-    if (vis > K) & (c * CHUNK < vis):
-        hp = HIST + t.to(tl.int64) * s_hist
-        prefix, krem = _threshold(hp, LEVEL, K)
-        hist = tl.zeros([256], tl.int32)
-        end = tl.minimum(c * CHUNK + CHUNK, vis)
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            m = j < end
-            key = tl.load(KEYS + t.to(tl.int64) * s_keys + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-            if LEVEL > 0:
-                m = m & ((key >> (32 - 8 * LEVEL)) == prefix)
-            hist += tl.histogram(((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32), 256, mask=m)
-        tl.atomic_add(hp + LEVEL * 256 + tl.arange(0, 256), hist)
-
-
-@triton.jit
-def count_kernel(KEYS, s_keys, HIST, s_hist, COUNTS, s_cnt, VIS, K, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    vis = tl.load(VIS + t)
-    if (vis > K) & (c * CHUNK < vis):
-        tau, krem = _threshold(HIST + t.to(tl.int64) * s_hist, 4, K)
-        gt = 0
-        eq = 0
-        end = tl.minimum(c * CHUNK + CHUNK, vis)
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            m = j < end
-            key = tl.load(KEYS + t.to(tl.int64) * s_keys + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-            gt += tl.sum((m & (key > tau)).to(tl.int32), 0)
-            eq += tl.sum((m & (key == tau)).to(tl.int32), 0)
-        tl.store(COUNTS + t.to(tl.int64) * s_cnt + 2 * c, gt)
-        tl.store(COUNTS + t.to(tl.int64) * s_cnt + 2 * c + 1, eq)
-
-
-@triton.jit
-def write_kernel(KEYS, s_keys, HIST, s_hist, COUNTS, s_cnt, VIS, OUT, s_out, K, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, NCH: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1)
     vis = tl.load(VIS + t)
     out = OUT + t.to(tl.int64) * s_out
-    end = tl.minimum(c * CHUNK + CHUNK, vis)
     if vis <= K:
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            tl.store(out + j, j, mask=j < end)
-    elif c * CHUNK < vis:
-        tau, krem = _threshold(HIST + t.to(tl.int64) * s_hist, 4, K)
-        ch = tl.arange(0, NCH)
-        before = ch < c
-        gt_before = tl.sum(tl.load(COUNTS + t.to(tl.int64) * s_cnt + 2 * ch, mask=before, other=0), 0)
-        eq_seen = tl.sum(tl.load(COUNTS + t.to(tl.int64) * s_cnt + 2 * ch + 1, mask=before, other=0), 0)
-        base = gt_before + tl.minimum(eq_seen, krem)
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            m = j < end
-            key = tl.load(KEYS + t.to(tl.int64) * s_keys + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-            is_eq = (m & (key == tau)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
-            sel = ((m & (key > tau)) | ((is_eq != 0) & (eq_rank < krem))).to(tl.int32)
-            dst = base + tl.cumsum(sel, 0) - sel
-            tl.store(out + dst, j, mask=sel != 0)
+        j = tl.arange(0, KPAD)
+        tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
+    else:
+        keys = KEYS + t.to(tl.int64) * s_keys
+        tmax = TMAX + t.to(tl.int64) * s_tmax
+        tlist = TLIST + t.to(tl.int64) * s_tmax
+        ck = CK + t.to(tl.int64) * s_cand
+        ci = CI + t.to(tl.int64) * s_cand
+        nt = (vis + TILE_N - 1) // TILE_N
+        # 1. τ₀ ≤ the K-th largest tile maximum (its top 8·TAU_LEVELS bits); 0 (all) with fewer than K tiles
+        tau0 = tl.zeros([], tl.uint32)
+        if nt >= K:
+            krem = K
+            for lvl in tl.static_range(TAU_LEVELS):
+                bsel, krem = _pick(_digit_hist(tmax, nt, tau0, lvl, BLOCK), krem)
+                tau0 = (tau0 << 8) | bsel.to(tl.uint32)
+            tau0 = tau0 << (32 - 8 * TAU_LEVELS)
+        # 2. the tiles that can hold a selected entry, in entry order
+        ns = 0
+        for i0 in range(0, nt, BLOCK):
+            i = i0 + tl.arange(0, BLOCK)
+            mx = tl.load(tmax + i, mask=i < nt, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            sel = ((i < nt) & (mx >= tau0)).to(tl.int32)
+            tl.store(tlist + ns + tl.cumsum(sel, 0) - sel, i, mask=sel != 0)
+            ns += tl.sum(sel, 0)
+        tl.debug_barrier()
+        # 3. their keys ≥ τ₀: the candidates, in entry order
+        nc = 0
+        for i0 in range(0, ns, TB):
+            i = i0 + tl.arange(0, TB)
+            tix = tl.load(tlist + i, mask=i < ns, other=0, cache_modifier=".cg")
+            j = tix[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+            m = (i < ns)[:, None] & (j < vis)
+            key = tl.load(keys + j, mask=m, other=0, cache_modifier=".cg")
+            sel = (m & (key.to(tl.uint32, bitcast=True) >= tau0)).to(tl.int32)
+            key, j, sel = tl.reshape(key, [TB * TILE_N]), tl.reshape(j, [TB * TILE_N]), tl.reshape(sel, [TB * TILE_N])
+            dst = nc + tl.cumsum(sel, 0) - sel
+            tl.store(ck + dst, key, mask=sel != 0)
+            tl.store(ci + dst, j, mask=sel != 0)
+            nc += tl.sum(sel, 0)
+        tl.debug_barrier()
+        # 4. exact radix select among the candidates: threshold τ, and r ties at τ to keep
+        prefix = tl.zeros([], tl.uint32)
+        krem = K
+        for lvl in tl.static_range(4):
+            bsel, krem = _pick(_digit_hist(ck, nc, prefix, lvl, CBLOCK), krem)
+            prefix = (prefix << 8) | bsel.to(tl.uint32)
+        # 5. keys > τ and the first r ties, in entry order
+        base = 0
+        eq_seen = 0
+        for i0 in range(0, nc, CBLOCK):
+            i = i0 + tl.arange(0, CBLOCK)
+            m = i < nc
+            key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            idx = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
+            is_eq = (m & (key == prefix)).to(tl.int32)
+            rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
+            sel = ((m & (key > prefix)) | ((is_eq != 0) & (rank < krem))).to(tl.int32)
+            tl.store(out + base + tl.cumsum(sel, 0) - sel, idx, mask=sel != 0)
             base += tl.sum(sel, 0)
             eq_seen += tl.sum(is_eq, 0)
 
 
 # ----------------------------------------------------------------------------- launchers
-SCORE_CHUNK = 2048      # keys per scoring program
-SELECT_CHUNK = 8192     # keys per selection program
-SCORE_BUFFER = 1 << 28  # bytes of uint32 keys held at once (tokens are processed in groups)
+SCORE_BUFFER = 1 << 28  # bytes of per-entry scratch (keys + candidates) held at once; tokens go in groups
+# Scoring: keys per MMA tile, warps, pipeline stages. Selection: block over tile maxima, tiles per
+# gather, block over candidates, radix levels (8 bits each) of the bound τ₀, warps.
+DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
+TILE_CFG = dict(num_warps=8, num_stages=2)
+SELECT_CFG = dict(BLOCK=4096, TB=128, CBLOCK=1024, TAU_LEVELS=3, num_warps=8)
 
 
 def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiles of ≤ block_t consecutive tokens of one request: (first token, count)."""
     t = token_req.shape[0]
-    if block_t == 1:
-        return (torch.arange(t, dtype=torch.int32, device=token_req.device),
-                torch.ones(t, dtype=torch.int32, device=token_req.device))
     req = token_req.tolist()
     t0, n = [], []
     i = 0
@@ -209,47 +275,65 @@ def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.T
     return torch.tensor(t0, dtype=torch.int32, device=dev), torch.tensor(n, dtype=torch.int32, device=dev)
 
 
-def _run(q, weights, pool_flat, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None):
+@functools.lru_cache(maxsize=8)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
+    """Keys per scoring program: enough programs to fill the GPU (~4 per SM) without tiny programs.
+    The chunking never changes a score (each is one MMA row), only how the work is spread."""
+    sms = _sms(device)
+    want = max(1, tokens * n_max // (4 * sms))
+    return min(8192, max(4 * bn, triton.next_power_of_2(want)))
+
+
+def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
+         block_t=None, words=False):
     t, h, _ = q.shape
     dev = q.device
-    out = torch.full((t, topk), -1, dtype=torch.int32, device=dev)
-    if t == 0 or n_max == 0:
+    out = torch.empty((t, topk), dtype=torch.int32, device=dev)
+    if t == 0:
         return out
+    if n_max == 0:
+        return out.fill_(-1)
     block_h = max(16, triton.next_power_of_2(h))
-    block_d = triton.next_power_of_2(head_dim)
     if block_t is None:
-        # one-token tiles for decode, and always in deterministic mode (the score of a token must not
-        # depend on the tile shape its batch happens to give it)
+        # decode-shaped scoring for few tokens, and always in deterministic mode (a token's scores must
+        # not depend on the tile its batch happens to give it)
         block_t = 1 if t <= 64 or is_deterministic() else max(1, 256 // block_h)
-    group = max(block_t, (SCORE_BUFFER // (4 * n_max)) // block_t * block_t)
+    n_tiles = triton.cdiv(n_max, TILE)
+    per_token = 12 * n_max + 8 * n_tiles
+    group = max(block_t, (SCORE_BUFFER // per_token) // block_t * block_t)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    score_chunk = min(SCORE_CHUNK, max(64, triton.next_power_of_2(n_max)))
-    sel_chunk = min(SELECT_CHUNK, max(64, triton.next_power_of_2(n_max)))
-    nch = triton.cdiv(n_max, sel_chunk)
     bt = block_tables if block_tables is not None else out
     for a in range(0, t, group):
         b = min(t, a + group)
         tn = b - a
         keys = torch.empty(tn, n_max, dtype=torch.int32, device=dev)
-        hist = torch.zeros(tn, 4, NBINS, dtype=torch.int32, device=dev)
-        counts = torch.empty(tn, nch, 2, dtype=torch.int32, device=dev)
-        tile_t0, tile_n = _tiles(token_req[a:b], block_t)
-        fuse = block_t == 1
-        score_kernel[(tile_t0.shape[0], triton.cdiv(n_max, score_chunk))](
-            q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), pool_flat, row_stride, bt, bt.stride(0),
-            token_req[a:b], vis[a:b], tile_t0, tile_n, keys, keys.stride(0), hist, hist.stride(0), h, tn,
-            D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=64, CHUNK=score_chunk, FP4=fp4,
-            PAGED=paged, EPB=epb, FUSE_HIST=fuse, PREC=prec, num_warps=4 if block_t * block_h <= 64 else 8)
-        grid = (tn, nch)
-        for level in range(0 if not fuse else 1, 4):
-            hist_kernel[grid](keys, keys.stride(0), hist, hist.stride(0), vis[a:b], topk, LEVEL=level,
-                              CHUNK=sel_chunk, BLOCK=1024 if sel_chunk >= 1024 else sel_chunk)
-        count_kernel[grid](keys, keys.stride(0), hist, hist.stride(0), counts, counts.stride(0), vis[a:b], topk,
-                           CHUNK=sel_chunk, BLOCK=1024 if sel_chunk >= 1024 else sel_chunk)
-        write_kernel[grid](keys, keys.stride(0), hist, hist.stride(0), counts, counts.stride(0), vis[a:b], out[a:b],
-                           out.stride(0), topk, CHUNK=sel_chunk, BLOCK=1024 if sel_chunk >= 1024 else sel_chunk,
-                           NCH=max(2, triton.next_power_of_2(nch)))
+        tmax = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
+        tlist = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
+        cand = torch.empty(2, tn, n_max, dtype=torch.int32, device=dev)
+        common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b])
+        if block_t == 1:
+            cfg = DECODE_CFG
+            chunk = _chunk(tn, n_max, cfg["BN"], dev)
+            score_decode_kernel[(tn, triton.cdiv(n_max, chunk))](
+                q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
+                tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BN=cfg["BN"], CHUNK=chunk,
+                TILE_N=TILE, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+        else:
+            tile_t0, tile_n = _tiles(token_req[a:b], block_t)
+            chunk = 2048
+            score_tile_kernel[(tile_t0.shape[0], triton.cdiv(n_max, chunk))](
+                q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
+                keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
+                BN=TILE, CHUNK=chunk, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=TILE_CFG["num_warps"],
+                num_stages=TILE_CFG["num_stages"])
+        select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1),
+                             vis[a:b], out[a:b], out.stride(0), topk, TILE_N=TILE, KPAD=triton.next_power_of_2(topk),
+                             **SELECT_CFG)
     return out
 
 
@@ -271,6 +355,10 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     vis = ((batch.positions + 1) // ratio).to(torch.int32)
     if max_visible is None:
         max_visible = int(vis.max()) if vis.numel() else 0   # a host sync: pass it under CUDA graphs
+    fp4 = fmt == "fp4"
     flat = pool.reshape(-1, pool.shape[-1])
-    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, vis, topk, max_visible,
-                fmt == "fp4", True, epb, head_dim or q.shape[-1])
+    words = fp4 and flat.shape[1] % 4 == 0 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
+    if words:
+        flat = flat.view(torch.int32)          # 68-B rows as 17 words
+    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, vis, topk, max_visible, fp4,
+                True, epb, head_dim or q.shape[-1], words=words)
