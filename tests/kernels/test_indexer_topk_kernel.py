@@ -2,11 +2,14 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import random_batch
 from hybridkv.cache.formats import pack_index_fp4
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import reference
+from hybridkv.ops.indexer_topk import triton as idx_triton
 from hybridkv.ops.paged import entry_rows
 from hybridkv.ops.quant import fp4_round_trip
 
@@ -117,3 +120,27 @@ def test_paged_long(kernels, device, fmt):
         check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
         sel = idx[tok][idx[tok] >= 0]
         assert torch.equal(sel, sel.sort().values)
+
+
+@triton.jit
+def _decode(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BN)
+    k = idx_triton._load_keys(rows, rows >= 0, POOL, s_row, D, True, WORDS, tl.float32)
+    tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], k)
+
+
+@pytest.mark.parametrize("d", [64, 128], ids=["bytes", "words"])
+def test_fp4_key_decoding_is_exact(kernels, device, d):
+    """Every E2M1 code and a spread of ue8m0 scales decode bit-exactly to the packed format's values."""
+    from hybridkv.cache.formats import unpack_index_fp4
+
+    g = torch.Generator().manual_seed(6)
+    n = 16
+    buf = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=g)
+    buf[0, : d // 2] = (torch.arange(d // 2) * 17 % 256).to(torch.uint8)           # all 16 codes, both nibbles
+    buf[:, d // 2:] = torch.randint(100, 150, (n, d // 32), dtype=torch.uint8, generator=g)
+    words = d // 2 % 2 == 0 and (d // 2 + d // 32) % 4 == 0
+    pool = buf.view(torch.int32) if words else buf
+    out = torch.empty(n, d, device=device)
+    _decode[(1,)](pool.to(device), pool.shape[1], out, D=d, WORDS=words, BN=n)
+    assert torch.equal(out.cpu(), unpack_index_fp4(buf, d))

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import random_batch, random_entries, rel_rms
 from hybridkv.ops.sparse_attn import reference
+from hybridkv.ops.sparse_attn import triton as attn_triton
 from hybridkv.ops.sparse_attn.reference import gather_paged
 
 
@@ -106,3 +109,29 @@ def test_public_function_on_cpu_is_the_reference():
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, **kw)
     assert torch.equal(sparse_attn_paged(q, sink, 0.1, batch, new_kv, ring, pool, idx, ratio, **kw),
                        reference.sparse_attn(q, rows, index, sink, 0.1))
+
+
+@triton.jit
+def _decode(WORDS, s_row, OUT, D: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BN)
+    kv = attn_triton._load_rows(WORDS + rows * s_row, rows >= 0, D, ROPE, True, tl.float32)
+    tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], kv)
+
+
+@pytest.mark.parametrize("d", [128, 512])
+def test_fp8_entry_decoding_is_exact(device, d):
+    """Packed 584-B-style entries decode bit-exactly (all e4m3 codes but NaN, a spread of scales, bf16 rope)."""
+    from hybridkv.cache.formats import unpack_main_fp8
+    g = torch.Generator().manual_seed(7)
+    rope, n = 64, 16
+    buf = random_entries(n, d, rope, "fp8", g)
+    nope = d - rope
+    codes = torch.arange(nope * n) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0                                       # e4m3 NaN codes
+    buf[:, :nope] = codes.view(n, nope).to(torch.uint8)
+    buf[:, nope + 2 * rope:nope + 2 * rope + nope // 64] = torch.randint(110, 140, (n, nope // 64), dtype=torch.uint8,
+                                                                         generator=g)
+    out = torch.empty(n, d, device=device)
+    words = buf.view(torch.int32)
+    _decode[(1,)](words.to(device), words.shape[1], out, D=d, ROPE=rope, BN=n)
+    assert torch.equal(out.cpu(), unpack_main_fp8(buf, d, rope))
