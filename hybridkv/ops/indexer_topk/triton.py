@@ -264,7 +264,7 @@ SCORE_BUFFER = 1 << 28  # bytes of per-entry scratch (keys + candidates) held at
 # gather, block over candidates, radix levels (8 bits each) of the bound τ₀, warps.
 DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
 TILE_CFG = dict(num_warps=8, num_stages=2)
-SELECT_CFG = dict(BLOCK=4096, TB=128, CBLOCK=1024, TAU_LEVELS=3, num_warps=8)
+SELECT_CFG = dict(BLOCK=4096, TB=64, CBLOCK=1024, TAU_LEVELS=3, num_warps=16)
 
 
 def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:

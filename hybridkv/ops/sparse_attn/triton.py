@@ -38,14 +38,15 @@ def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexp
         byte = (words[:, :, :, None] >> (tl.arange(0, 4) * 8)[None, None, None, :]).to(tl.int8)   # [BN, NB, 16, 4]
         sw = tl.load(ptr[:, None] + (NOPE + 2 * ROPE) // 4 + blk[None, :] // 4,
                      mask=valid[:, None] & is_nope[None, :], other=0)
-        scale = (((sw >> ((blk % 4) * 8)[None, :]) & 255) << 23).to(tl.float32, bitcast=True)      # 2^(e−127)
-        nope = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None, None]
+        # 2^(e−127) in OUT_T (exact: a power of two); the products below are exact in bf16 too
+        scale = (((sw >> ((blk % 4) * 8)[None, :]) & 255) << 23).to(tl.float32, bitcast=True).to(OUT_T)
+        nope = byte.to(tl.float8e4nv, bitcast=True).to(OUT_T) * scale[:, :, None, None]
         rw = tl.load(ptr[:, None] + NOPE // 4 + tl.arange(0, ROPE // 2)[None, :], mask=valid[:, None], other=0)
         lo = (rw & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
         hi = (rw >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        rope = tl.reshape(tl.join(lo, hi), [BN, ROPE]).to(tl.float32)                              # ROPE == 64
+        rope = tl.reshape(tl.join(lo, hi), [BN, ROPE]).to(OUT_T)                                   # ROPE == 64
         kv = tl.where(is_nope[None, :, None], tl.reshape(nope, [BN, NB, 64]), rope[:, None, :])
-        return tl.reshape(kv, [BN, D]).to(OUT_T)
+        return tl.reshape(kv, [BN, D])
     else:
         d = tl.arange(0, D)
         return tl.load(ptr[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(OUT_T)
@@ -55,10 +56,10 @@ def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexp
 def sparse_attn_kernel(
     Q, sq_t, sq_h, O, so_t, so_s, so_h, ML, sml_t, sml_s,
     NEW, s_new, RING, s_ring_slot, s_ring_row, POOL, s_pool_row, BT, s_bt, IDX, s_idx,
-    TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX,
+    TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX, split_rows,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
-    PAGED: tl.constexpr, SPLIT_ROWS: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
+    PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -72,7 +73,7 @@ def sparse_attn_kernel(
     else:
         n_comp = 0
     total = WINDOW + n_comp
-    start = sp * SPLIT_ROWS
+    start = sp * split_rows
     if start < total:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -85,7 +86,7 @@ def sparse_attn_kernel(
             seg_start = tl.load(SEG_START + r)
             seg_row0 = tl.load(SEG_ROW0 + r)
             slot = tl.load(SLOTS + r).to(tl.int64)
-        end = tl.minimum(start + SPLIT_ROWS, total)
+        end = tl.minimum(start + split_rows, total)
         for n0 in range(start, end, BLOCK_N):
             v = n0 + tl.arange(0, BLOCK_N)
             c = v - WINDOW
@@ -135,9 +136,9 @@ def sparse_attn_kernel(
 
 @triton.jit
 def combine_kernel(
-    PART, sp_t, sp_s, sp_h, ML, sml_t, sml_s, O, so_t, so_h, POS, SINK, H, K_IDX,
+    PART, sp_t, sp_s, sp_h, ML, sml_t, sml_s, O, so_t, so_h, POS, SINK, H, K_IDX, split_rows,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr,
-    MODE: tl.constexpr, RATIO: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+    MODE: tl.constexpr, RATIO: tl.constexpr,
 ):
     """Merge the pieces of one token for BLOCK_H heads × BLOCK_D dims, BLOCK_S pieces at a time in a
     fixed order, with the sink: o = Σ_s acc_s 2^(m_s−M) / (Σ_s l_s 2^(m_s−M) + 2^(sink−M))."""
@@ -151,7 +152,7 @@ def combine_kernel(
         n_comp = (pos + 1) // RATIO
     else:
         n_comp = 0
-    n_split = (WINDOW + n_comp + SPLIT_ROWS - 1) // SPLIT_ROWS
+    n_split = (WINDOW + n_comp + split_rows - 1) // split_rows
     hmask = heads < H
     sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
     base = ML + t.to(tl.int64) * sml_t
@@ -184,12 +185,25 @@ import torch  # noqa: E402
 
 from hybridkv.ops.backend import is_deterministic  # noqa: E402
 
-# (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages). Deterministic mode: one fixed shape for
-# every token. Prefill: all heads of a block per program, one piece per token.
-DETERMINISTIC_CFG = (16, 64, 256, 4, 2)
-PREFILL_CFG = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
-DECODE_CFG = dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2, min_split=128, programs_per_sm=2)
+# Launch shapes (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages), chosen so that nothing spills at
+# D = 512 with packed fp8 rows (ptxas, sm_90): a BLOCK_N × 512 tile is dequantised in registers.
+# Deterministic mode: one fixed shape for every token. Prefill: all 64 heads of a token per program
+# (wgmma, M = 64), one piece per token. Decode: 16-head programs ("narrow", each row tile re-read per
+# head block from L2) while there are few tokens, whole-head programs ("wide", no re-reads, 128 KB of
+# partial output per piece) once tokens × pieces of ≥ WIDE_MIN_SPLIT rows fill the GPU.
+DETERMINISTIC_CFG = (16, 32, 256, 8, 2)
+PREFILL_CFG = (64, 32, 8, 2)                     # BLOCK_H, BLOCK_N, num_warps, num_stages
+NARROW_CFG = (16, 32, 8, 2)
+WIDE_CFG = (64, 32, 8, 2)
+PIECES_PER_SM = 2                                # decode programs per SM to aim for
+MIN_SPLIT, WIDE_MIN_SPLIT = 64, 256
 COMBINE_CFG = dict(BLOCK_H=8, BLOCK_D=64, BLOCK_S=8, num_warps=4)
+
+
+@functools.lru_cache(maxsize=8)
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A placeholder int32 argument for pointers a launch never reads (cached: no fill per call)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -198,21 +212,19 @@ def _sms(device: torch.device) -> int:
 
 
 def _config(num_tokens: int, rows_max: int, heads: int, device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, split_rows, num_warps, num_stages). Few tokens (decode): rows split into
-    pieces so that the programs fill the GPU; many tokens (prefill): one piece per token."""
+    """(BLOCK_H, BLOCK_N, split_rows, num_warps, num_stages) for a launch of num_tokens tokens whose
+    longest row list has rows_max rows."""
     if is_deterministic():
         return DETERMINISTIC_CFG
     if num_tokens > 64:
-        c = PREFILL_CFG
-        bh = min(c["BLOCK_H"], max(16, triton.next_power_of_2(heads)))
-        return bh, c["BLOCK_N"], max(c["BLOCK_N"], triton.cdiv(rows_max, c["BLOCK_N"]) * c["BLOCK_N"]), \
-            c["num_warps"], c["num_stages"]
-    c = DECODE_CFG
-    bh, bn = c["BLOCK_H"], c["BLOCK_N"]
-    per_piece = num_tokens * triton.cdiv(heads, bh)
-    want = max(1, c["programs_per_sm"] * _sms(device) // per_piece)             # pieces per token
-    split = max(c["min_split"], triton.cdiv(triton.cdiv(rows_max, want), bn) * bn)
-    return bh, bn, split, c["num_warps"], c["num_stages"]
+        bh, bn, warps, stages = PREFILL_CFG
+        return min(bh, max(16, triton.next_power_of_2(heads))), bn, triton.cdiv(rows_max, bn) * bn, warps, stages
+    sms = _sms(device)
+    wide = heads >= WIDE_CFG[0] and num_tokens * (rows_max // WIDE_MIN_SPLIT) >= sms
+    bh, bn, warps, stages = WIDE_CFG if wide else NARROW_CFG
+    want = max(1, (sms if wide else PIECES_PER_SM * sms) // (num_tokens * triton.cdiv(heads, bh)))
+    split = max(WIDE_MIN_SPLIT if wide else MIN_SPLIT, triton.cdiv(triton.cdiv(rows_max, want), bn) * bn)
+    return bh, bn, split, warps, stages
 
 
 def _words(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -246,17 +258,17 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     if t == 0:
         return out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy = _dummy(dev)
     idx_t = idx if mode == 1 else dummy
     new_t = new_kv if new_kv is not None else pool
     ring_t = ring if ring is not None else pool
     common = dict(D=head_dim, ROPE=rope_dim, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window, MODE=mode,
-                  RATIO=max(ratio, 1), EPB=epb, PAGED=paged, SPLIT_ROWS=split, PREC=prec)
+                  RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec)
     args_tail = (new_t, new_t.stride(0), ring_t, ring_t.stride(0) if ring is not None else 0,
                  ring_t.stride(1) if ring is not None else 0, pool, pool.stride(0),
                  block_tables if block_tables is not None else dummy,
                  block_tables.stride(0) if block_tables is not None else 0, idx_t, idx_t.stride(0) if mode == 1 else 0,
-                 token_req, positions, slots, seg_start, seg_row0, sink, scale * LOG2E, h, k_idx)
+                 token_req, positions, slots, seg_start, seg_row0, sink, scale * LOG2E, h, k_idx, split)
     grid = (t, triton.cdiv(h, bh), n_split)
     if n_split == 1:
         sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), out, out.stride(0), 0, out.stride(1), dummy, 0, 0,
@@ -271,8 +283,8 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     bhc, bdc = min(c["BLOCK_H"], max(2, triton.next_power_of_2(h))), min(c["BLOCK_D"], head_dim)
     combine_kernel[(t, triton.cdiv(h, bhc), triton.cdiv(head_dim, bdc))](
         part, part.stride(0), part.stride(1), part.stride(2), ml, ml.stride(0), ml.stride(1), out, out.stride(0),
-        out.stride(1), positions, sink, h, k_idx, D=head_dim, BLOCK_H=bhc, BLOCK_D=bdc, BLOCK_S=c["BLOCK_S"],
-        WINDOW=window, MODE=mode, RATIO=max(ratio, 1), SPLIT_ROWS=split, num_warps=c["num_warps"])
+        out.stride(1), positions, sink, h, k_idx, split, D=head_dim, BLOCK_H=bhc, BLOCK_D=bdc, BLOCK_S=c["BLOCK_S"],
+        WINDOW=window, MODE=mode, RATIO=max(ratio, 1), num_warps=c["num_warps"])
     return out
 
 
