@@ -263,6 +263,7 @@ SCORE_BUFFER = 1 << 28  # bytes of per-entry scratch (keys + candidates) held at
 # Scoring: keys per MMA tile, warps, pipeline stages. Selection: block over tile maxima, tiles per
 # gather, block over candidates, radix levels (8 bits each) of the bound τ₀, warps.
 DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
+PROGRAMS_PER_SM = 4     # decode scoring programs per SM to aim for (sets the chunk of keys per program)
 TILE_CFG = dict(num_warps=8, num_stages=2)
 SELECT_CFG = dict(BLOCK=4096, TB=64, CBLOCK=1024, TAU_LEVELS=3, num_warps=16)
 
@@ -290,10 +291,10 @@ def _sms(device: torch.device) -> int:
 
 
 def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
-    """Keys per scoring program: enough programs to fill the GPU (~4 per SM) without tiny programs.
+    """Keys per scoring program: enough programs to fill the GPU without tiny programs.
     The chunking never changes a score (each is one MMA row), only how the work is spread."""
     sms = _sms(device)
-    want = max(1, tokens * n_max // (4 * sms))
+    want = max(1, tokens * n_max // (PROGRAMS_PER_SM * sms))
     return min(8192, max(4 * bn, triton.next_power_of_2(want)))
 
 
