@@ -125,7 +125,7 @@ def test_paged_long(kernels, device, fmt):
 @triton.jit
 def _decode(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
     rows = tl.arange(0, BN)
-    k = idx_triton._load_keys(rows, rows >= 0, POOL, s_row, D, True, WORDS, tl.float32)
+    k = idx_triton._load_keys(rows, POOL, s_row, D, True, WORDS, tl.float32)
     tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], k)
 
 

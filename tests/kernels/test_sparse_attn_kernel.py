@@ -61,7 +61,7 @@ def _paged_case(kind: str, fmt: str, device: str, segments, seed=0):
 SEGMENTS = [(0, 5), (37, 1), (70, 9), (200, 1)]   # a first chunk, decodes, a later chunk that crosses the ring
 
 
-@pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["default", "split"])
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG, (64, 16, 24, 4, 1)], ids=["default", "split", "split-64-heads"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_paged_matches_reference(kernels, device, kind, fmt, cfg):

@@ -51,45 +51,53 @@ def _fp4_values(code, e):
 
 
 @triton.jit
-def _load_keys(rows, valid, POOL, s_row, D: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
-               OUT_T: tl.constexpr):
-    """Key rows [BN, D] as OUT_T. FP4 rows: D/2 code bytes (low nibble = even element), then D/32
-    ue8m0 scales; POOL holds int32 words when WORDS (row bytes a multiple of 4), else bytes."""
+def _bytes4(w):
+    """int32 [A, B] -> its four bytes as int8 [A, B, 4], low byte first (joins keep them in one thread)."""
+    b01 = tl.join(w.to(tl.int8), (w >> 8).to(tl.int8))                   # [A, B, 2]: bytes 0, 1
+    b23 = tl.join((w >> 16).to(tl.int8), (w >> 24).to(tl.int8))          # bytes 2, 3
+    return tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [w.shape[0], w.shape[1], 4])
+
+
+@triton.jit
+def _load_keys(rows, POOL, s_row, D: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, OUT_T: tl.constexpr):
+    """Key rows [BN, D] as OUT_T (rows must be valid: no masks, so no per-element predicates). FP4 rows:
+    D/2 code bytes (low nibble = even element), then D/32 ue8m0 scales; POOL holds int32 words when
+    WORDS (row bytes a multiple of 4), else bytes."""
     BN: tl.constexpr = rows.shape[0]
     base = POOL + rows.to(tl.int64) * s_row
     if FP4:
         if WORDS:
             NW: tl.constexpr = D // 8
             wi = tl.arange(0, NW)
-            words = tl.load(base[:, None] + wi[None, :], mask=valid[:, None], other=0)          # [BN, NW]
-            sw = tl.load(base + NW, mask=valid, other=0x7F7F7F7F)                                # [BN]
+            words = tl.load(base[:, None] + wi[None, :])                                         # [BN, NW]
+            sw = tl.load(base[:, None] + NW + 0 * wi[None, :])               # [BN, NW]: the scale word, per word
             # four codes per word at once: code (s e1 e0 m) -> e4m3 byte (s 0 0 e1 e0 m 0 0) = e2m1 · 2⁻⁶
             ev = words & 0x0F0F0F0F                                                              # even elements
             od = (words >> 4) & 0x0F0F0F0F                                                       # odd elements
             ev = ((ev & 0x07070707) << 2) | ((ev & 0x08080808) << 4)
             od = ((od & 0x07070707) << 2) | ((od & 0x08080808) << 4)
-            sh = (tl.arange(0, 4) * 8)[None, None, :]
-            byte = tl.join((ev[:, :, None] >> sh).to(tl.int8), (od[:, :, None] >> sh).to(tl.int8))  # [BN, NW, 4, 2]
+            byte = tl.join(_bytes4(ev), _bytes4(od))                                               # [BN, NW, 4, 2]
             val = tl.reshape(byte, [BN, NW, 8]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            e = (sw[:, None] >> ((wi // 4) * 8)[None, :]) & 255                                 # [BN, NW]
+            e = (sw >> ((wi // 4) * 8)[None, :]) & 255                                          # [BN, NW]
             scale = (tl.minimum(e + 6, 254) << 23).to(tl.float32, bitcast=True)                 # 2^(e−127+6)
             k = tl.reshape(val * scale[:, :, None], [BN, D])
         else:
             bi = tl.arange(0, D // 2)
-            byte = tl.load(base[:, None] + bi[None, :], mask=valid[:, None], other=0).to(tl.int32)
-            e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16, mask=valid[:, None], other=127).to(tl.int32)
+            byte = tl.load(base[:, None] + bi[None, :]).to(tl.int32)
+            e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16).to(tl.int32)
             code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15              # [BN, D/2, 2]
             k = tl.reshape(_fp4_values(code, e[:, :, None]), [BN, D])
         return k.to(OUT_T)
     else:
         d = tl.arange(0, D)
-        return tl.load(base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(OUT_T)
+        return tl.load(base[:, None] + d[None, :]).to(OUT_T)
 
 
 @triton.jit
-def _rows(BT, s_bt, r, j, jv, EPB: tl.constexpr, PAGED: tl.constexpr):
+def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
+    """Pool rows of entries j (all valid entries of request r)."""
     if PAGED:
-        blk = tl.load(BT + r * s_bt + j // EPB, mask=jv, other=0)
+        blk = tl.load(BT + r * s_bt + j // EPB)
         return blk.to(tl.int64) * EPB + j % EPB
     else:
         return j.to(tl.int64)
@@ -115,7 +123,8 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
-            k = _load_keys(_rows(BT, s_bt, r, j, jv, EPB, PAGED), jv, POOL, s_pool_row, D, FP4, WORDS, q.dtype)
+            k = _load_keys(_rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED), POOL, s_pool_row, D, FP4, WORDS,
+                           q.dtype)                                     # rows past the end: recomputed, not stored
             s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
             key = tl.where(jv, _ordered(tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)), 0)
             tl.store(KEYS + t.to(tl.int64) * s_keys + j, key.to(tl.int32, bitcast=True), mask=jv)
@@ -152,7 +161,8 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
-            k = _load_keys(_rows(BT, s_bt, r, j, jv, EPB, PAGED), jv, POOL, s_pool_row, D, FP4, WORDS, q.dtype)
+            k = _load_keys(_rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED), POOL, s_pool_row, D, FP4, WORDS,
+                           q.dtype)
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]
             sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
             valid = tmask[:, None] & (j[None, :] < vis_t[:, None])

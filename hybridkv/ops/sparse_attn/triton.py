@@ -35,7 +35,10 @@ def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexp
         wi = tl.arange(0, 16)
         m3 = valid[:, None, None] & is_nope[None, :, None]
         words = tl.load(ptr[:, None, None] + (blk[None, :, None] * 16 + wi[None, None, :]), mask=m3, other=0)
-        byte = (words[:, :, :, None] >> (tl.arange(0, 4) * 8)[None, None, None, :]).to(tl.int8)   # [BN, NB, 16, 4]
+        # the four bytes of a word as a new minor dim, kept in one thread (joins, not a broadcast shift)
+        b01 = tl.join(words.to(tl.int8), (words >> 8).to(tl.int8))
+        b23 = tl.join((words >> 16).to(tl.int8), (words >> 24).to(tl.int8))
+        byte = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 2, 4, 3)), [BN, NB, 16, 4])
         sw = tl.load(ptr[:, None] + (NOPE + 2 * ROPE) // 4 + blk[None, :] // 4,
                      mask=valid[:, None] & is_nope[None, :], other=0)
         # 2^(e−127) in OUT_T (exact: a power of two); the products below are exact in bf16 too
@@ -53,13 +56,27 @@ def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexp
 
 
 @triton.jit
+def _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
+    """One row tile of the online softmax: (running max, sum, unnormalised output) after kv."""
+    s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    pr = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(kv.dtype), kv, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def sparse_attn_kernel(
     Q, sq_t, sq_h, O, so_t, so_s, so_h, ML, sml_t, sml_s,
     NEW, s_new, RING, s_ring_slot, s_ring_row, POOL, s_pool_row, BT, s_bt, IDX, s_idx,
     TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX, split_rows,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
-    PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
+    PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -82,45 +99,69 @@ def sparse_attn_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
-        if WINDOW > 0:
-            seg_start = tl.load(SEG_START + r)
-            seg_row0 = tl.load(SEG_ROW0 + r)
-            slot = tl.load(SLOTS + r).to(tl.int64)
         end = tl.minimum(start + split_rows, total)
-        for n0 in range(start, end, BLOCK_N):
-            v = n0 + tl.arange(0, BLOCK_N)
-            c = v - WINDOW
-            # compressed rows
-            if MODE == 1:
-                j = tl.load(IDX + t.to(tl.int64) * s_idx + c, mask=(c >= 0) & (c < n_comp), other=-1)
-            else:
-                j = tl.where((c >= 0) & (c < n_comp), c, -1)
-            if PAGED:
-                blk = tl.load(BT + r.to(tl.int64) * s_bt + tl.maximum(j, 0) // EPB, mask=j >= 0, other=0)
-                row = blk.to(tl.int64) * EPB + tl.maximum(j, 0) % EPB
-            else:
-                row = tl.maximum(j, 0).to(tl.int64)
-            ptr = POOL + row * s_pool_row
-            valid = j >= 0
+        if TWO_LOOPS:
             if WINDOW > 0:
-                p = pos - (WINDOW - 1) + v
-                in_win = v < WINDOW
-                is_new = p >= seg_start
-                new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
-                ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
-                ptr = tl.where(in_win, tl.where(is_new, new_ptr, ring_ptr), ptr)
-                valid = tl.where(in_win, p >= 0, valid)
-            valid = valid & (v < end)
-            kv = _load_rows(ptr, valid, D, ROPE, FP8, q.dtype)
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            pr = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(kv.dtype), kv, input_precision=PREC)
-            m_i = m_new
+                # window rows: positions pos−WINDOW+1 .. pos, from the chunk's new rows or the ring
+                seg_start = tl.load(SEG_START + r)
+                seg_row0 = tl.load(SEG_ROW0 + r)
+                slot = tl.load(SLOTS + r).to(tl.int64)
+                for n0 in range(start, tl.minimum(end, WINDOW), BLOCK_N):
+                    v = n0 + tl.arange(0, BLOCK_N)
+                    p = pos - (WINDOW - 1) + v
+                    new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
+                    ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
+                    valid = (p >= 0) & (v < end) & (v < WINDOW)
+                    kv = _load_rows(tl.where(p >= seg_start, new_ptr, ring_ptr), valid, D, ROPE, FP8, q.dtype)
+                    m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
+            if MODE > 0:
+                # compressed rows: CSA the token's index list, HCA every visible entry
+                for n0 in range(tl.maximum(start, WINDOW), end, BLOCK_N):
+                    c = n0 - WINDOW + tl.arange(0, BLOCK_N)
+                    if MODE == 1:
+                        j = tl.load(IDX + t.to(tl.int64) * s_idx + c, mask=c < n_comp, other=-1)
+                    else:
+                        j = c
+                    valid = (j >= 0) & (c < end - WINDOW)
+                    jc = tl.where(valid, j, 0)
+                    if PAGED:
+                        blk = tl.load(BT + r.to(tl.int64) * s_bt + jc // EPB, mask=valid, other=0)
+                        row = blk.to(tl.int64) * EPB + jc % EPB
+                    else:
+                        row = jc.to(tl.int64)
+                    kv = _load_rows(POOL + row * s_pool_row, valid, D, ROPE, FP8, q.dtype)
+                    m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
+        else:
+            # one loop over the whole row list (fewer registers live: packed fp8 with 64-head blocks)
+            if WINDOW > 0:
+                seg_start = tl.load(SEG_START + r)
+                seg_row0 = tl.load(SEG_ROW0 + r)
+                slot = tl.load(SLOTS + r).to(tl.int64)
+            for n0 in range(start, end, BLOCK_N):
+                v = n0 + tl.arange(0, BLOCK_N)
+                c = v - WINDOW
+                if MODE == 1:
+                    j = tl.load(IDX + t.to(tl.int64) * s_idx + c, mask=(c >= 0) & (c < n_comp), other=-1)
+                else:
+                    j = tl.where((c >= 0) & (c < n_comp), c, -1)
+                valid = j >= 0
+                jc = tl.where(valid, j, 0)
+                if PAGED:
+                    blk = tl.load(BT + r.to(tl.int64) * s_bt + jc // EPB, mask=valid, other=0)
+                    row = blk.to(tl.int64) * EPB + jc % EPB
+                else:
+                    row = jc.to(tl.int64)
+                ptr = POOL + row * s_pool_row
+                if WINDOW > 0:
+                    p = pos - (WINDOW - 1) + v
+                    in_win = v < WINDOW
+                    new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
+                    ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
+                    ptr = tl.where(in_win, tl.where(p >= seg_start, new_ptr, ring_ptr), ptr)
+                    valid = tl.where(in_win, p >= 0, valid)
+                valid = valid & (v < end)
+                kv = _load_rows(ptr, valid, D, ROPE, FP8, q.dtype)
+                m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
         omask = hmask[:, None]
         if FINAL:
             sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
@@ -263,7 +304,7 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     new_t = new_kv if new_kv is not None else pool
     ring_t = ring if ring is not None else pool
     common = dict(D=head_dim, ROPE=rope_dim, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window, MODE=mode,
-                  RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec)
+                  RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec, TWO_LOOPS=not (fp8 and bh >= 64))
     args_tail = (new_t, new_t.stride(0), ring_t, ring_t.stride(0) if ring is not None else 0,
                  ring_t.stride(1) if ring is not None else 0, pool, pool.stride(0),
                  block_tables if block_tables is not None else dummy,
