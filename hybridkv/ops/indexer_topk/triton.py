@@ -17,8 +17,9 @@ exact causal top-k, returned in ascending entry order (what attention consumes).
 
 FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales) are read as 17 int32 words. Four codes of a word
 become e4m3 bytes at once (sign to bit 7, e1 e0 m to bits 4..2: the e4m3 value is the E2M1 value
-× 2⁻⁶, E2M1's subnormal 0.5 landing on an e4m3 subnormal), which the hardware widens; a multiply
-by 2^(s−127+6) restores the scale. Exact, and about two integer ops per element.
+× 2⁻⁶, E2M1's subnormal 0.5 landing on an e4m3 subnormal), which the hardware widens to fp16; an
+fp16 multiply by 2^(s−smax+6) brings each 32-block to the row's largest scale, and the MMA runs in
+fp16 on queries pre-scaled per head; the powers of two come back after the ReLU.
 """
 
 from __future__ import annotations
@@ -94,6 +95,57 @@ def _load_keys(rows, POOL, s_row, D: tl.constexpr, FP4: tl.constexpr, WORDS: tl.
 
 
 @triton.jit
+def _fp4_keys16(rows, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr):
+    """FP4 key rows as fp16 [BN, D] scaled by 2^(127 − smax) (smax: the row's largest ue8m0 scale,
+    returned [BN]): every value is exact (blocks more than 2²⁰ below the row's largest are dropped:
+    they are below fp32 resolution of the score), and the MMA runs on fp16 directly from the e4m3
+    widening, with no fp32 round trip. The row factor 2^(smax−127) is applied to the score (ReLU
+    commutes with positive scaling)."""
+    BN: tl.constexpr = rows.shape[0]
+    base = POOL + rows.to(tl.int64) * s_row
+    if WORDS:
+        NW: tl.constexpr = D // 8
+        wi = tl.arange(0, NW)
+        words = tl.load(base[:, None] + wi[None, :])                                             # [BN, NW]
+        sw = tl.load(base[:, None] + NW + 0 * wi[None, :])                   # [BN, NW]: the scale word, per word
+        # four codes per word at once: code (s e1 e0 m) -> e4m3 byte (s 0 0 e1 e0 m 0 0) = e2m1 · 2⁻⁶
+        ev = words & 0x0F0F0F0F                                                                  # even elements
+        od = (words >> 4) & 0x0F0F0F0F                                                           # odd elements
+        ev = ((ev & 0x07070707) << 2) | ((ev & 0x08080808) << 4)
+        od = ((od & 0x07070707) << 2) | ((od & 0x08080808) << 4)
+        byte = tl.join(_bytes4(ev), _bytes4(od))                                                   # [BN, NW, 4, 2]
+        val = tl.reshape(byte, [BN, NW, 8]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        smax2 = tl.maximum(tl.maximum(sw & 255, (sw >> 8) & 255), tl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+        delta = ((sw >> ((wi // 4) * 8)[None, :]) & 255) - smax2                                 # [BN, NW], ≤ 0
+        f = ((delta + 21) << 10).to(tl.int16).to(tl.float16, bitcast=True)                      # 2^(delta+6)
+        f = tl.where(delta >= -20, f, 0.0)
+        k = tl.reshape(val * f[:, :, None], [BN, D])
+        smax = tl.max(smax2, 1)
+    else:
+        bi = tl.arange(0, D // 2)
+        byte = tl.load(base[:, None] + bi[None, :]).to(tl.int32)
+        e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16).to(tl.int32)                    # [BN, D/2]
+        code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15                  # [BN, D/2, 2]
+        b8 = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.int8)
+        val = b8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        smax = tl.max(e, 1)
+        delta = e - smax[:, None]
+        f = tl.where(delta >= -20, ((delta + 21) << 10).to(tl.int16).to(tl.float16, bitcast=True), 0.0)
+        k = tl.reshape(val * f[:, :, None], [BN, D])
+    return k, smax
+
+
+@triton.jit
+def _q16(q, w):
+    """Rows of q as fp16 scaled into [1, 2) by a power of two 2^(127−e), and w · 2^(e−127) to undo it
+    after the ReLU. Exact for bf16 (and FP4-grid) queries, but for elements 2²⁴ below a row's largest."""
+    qf = q.to(tl.float32)
+    e = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 255
+    q16 = (qf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+    return q16, w * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
     """Pool rows of entries j (all valid entries of request r)."""
     if PAGED:
@@ -118,15 +170,23 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
         d = tl.arange(0, D)
         q = tl.load(Q + t.to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :], mask=(h < H)[:, None], other=0.0)
         w = tl.load(W + t.to(tl.int64) * sw_t + h, mask=h < H, other=0.0).to(tl.float32)
+        if FP4:
+            q, w = _q16(q, w)
         qt = tl.trans(q)                                                                         # [D, BLOCK_H]
         end = tl.minimum(n_start + CHUNK, vis)
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
-            k = _load_keys(_rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED), POOL, s_pool_row, D, FP4, WORDS,
-                           q.dtype)                                     # rows past the end: recomputed, not stored
+            rows = _rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED)   # rows past the end: recomputed, not stored
+            if FP4:
+                k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
+            else:
+                k = _load_keys(rows, POOL, s_pool_row, D, False, False, q.dtype)
             s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
-            key = tl.where(jv, _ordered(tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)), 0)
+            sc = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
+            if FP4:
+                sc = sc * (smax << 23).to(tl.float32, bitcast=True)
+            key = tl.where(jv, _ordered(sc), 0)
             tl.store(KEYS + t.to(tl.int64) * s_keys + j, key.to(tl.int32, bitcast=True), mask=jv)
             tmax = tl.max(tl.reshape(key, [BN // TILE_N, TILE_N]), 1)
             ti = n0 // TILE_N + tl.arange(0, BN // TILE_N)
@@ -157,14 +217,21 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
         q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=rmask[:, None],
                     other=0.0)
         w = tl.load(W + tok.to(tl.int64) * sw_t + h, mask=rmask, other=0.0).to(tl.float32)
+        if FP4:
+            q, w = _q16(q, w)
         end = tl.minimum(n_start + CHUNK, vis_max)
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
-            k = _load_keys(_rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED), POOL, s_pool_row, D, FP4, WORDS,
-                           q.dtype)
+            rows = _rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED)
+            if FP4:
+                k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
+            else:
+                k = _load_keys(rows, POOL, s_pool_row, D, False, False, q.dtype)
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]
             sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
+            if FP4:
+                sc = sc * (smax << 23).to(tl.float32, bitcast=True)[None, :]
             valid = tmask[:, None] & (j[None, :] < vis_t[:, None])
             key = tl.where(valid, _ordered(sc), 0)
             tl.store(KEYS + (t0 + ti).to(tl.int64)[:, None] * s_keys + j[None, :], key.to(tl.int32, bitcast=True),
