@@ -300,12 +300,15 @@ def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s
         tl.debug_barrier()
         # 3. their keys ≥ τ₀: the candidates, in entry order
         nc = 0
+        ti = tl.arange(0, TB)
+        tix = tl.load(tlist + ti, mask=ti < ns, other=0, cache_modifier=".cg")
         for i0 in range(0, ns, TB):
-            i = i0 + tl.arange(0, TB)
-            tix = tl.load(tlist + i, mask=i < ns, other=0, cache_modifier=".cg")
+            i = i0 + ti
             j = tix[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
             m = (i < ns)[:, None] & (j < vis)
             key = tl.load(keys + j, mask=m, other=0, cache_modifier=".cg")
+            # the next block's tile ids: independent of this block, so their latency overlaps it
+            tix = tl.load(tlist + i + TB, mask=i + TB < ns, other=0, cache_modifier=".cg")
             sel = (m & (key.to(tl.uint32, bitcast=True) >= tau0)).to(tl.int32)
             key, j, sel = tl.reshape(key, [TB * TILE_N]), tl.reshape(j, [TB * TILE_N]), tl.reshape(sel, [TB * TILE_N])
             dst = nc + tl.cumsum(sel, 0) - sel
