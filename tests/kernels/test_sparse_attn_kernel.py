@@ -20,11 +20,12 @@ def kernels():
 SPLIT_CFG = (16, 16, 24, 4, 1)      # (BLOCK_H, BLOCK_N, split rows, warps, stages): pieces end mid-tile
 
 
-@pytest.mark.parametrize("n_idx,cfg", [(24, None), (90, None), (90, SPLIT_CFG), (130, (16, 16, 16, 4, 1))],
-                         ids=["one-piece", "one-piece-long", "split-partial-tiles", "many-pieces"])
-def test_contiguous_matches_reference(kernels, device, n_idx, cfg):
+@pytest.mark.parametrize("n_idx,cfg,d", [(24, None, 64), (90, None, 64), (90, SPLIT_CFG, 64), (130, (16, 16, 16, 4, 1), 64),
+                                         (40, None, 96), (90, SPLIT_CFG, 96)],
+                         ids=["one-piece", "one-piece-long", "split-partial-tiles", "many-pieces", "d96", "d96-split"])
+def test_contiguous_matches_reference(kernels, device, n_idx, cfg, d):
     g = torch.Generator().manual_seed(0)
-    t, h, d, n = 5, 4, 64, 50
+    t, h, n = 5, 4, 50
     q, kv = torch.randn(t, h, d, generator=g), torch.randn(n, d, generator=g)
     idx = torch.randint(0, n, (t, n_idx), generator=g)
     idx[torch.rand(t, n_idx, generator=g) < 0.3] = -1

@@ -382,6 +382,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
          block_t=None, words=False):
     t, h, _ = q.shape
     dev = q.device
+    assert head_dim == triton.next_power_of_2(head_dim), "indexer head_dim must be a power of two"
     out = torch.empty((t, topk), dtype=torch.int32, device=dev)
     if t == 0:
         return out

@@ -23,9 +23,10 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, OUT_T: tl.constexpr):
-    """Rows [BN, D] as OUT_T from row base pointers `ptr` [BN]: int32 words of packed fp8 entries
-    (FP8), else elements."""
+def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, OUT_T: tl.constexpr,
+               BLOCK_D: tl.constexpr = None):
+    """Rows [BN, BLOCK_D] as OUT_T from row base pointers `ptr` [BN]: int32 words of packed fp8 entries
+    (FP8, BLOCK_D = D), else elements (dims ≥ D zero)."""
     BN: tl.constexpr = ptr.shape[0]
     if FP8:
         NOPE: tl.constexpr = D - ROPE
@@ -50,9 +51,12 @@ def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexp
         rope = tl.reshape(tl.join(lo, hi), [BN, ROPE]).to(OUT_T)                                   # ROPE == 64
         kv = tl.where(is_nope[None, :, None], tl.reshape(nope, [BN, NB, 64]), rope[:, None, :])
         return tl.reshape(kv, [BN, D])
-    else:
+    elif BLOCK_D == D:
         d = tl.arange(0, D)
         return tl.load(ptr[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(OUT_T)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        return tl.load(ptr[:, None] + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0).to(OUT_T)
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def sparse_attn_kernel(
     Q, sq_t, sq_h, O, so_t, so_s, so_h, ML, sml_t, sml_s,
     NEW, s_new, RING, s_ring_slot, s_ring_row, POOL, s_pool_row, BT, s_bt, IDX, s_idx,
     TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX, split_rows,
-    D: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
     PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
@@ -94,11 +98,13 @@ def sparse_attn_kernel(
     if start < total:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
-        d = tl.arange(0, D)
-        q = tl.load(Q + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + d[None, :], mask=hmask[:, None], other=0.0)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(Q + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + d[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         end = tl.minimum(start + split_rows, total)
         if TWO_LOOPS:
             if WINDOW > 0:
@@ -112,7 +118,7 @@ def sparse_attn_kernel(
                     new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
                     ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
                     valid = (p >= 0) & (v < end) & (v < WINDOW)
-                    kv = _load_rows(tl.where(p >= seg_start, new_ptr, ring_ptr), valid, D, ROPE, FP8, q.dtype)
+                    kv = _load_rows(tl.where(p >= seg_start, new_ptr, ring_ptr), valid, D, ROPE, FP8, q.dtype, BLOCK_D)
                     m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
             if MODE > 0:
                 # compressed rows: CSA the token's index list, HCA every visible entry
@@ -129,7 +135,7 @@ def sparse_attn_kernel(
                         row = blk.to(tl.int64) * EPB + jc % EPB
                     else:
                         row = jc.to(tl.int64)
-                    kv = _load_rows(POOL + row * s_pool_row, valid, D, ROPE, FP8, q.dtype)
+                    kv = _load_rows(POOL + row * s_pool_row, valid, D, ROPE, FP8, q.dtype, BLOCK_D)
                     m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
         else:
             # one loop over the whole row list (fewer registers live: packed fp8 with 64-head blocks)
@@ -160,9 +166,9 @@ def sparse_attn_kernel(
                     ptr = tl.where(in_win, tl.where(p >= seg_start, new_ptr, ring_ptr), ptr)
                     valid = tl.where(in_win, p >= 0, valid)
                 valid = valid & (v < end)
-                kv = _load_rows(ptr, valid, D, ROPE, FP8, q.dtype)
+                kv = _load_rows(ptr, valid, D, ROPE, FP8, q.dtype, BLOCK_D)
                 m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
-        omask = hmask[:, None]
+        omask = hmask[:, None] & dmask[None, :]
         if FINAL:
             sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
             m_all = tl.maximum(m_i, sink)
@@ -281,10 +287,10 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
             seg_start, seg_row0, window, mode, ratio, epb, paged, fp8, head_dim, rope_dim, max_pos, cfg=None):
     t, h, _ = q.shape
     dev = q.device
+    block_d = triton.next_power_of_2(head_dim)
     if fp8:
-        assert rope_dim == 64 and head_dim % 64 == 0, "packed fp8 entries: 64 rope dims, head_dim a multiple of 64"
+        assert rope_dim == 64 and head_dim == block_d >= 128, "packed fp8 entries: 64 rope dims, head_dim 2^k ≥ 128"
         new_kv, ring, pool = _words(new_kv), _words(ring), _words(pool)
-    assert head_dim == triton.next_power_of_2(head_dim), "head_dim must be a power of two"
     k_idx = idx.shape[1] if mode == 1 else 0
     if mode == 1:
         n_comp_max = k_idx
@@ -303,7 +309,7 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     idx_t = idx if mode == 1 else dummy
     new_t = new_kv if new_kv is not None else pool
     ring_t = ring if ring is not None else pool
-    common = dict(D=head_dim, ROPE=rope_dim, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window, MODE=mode,
+    common = dict(D=head_dim, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window, MODE=mode,
                   RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec, TWO_LOOPS=not (fp8 and bh >= 64))
     args_tail = (new_t, new_t.stride(0), ring_t, ring_t.stride(0) if ring is not None else 0,
                  ring_t.stride(1) if ring is not None else 0, pool, pool.stride(0),
