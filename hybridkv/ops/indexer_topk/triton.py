@@ -73,10 +73,9 @@ def _load_keys(rows, POOL, s_row, D: tl.constexpr, FP4: tl.constexpr, WORDS: tl.
             words = tl.load(base[:, None] + wi[None, :])                                         # [BN, NW]
             sw = tl.load(base[:, None] + NW + 0 * wi[None, :])               # [BN, NW]: the scale word, per word
             # four codes per word at once: code (s e1 e0 m) -> e4m3 byte (s 0 0 e1 e0 m 0 0) = e2m1 · 2⁻⁶
-            ev = words & 0x0F0F0F0F                                                              # even elements
-            od = (words >> 4) & 0x0F0F0F0F                                                       # odd elements
-            ev = ((ev & 0x07070707) << 2) | ((ev & 0x08080808) << 4)
-            od = ((od & 0x07070707) << 2) | ((od & 0x08080808) << 4)
+        # (−0x7F7F7F80 is 0x80808080, the sign bit of every byte, as an int32)
+            ev = ((words << 2) & 0x1C1C1C1C) | ((words << 4) & -0x7F7F7F80)                      # even elements
+            od = ((words >> 2) & 0x1C1C1C1C) | (words & -0x7F7F7F80)                           # odd elements
             byte = tl.join(_bytes4(ev), _bytes4(od))                                               # [BN, NW, 4, 2]
             val = tl.reshape(byte, [BN, NW, 8]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             e = (sw >> ((wi // 4) * 8)[None, :]) & 255                                          # [BN, NW]
@@ -109,10 +108,9 @@ def _fp4_keys16(rows, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr):
         words = tl.load(base[:, None] + wi[None, :])                                             # [BN, NW]
         sw = tl.load(base[:, None] + NW + 0 * wi[None, :])                   # [BN, NW]: the scale word, per word
         # four codes per word at once: code (s e1 e0 m) -> e4m3 byte (s 0 0 e1 e0 m 0 0) = e2m1 · 2⁻⁶
-        ev = words & 0x0F0F0F0F                                                                  # even elements
-        od = (words >> 4) & 0x0F0F0F0F                                                           # odd elements
-        ev = ((ev & 0x07070707) << 2) | ((ev & 0x08080808) << 4)
-        od = ((od & 0x07070707) << 2) | ((od & 0x08080808) << 4)
+        # (−0x7F7F7F80 is 0x80808080, the sign bit of every byte, as an int32)
+        ev = ((words << 2) & 0x1C1C1C1C) | ((words << 4) & -0x7F7F7F80)                          # even elements
+        od = ((words >> 2) & 0x1C1C1C1C) | (words & -0x7F7F7F80)                               # odd elements
         byte = tl.join(_bytes4(ev), _bytes4(od))                                                   # [BN, NW, 4, 2]
         val = tl.reshape(byte, [BN, NW, 8]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         smax2 = tl.maximum(tl.maximum(sw & 255, (sw >> 8) & 255), tl.maximum((sw >> 16) & 255, (sw >> 24) & 255))

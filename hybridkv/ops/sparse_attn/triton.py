@@ -244,7 +244,7 @@ NARROW_CFG = (16, 32, 8, 2)
 WIDE_CFG = (64, 32, 8, 2)
 PIECES_PER_SM = 2                                # decode programs per SM to aim for
 MIN_SPLIT, WIDE_MIN_SPLIT = 64, 256
-COMBINE_CFG = dict(BLOCK_H=8, BLOCK_D=64, BLOCK_S=8, num_warps=4)
+COMBINE_CFG = dict(BLOCK_H=4, BLOCK_D=64, BLOCK_S=16, num_warps=4)
 
 
 @functools.lru_cache(maxsize=8)
