@@ -123,30 +123,6 @@ def test_paged_long(kernels, device, fmt):
 
 
 @triton.jit
-def _decode(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
-    rows = tl.arange(0, BN)
-    k = idx_triton._load_keys(rows, POOL, s_row, D, True, WORDS, tl.float32)
-    tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], k)
-
-
-@pytest.mark.parametrize("d", [64, 128], ids=["bytes", "words"])
-def test_fp4_key_decoding_is_exact(kernels, device, d):
-    """Every E2M1 code and a spread of ue8m0 scales decode bit-exactly to the packed format's values."""
-    from hybridkv.cache.formats import unpack_index_fp4
-
-    g = torch.Generator().manual_seed(6)
-    n = 16
-    buf = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=g)
-    buf[0, : d // 2] = (torch.arange(d // 2) * 17 % 256).to(torch.uint8)           # all 16 codes, both nibbles
-    buf[:, d // 2:] = torch.randint(100, 150, (n, d // 32), dtype=torch.uint8, generator=g)
-    words = d // 2 % 2 == 0 and (d // 2 + d // 32) % 4 == 0
-    pool = buf.view(torch.int32) if words else buf
-    out = torch.empty(n, d, device=device)
-    _decode[(1,)](pool.to(device), pool.shape[1], out, D=d, WORDS=words, BN=n)
-    assert torch.equal(out.cpu(), unpack_index_fp4(buf, d))
-
-
-@triton.jit
 def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
     rows = tl.arange(0, BN)
     k, smax = idx_triton._fp4_keys16(rows, POOL, s_row, D, WORDS)

@@ -7,13 +7,10 @@ exact causal top-k, returned in ascending entry order (what attention consumes).
    of one request's tokens × a chunk of keys, tokens·heads as rows). Both write an
    order-preserving uint32 key per score and, as the first selection stage, the largest key of
    every `TILE` consecutive entries.
-2. `select_kernel`, one program per token: the TILE-maxima give a lower bound τ₀ of the k-th
-   largest score (the k-th largest maximum, to 16 bits); only tiles whose maximum reaches τ₀ can
-   hold a selected entry, and of those only the keys ≥ τ₀ (typically ≈ k of them). An exact
-   radix select over these candidates gives the threshold τ and how many τ-ties to keep; the
-   output lists the keys > τ and the first ties in entry order. Integer keys and fixed orders:
-   the result is exact (by score) and deterministic, and a token's result never depends on its
-   batch (each score is computed by one MMA row whatever the chunking).
+2. `select_kernel` (`hybridkv.ops.indexer_topk.select`), one program per token: exact top-k from
+   the keys and the tile maxima. Integer keys and fixed orders: the result is exact (by score) and
+   deterministic, and a token's result never depends on its batch (each score is computed by one
+   MMA row whatever the chunking).
 
 FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales) are read as 17 int32 words. Four codes of a word
 become e4m3 bytes at once (sign to bit 7, e1 e0 m to bits 4..2: the e4m3 value is the E2M1 value
@@ -31,6 +28,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.backend import is_deterministic
+from hybridkv.ops.indexer_topk.select import select_kernel
 from hybridkv.ops.paged import PagedBatch
 
 TILE = 64          # entries per maximum (first selection stage)
@@ -44,14 +42,6 @@ def _ordered(sc):
 
 
 @triton.jit
-def _fp4_values(code, e):
-    """E2M1 codes (int32, 0..15) and their ue8m0 scale bytes -> float32 values, exactly."""
-    h = ((code & 7) << 9) | ((code & 8) << 12)                            # fp16 bits of e2m1 · 2⁻¹⁴
-    val = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return val * (tl.minimum(e + 14, 254) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _bytes4(w):
     """int32 [A, B] -> its four bytes as int8 [A, B, 4], low byte first (joins keep them in one thread)."""
     b01 = tl.join(w.to(tl.int8), (w >> 8).to(tl.int8))                   # [A, B, 2]: bytes 0, 1
@@ -60,37 +50,9 @@ def _bytes4(w):
 
 
 @triton.jit
-def _load_keys(rows, POOL, s_row, D: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, OUT_T: tl.constexpr):
-    """Key rows [BN, D] as OUT_T (rows must be valid: no masks, so no per-element predicates). FP4 rows:
-    D/2 code bytes (low nibble = even element), then D/32 ue8m0 scales; POOL holds int32 words when
-    WORDS (row bytes a multiple of 4), else bytes."""
-    BN: tl.constexpr = rows.shape[0]
-    base = POOL + rows.to(tl.int64) * s_row
-    if FP4:
-        if WORDS:
-            NW: tl.constexpr = D // 8
-            wi = tl.arange(0, NW)
-            words = tl.load(base[:, None] + wi[None, :])                                         # [BN, NW]
-            sw = tl.load(base[:, None] + NW + 0 * wi[None, :])               # [BN, NW]: the scale word, per word
-            # four codes per word at once: code (s e1 e0 m) -> e4m3 byte (s 0 0 e1 e0 m 0 0) = e2m1 · 2⁻⁶
-        # (−0x7F7F7F80 is 0x80808080, the sign bit of every byte, as an int32)
-            ev = ((words << 2) & 0x1C1C1C1C) | ((words << 4) & -0x7F7F7F80)                      # even elements
-            od = ((words >> 2) & 0x1C1C1C1C) | (words & -0x7F7F7F80)                           # odd elements
-            byte = tl.join(_bytes4(ev), _bytes4(od))                                               # [BN, NW, 4, 2]
-            val = tl.reshape(byte, [BN, NW, 8]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            e = (sw >> ((wi // 4) * 8)[None, :]) & 255                                          # [BN, NW]
-            scale = (tl.minimum(e + 6, 254) << 23).to(tl.float32, bitcast=True)                 # 2^(e−127+6)
-            k = tl.reshape(val * scale[:, :, None], [BN, D])
-        else:
-            bi = tl.arange(0, D // 2)
-            byte = tl.load(base[:, None] + bi[None, :]).to(tl.int32)
-            e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16).to(tl.int32)
-            code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15              # [BN, D/2, 2]
-            k = tl.reshape(_fp4_values(code, e[:, :, None]), [BN, D])
-        return k.to(OUT_T)
-    else:
-        d = tl.arange(0, D)
-        return tl.load(base[:, None] + d[None, :]).to(OUT_T)
+def _float_keys(rows, POOL, s_row, D: tl.constexpr, OUT_T: tl.constexpr):
+    """Float key rows [BN, D] as OUT_T (rows must be valid: no masks, so no per-element predicates)."""
+    return tl.load(POOL + rows.to(tl.int64)[:, None] * s_row + tl.arange(0, D)[None, :]).to(OUT_T)
 
 
 @triton.jit
@@ -179,7 +141,7 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
             if FP4:
                 k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
             else:
-                k = _load_keys(rows, POOL, s_pool_row, D, False, False, q.dtype)
+                k = _float_keys(rows, POOL, s_pool_row, D, q.dtype)
             s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
             sc = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
             if FP4:
@@ -225,7 +187,7 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
             if FP4:
                 k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
             else:
-                k = _load_keys(rows, POOL, s_pool_row, D, False, False, q.dtype)
+                k = _float_keys(rows, POOL, s_pool_row, D, q.dtype)
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]
             sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
             if FP4:
@@ -236,104 +198,6 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
                      mask=tmask[:, None] & jv[None, :])
             tl.store(TMAX + (t0 + ti).to(tl.int64) * s_tmax + n0 // BN, tl.max(key, 1).to(tl.int32, bitcast=True),
                      mask=tmask)
-
-
-@triton.jit
-def _digit_hist(PTR, n, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram of digit LEVEL (8 bits, from the top) of the keys PTR[0:n] whose higher digits equal `prefix`."""
-    hist = tl.zeros([256], tl.int32)
-    for i0 in range(0, n, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        m = i < n
-        key = tl.load(PTR + i, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        if LEVEL > 0:
-            m = m & ((key >> (32 - 8 * LEVEL)) == prefix)
-        hist += tl.histogram(((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32), 256, mask=m)
-    return hist
-
-
-@triton.jit
-def _pick(hist, krem):
-    """The bin holding the krem-th largest key and how many of its keys are still wanted."""
-    b = tl.arange(0, 256)
-    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-    bsel = tl.max(tl.where(at_or_above >= krem, b, -1), 0)
-    return bsel, krem - tl.sum(tl.where(b > bsel, hist, 0), 0)
-
-
-@triton.jit
-def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K,
-                  TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, CBLOCK: tl.constexpr,
-                  TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr):
-    """Exact top-K of one token's keys (see the module docstring); writes all K output slots."""
-    t = tl.program_id(0)
-    vis = tl.load(VIS + t)
-    out = OUT + t.to(tl.int64) * s_out
-    if vis <= K:
-        j = tl.arange(0, KPAD)
-        tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
-    else:
-        keys = KEYS + t.to(tl.int64) * s_keys
-        tmax = TMAX + t.to(tl.int64) * s_tmax
-        tlist = TLIST + t.to(tl.int64) * s_tmax
-        ck = CK + t.to(tl.int64) * s_cand
-        ci = CI + t.to(tl.int64) * s_cand
-        nt = (vis + TILE_N - 1) // TILE_N
-        # 1. τ₀ ≤ the K-th largest tile maximum (its top 8·TAU_LEVELS bits); 0 (all) with fewer than K tiles
-        tau0 = tl.zeros([], tl.uint32)
-        if nt >= K:
-            krem = K
-            for lvl in tl.static_range(TAU_LEVELS):
-                bsel, krem = _pick(_digit_hist(tmax, nt, tau0, lvl, BLOCK), krem)
-                tau0 = (tau0 << 8) | bsel.to(tl.uint32)
-            tau0 = tau0 << (32 - 8 * TAU_LEVELS)
-        # 2. the tiles that can hold a selected entry, in entry order
-        ns = 0
-        for i0 in range(0, nt, BLOCK):
-            i = i0 + tl.arange(0, BLOCK)
-            mx = tl.load(tmax + i, mask=i < nt, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            sel = ((i < nt) & (mx >= tau0)).to(tl.int32)
-            tl.store(tlist + ns + tl.cumsum(sel, 0) - sel, i, mask=sel != 0)
-            ns += tl.sum(sel, 0)
-        tl.debug_barrier()
-        # 3. their keys ≥ τ₀: the candidates, in entry order
-        nc = 0
-        ti = tl.arange(0, TB)
-        tix = tl.load(tlist + ti, mask=ti < ns, other=0, cache_modifier=".cg")
-        for i0 in range(0, ns, TB):
-            i = i0 + ti
-            j = tix[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
-            m = (i < ns)[:, None] & (j < vis)
-            key = tl.load(keys + j, mask=m, other=0, cache_modifier=".cg")
-            # the next block's tile ids: independent of this block, so their latency overlaps it
-            tix = tl.load(tlist + i + TB, mask=i + TB < ns, other=0, cache_modifier=".cg")
-            sel = (m & (key.to(tl.uint32, bitcast=True) >= tau0)).to(tl.int32)
-            key, j, sel = tl.reshape(key, [TB * TILE_N]), tl.reshape(j, [TB * TILE_N]), tl.reshape(sel, [TB * TILE_N])
-            dst = nc + tl.cumsum(sel, 0) - sel
-            tl.store(ck + dst, key, mask=sel != 0)
-            tl.store(ci + dst, j, mask=sel != 0)
-            nc += tl.sum(sel, 0)
-        tl.debug_barrier()
-        # 4. exact radix select among the candidates: threshold τ, and r ties at τ to keep
-        prefix = tl.zeros([], tl.uint32)
-        krem = K
-        for lvl in tl.static_range(4):
-            bsel, krem = _pick(_digit_hist(ck, nc, prefix, lvl, CBLOCK), krem)
-            prefix = (prefix << 8) | bsel.to(tl.uint32)
-        # 5. keys > τ and the first r ties, in entry order
-        base = 0
-        eq_seen = 0
-        for i0 in range(0, nc, CBLOCK):
-            i = i0 + tl.arange(0, CBLOCK)
-            m = i < nc
-            key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            idx = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
-            is_eq = (m & (key == prefix)).to(tl.int32)
-            rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
-            sel = ((m & (key > prefix)) | ((is_eq != 0) & (rank < krem))).to(tl.int32)
-            tl.store(out + base + tl.cumsum(sel, 0) - sel, idx, mask=sel != 0)
-            base += tl.sum(sel, 0)
-            eq_seen += tl.sum(is_eq, 0)
 
 
 # ----------------------------------------------------------------------------- launchers
