@@ -282,7 +282,7 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
                 timed(f"decode {kind} attn 1M B={b}", str(cfg), lambda cfg=cfg: fn(cfg))
         saved = (dict(idx_k.DECODE_CFG), dict(idx_k.SELECT_CFG), idx_k.PROGRAMS_PER_SM)
         timed(f"decode indexer 1M B={b}", "default", x.indexer)
-        for bn, nw, ns in [(64, 4, 1), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 2)]:
+        for bn, nw, ns in [(64, 4, 1), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
             idx_k.DECODE_CFG.update(BN=bn, num_warps=nw, num_stages=ns)
             timed(f"decode indexer 1M B={b}", f"score BN={bn} warps={nw} stages={ns}", x.indexer)
         idx_k.DECODE_CFG.update(saved[0])
@@ -347,18 +347,25 @@ def main() -> None:
     head = (f"{torch.cuda.get_device_name()} · torch {torch.__version__} · triton {triton.__version__} · "
             f"{datetime.date.today().isoformat()} · python benchmarks/attention.py")
     rows: list = []
+
+    def save():
+        """Results so far (written after every section, so a run cut short keeps what it measured)."""
+        if out_dir:
+            with open(os.path.join(out_dir, "attention.json"), "w") as fh:
+                json.dump(dict(machine=head, host=platform.node(), rows=rows), fh, indent=1)
+            with open(os.path.join(out_dir, "attention.md"), "w") as fh:
+                fh.write(head + "\n\n" + table(rows) + "\n")
+
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
             print(f"decode ctx={ctx} batch={b} ({time.time() - T0:.0f} s)", flush=True)
+            n = len(rows)
             decode_rows(ctx, b, rows)
+            print("\n".join(table(rows[n:]).split("\n")[2:]), flush=True)
+            save()
     print(f"prefill ({time.time() - T0:.0f} s)", flush=True)
     prefill_rows(args.prefill_context, args.prefill_tokens, rows)
-    md = head + "\n\n" + table(rows)
-    if out_dir:
-        with open(os.path.join(out_dir, "attention.json"), "w") as fh:
-            json.dump(dict(machine=head, host=platform.node(), rows=rows), fh, indent=1)
-        with open(os.path.join(out_dir, "attention.md"), "w") as fh:
-            fh.write(md + "\n")
+    save()
     if args.sweep:
         print(f"sweep ({time.time() - T0:.0f} s, budget {args.budget:.0f} s)", flush=True)
         sw = sweep(args.budget, max(int(c) for c in args.contexts.split(",")), args.prefill_context,
@@ -368,8 +375,7 @@ def main() -> None:
                 json.dump(dict(machine=head, rows=sw), fh, indent=1)
             with open(os.path.join(out_dir, "sweep.md"), "w") as fh:
                 fh.write(head + " --sweep\n\n" + sweep_table(sw) + "\n")
-        print(sweep_table(sw))
-    print(md)
+    print(head + "\n\n" + table(rows))
     print(f"total {time.time() - T0:.0f} s")
 
 

@@ -270,6 +270,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
         common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b])
         if block_t == 1:
             cfg = DECODE_CFG
+            assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
             chunk = _chunk(tn, n_max, cfg["BN"], dev)
             score_decode_kernel[(tn, triton.cdiv(n_max, chunk))](
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
