@@ -278,7 +278,7 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
             timed(f"decode {kind} attn 1M B={b}", "default", fn)
             for cfg in [(16, 32, s, 8, 2) for s in (64, 128, 256, 512, 1024)] + \
                        [(16, 16, 128, 4, 2), (16, 32, 256, 8, 3), (16, 32, 256, 4, 2)] + \
-                       [(64, 32, s, 8, 2) for s in (256, 512, 1024, 2048)] + [(64, 16, 512, 8, 2)]:
+                       [(64, 32, s, 8, 2) for s in (64, 128, 256, 512, 1024, 2048)] + [(64, 16, 512, 8, 2)]:
                 timed(f"decode {kind} attn 1M B={b}", str(cfg), lambda cfg=cfg: fn(cfg))
         saved = (dict(idx_k.DECODE_CFG), dict(idx_k.SELECT_CFG), idx_k.PROGRAMS_PER_SM)
         timed(f"decode indexer 1M B={b}", "default", x.indexer)
