@@ -291,7 +291,7 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
             timed(f"decode indexer 1M B={b}", f"score programs/SM={pps}", x.indexer)
         idx_k.PROGRAMS_PER_SM = saved[2]
         for upd in [dict(TAU_LEVELS=2), dict(TAU_LEVELS=4), dict(TB=32), dict(num_warps=8, TB=32),
-                    dict(BLOCK=2048, TB=32, num_warps=8)]:
+                    dict(BLOCK=2048, TB=32, num_warps=8), dict(num_warps=32, TB=128)]:
             idx_k.SELECT_CFG.update(upd)
             timed(f"decode indexer 1M B={b}", f"select {upd}", x.indexer)
             idx_k.SELECT_CFG.update(saved[1])
