@@ -113,8 +113,8 @@ def main() -> None:
             e = (lambda *s: torch.zeros(*s, 584, dtype=torch.uint8)) if fmt == "fp8" else \
                 (lambda *s: torch.zeros(*s, D).bfloat16())
             q, sink = torch.zeros(b, H, D).bfloat16(), torch.zeros(H)
-            attn_k.sparse_attn_paged(q, sink, 0.04, batch, e(b), e(b, W), e(4, 32), torch.zeros(b, TOPK, dtype=torch.int32),
-                                     4, fmt, D, ROPE, W)
+            idx = torch.zeros(b, TOPK, dtype=torch.int32)
+            attn_k.sparse_attn_paged(q, sink, 0.04, batch, e(b), e(b, W), e(4, 32), idx, 4, fmt, D, ROPE, W)
             collect(f"decode 1M B={b}: CSA attention {fmt}")
             attn_k.sparse_attn_paged(q, sink, 0.04, batch, e(b), e(b, W), e(4, 1), None, 128, fmt, D, ROPE, W,
                                      max_pos=ctx - 1)

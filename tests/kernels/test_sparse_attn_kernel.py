@@ -20,8 +20,8 @@ def kernels():
 SPLIT_CFG = (16, 16, 24, 4, 1)      # (BLOCK_H, BLOCK_N, split rows, warps, stages): pieces end mid-tile
 
 
-@pytest.mark.parametrize("n_idx,cfg,d", [(24, None, 64), (90, None, 64), (90, SPLIT_CFG, 64), (130, (16, 16, 16, 4, 1), 64),
-                                         (40, None, 96), (90, SPLIT_CFG, 96)],
+@pytest.mark.parametrize("n_idx,cfg,d", [(24, None, 64), (90, None, 64), (90, SPLIT_CFG, 64),
+                                         (130, (16, 16, 16, 4, 1), 64), (40, None, 96), (90, SPLIT_CFG, 96)],
                          ids=["one-piece", "one-piece-long", "split-partial-tiles", "many-pieces", "d96", "d96-split"])
 def test_contiguous_matches_reference(kernels, device, n_idx, cfg, d):
     g = torch.Generator().manual_seed(0)

@@ -118,8 +118,8 @@ def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
 @triton.jit
 def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, KEYS, s_keys, TMAX, s_tmax,
                         H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-                        TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr,
-                        PREC: tl.constexpr):
+                        TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
+                        EPB: tl.constexpr, PREC: tl.constexpr):
     """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows."""
     t = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
@@ -156,7 +156,8 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
 @triton.jit
 def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT, KEYS,
                       s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
+                      BN: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
+                      PAGED: tl.constexpr,
                       EPB: tl.constexpr, PREC: tl.constexpr):
     """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN = TILE."""
     tile = tl.program_id(0)
@@ -283,7 +284,8 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             score_tile_kernel[(tile_t0.shape[0], triton.cdiv(n_max, chunk))](
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
                 keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
-                BN=TILE, CHUNK=chunk, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=TILE_CFG["num_warps"],
+                BN=TILE, CHUNK=chunk, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
+                num_warps=TILE_CFG["num_warps"],
                 num_stages=TILE_CFG["num_stages"])
         select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1),
                              vis[a:b], out[a:b], out.stride(0), topk, TILE_N=TILE, KPAD=triton.next_power_of_2(topk),
