@@ -46,12 +46,20 @@ def batch_for(segments, block_tokens=128):
     return PagedBatch.build(items, block_tokens, DEV), sum(need)
 
 
+SPARSE_CASES = {
+    "csa-decode": [(65535 - 7 * i, 1) for i in range(8)],
+    "hca-decode": [(4 * 65536 - 1, 1), (65536 + 5, 1)],
+    "hca-decode-1m": [(2**20 - 1, 1), (300000, 1), (5000, 1)],               # 16-head programs, many pieces
+    "hca-decode-1m-b8": [(2**20 - 1 - 999 * i, 1) for i in range(8)],        # whole-head programs
+    "csa-prefill": [(65536, 512)],
+    "hca-prefill": [(65536 + 7, 300)],
+}
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-@pytest.mark.parametrize("case", ["csa-decode", "hca-decode", "csa-prefill"])
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
 def test_sparse_attn(fmt, case):
-    ctx = 65536
-    segs = {"csa-decode": [(ctx - 1 - 7 * i, 1) for i in range(8)], "hca-decode": [(4 * ctx - 1, 1), (ctx + 5, 1)],
-            "csa-prefill": [(ctx, 512)]}[case]
+    segs = SPARSE_CASES[case]
     ratio = 128 if case.startswith("hca") else 4
     batch, nblk = batch_for(segs)
     t = batch.num_tokens
@@ -72,10 +80,18 @@ def test_sparse_attn(fmt, case):
     assert rel_rms(ref, out) <= 1e-2
 
 
+INDEXER_CASES = {
+    "decode": [(65535 - 1000 * i, 1) for i in range(4)],
+    "decode-long": [(2**20 - 1, 1), (524287 + 13, 1), (140000, 1)],           # ≥ topk tiles: the τ₀ bound
+    "prefill": [(32768, 256)],
+    "prefill-long": [(262144, 96)],
+}
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize("case", list(INDEXER_CASES))
 def test_indexer_topk(fmt, case):
-    segs = [(65535 - 1000 * i, 1) for i in range(4)] if case == "decode" else [(32768, 256)]
+    segs = INDEXER_CASES[case]
     batch, nblk = batch_for(segs)
     t = batch.num_tokens
     q = fp4_round_trip(hadamard_transform(torch.randn(t, HI, DI, device=DEV)), 32).bfloat16()
@@ -94,6 +110,41 @@ def test_indexer_topk(fmt, case):
         got = s[sel].sort(descending=True).values
         want = s.topk(sel.numel()).values
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+        assert torch.equal(sel, sel.sort().values)                                   # ascending entry order
+
+
+def test_kernels_batch_invariant():
+    """A decode token's top-k and attention output do not depend on its batch in deterministic mode
+    (the top-k never does: every score is one MMA row whatever the chunking)."""
+    from hybridkv.ops.backend import deterministic
+    segs = [(2**20 - 1 - 4099 * i, 1) for i in range(8)]
+    batch, nblk = batch_for(segs)
+    q = torch.randn(8, H, D, device=DEV).bfloat16()
+    qi = fp4_round_trip(hadamard_transform(torch.randn(8, HI, DI, device=DEV)), 32).bfloat16()
+    wi = torch.randn(8, HI, device=DEV) * HI ** -0.5
+    ipool = pack_index_fp4(fp4_round_trip(hadamard_transform(torch.randn(nblk * 32, DI, device=DEV)), 32))
+    ipool = ipool.view(nblk, 32, -1)
+    new_kv, ring = main_entries(8, "fp8"), main_entries(8 * W, "fp8").view(8, W, -1)
+    pool, hpool = main_entries(nblk * 32, "fp8").view(nblk, 32, -1), main_entries(nblk, "fp8").view(nblk, 1, -1)
+    sink = torch.randn(H, device=DEV)
+    kw = dict(fmt="fp8", head_dim=D, rope_dim=ROPE, window=W)
+
+    def run(rows, b):
+        idx = idx_k.indexer_topk_paged(qi[rows], wi[rows], b, ipool, TOPK, 4, "fp4", DI)
+        csa = attn_k.sparse_attn_paged(q[rows], sink, D ** -0.5, b, new_kv[rows], ring, pool, idx, 4, **kw)
+        hca = attn_k.sparse_attn_paged(q[rows], sink, D ** -0.5, b, new_kv[rows], ring, hpool, None, 128, **kw)
+        return idx, csa, hca
+
+    one = PagedBatch(batch.token_req[:1], batch.positions[3:4], batch.slots[3:4], batch.block_tables[3:4],
+                     batch.seg_start[3:4], batch.seg_row0[:1], 128)
+    full = run(slice(0, 8), batch)
+    alone = run(slice(3, 4), one)
+    assert torch.equal(full[0][3:4], alone[0])
+    with deterministic():
+        full = run(slice(0, 8), batch)
+        alone = run(slice(3, 4), one)
+    for a, b in zip(full, alone):
+        assert torch.equal(a[3:4], b)
 
 
 @pytest.mark.parametrize("kind,L", [("main", 8), ("main", 128), ("index", 8)])

@@ -2,11 +2,14 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import random_batch
 from hybridkv.cache.formats import pack_index_fp4
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import reference
+from hybridkv.ops.indexer_topk import triton as idx_triton
 from hybridkv.ops.paged import entry_rows
 from hybridkv.ops.quant import fp4_round_trip
 
@@ -28,8 +31,10 @@ def check_selection(scores: torch.Tensor, visible: torch.Tensor, idx: torch.Tens
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (t, got[-3:], want[-3:])
 
 
-@pytest.mark.parametrize("n,topk", [(300, 16), (40, 64)], ids=["select", "all-visible"])
+@pytest.mark.parametrize("n,topk", [(300, 16), (40, 64), (1100, 8)], ids=["select", "all-visible", "tile-bound"])
 def test_contiguous(kernels, device, n, topk):
+    """Few tiles (every key a candidate), all visible, and ≥ topk tiles of 64 (tile-maxima bound),
+    over several scoring chunks with a partial last tile."""
     g = torch.Generator().manual_seed(1)
     t, h, d = 6, 4, 32
     q, w, keys = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g), torch.randn(n, d, generator=g)
@@ -39,15 +44,33 @@ def test_contiguous(kernels, device, n, topk):
     check_selection(reference.index_scores(q, w, keys), visible, idx, min(topk, n))
 
 
-def test_ties_are_not_failures(kernels, device):
-    """Many equal scores (zero keys give score 0): any choice among ties is right, the count exact."""
-    t, h, d, n = 2, 2, 16, 200
+@pytest.mark.parametrize("n,topk", [(200, 40), (1000, 10)], ids=["few-tiles", "tile-bound"])
+def test_ties_are_not_failures(kernels, device, n, topk):
+    """Many equal scores (zero keys give score 0): any choice among ties is right, the count exact;
+    the kernel keeps the first ties in entry order and lists its selection in ascending order."""
+    t, h, d = 2, 2, 16
     q, w = torch.ones(t, h, d), torch.ones(t, h)
     keys = torch.zeros(n, d)
     keys[::7] = 1.0
     visible = torch.tensor([n, 150])
-    idx = kernels.indexer_topk(q.to(device), w.to(device), keys.to(device), visible.to(device), 40).cpu()
-    check_selection(reference.index_scores(q, w, keys), visible, idx, 40)
+    idx = kernels.indexer_topk(q.to(device), w.to(device), keys.to(device), visible.to(device), topk).cpu()
+    check_selection(reference.index_scores(q, w, keys), visible, idx, topk)
+    ones = torch.arange(0, n, 7)
+    first = torch.cat([ones, torch.tensor([i for i in range(n) if i % 7])])[:topk]   # score order, ties by index
+    assert torch.equal(idx[0].long(), first.sort().values)
+
+
+def test_token_result_does_not_depend_on_batch(kernels, device, monkeypatch):
+    """A token scored alone (one chunk) and in a batch (other chunking) selects the same entries."""
+    g = torch.Generator().manual_seed(4)
+    t, h, d, n = 5, 4, 32, 900
+    q, w, keys = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g), torch.randn(n, d, generator=g)
+    visible = torch.tensor([n, 700, n - 1, 650, 899])
+    dv = lambda x: x.to(device)  # noqa: E731
+    batch = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), 8).cpu()
+    monkeypatch.setattr(kernels, "_chunk", lambda *a: 4096)
+    alone = kernels.indexer_topk(dv(q[2:3]), dv(w[2:3]), dv(keys), dv(visible[2:3]), 8).cpu()
+    assert torch.equal(batch[2:3], alone)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp4"])
@@ -74,3 +97,51 @@ def test_paged(kernels, device, fmt, block_t, monkeypatch):
         check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
     ref = reference.indexer_topk_paged(q, w, batch, pool, topk, ratio, fmt, d)
     assert ref.shape == idx.shape
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_paged_long(kernels, device, fmt):
+    """Requests with ≥ topk tiles of visible entries, through shuffled block tables (decode tiles)."""
+    g = torch.Generator().manual_seed(5)
+    h, d, bt, ratio, topk = 4, 128, 64, 4, 8          # 68-B FP4 rows: read as int32 words
+    batch = random_batch([(3999, 1), (2600, 1), (3100, 1)], num_blocks=180, block_tokens=bt, num_slots=3, gen=g)
+    t = batch.num_tokens
+    q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
+    w = torch.randn(t, h, generator=g)
+    keys = fp4_round_trip(hadamard_transform(torch.randn(180 * bt // ratio, d, generator=g)), 32)
+    pool = (pack_index_fp4(keys) if fmt == "fp4" else keys).reshape(180, bt // ratio, -1)
+    idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt,
+                                     d).cpu()
+    vis = (batch.positions.long() + 1) // ratio
+    for tok in range(t):
+        cols = torch.arange(int(vis[tok]))
+        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, bt // ratio)
+        s = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])
+        check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
+        sel = idx[tok][idx[tok] >= 0]
+        assert torch.equal(sel, sel.sort().values)
+
+
+@triton.jit
+def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BN)
+    k, smax = idx_triton._fp4_keys16(rows, POOL, s_row, D, WORDS)
+    k = k.to(tl.float32) * (smax << 23).to(tl.float32, bitcast=True)[:, None]
+    tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], k)
+
+
+@pytest.mark.parametrize("d", [64, 128], ids=["bytes", "words"])
+def test_fp4_keys_as_scaled_fp16_are_exact(device, d):
+    """The fp16 form the scoring MMA uses, times its row factor, is the packed value exactly (scales
+    up to 2^20 apart within a row, every code)."""
+    from hybridkv.cache.formats import unpack_index_fp4
+    g = torch.Generator().manual_seed(8)
+    n = 16
+    buf = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=g)
+    buf[0, : d // 2] = (torch.arange(d // 2) * 17 % 256).to(torch.uint8)
+    buf[:, d // 2:] = torch.randint(107, 128, (n, d // 32), dtype=torch.uint8, generator=g)
+    words = (d // 2 + d // 32) % 4 == 0
+    pool = buf.view(torch.int32) if words else buf
+    out = torch.empty(n, d, device=device)
+    _decode16[(1,)](pool.to(device), pool.shape[1], out, D=d, WORDS=words, BN=n)
+    assert torch.equal(out.cpu(), unpack_index_fp4(buf, d))

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import random_batch, random_entries, rel_rms
 from hybridkv.ops.sparse_attn import reference
+from hybridkv.ops.sparse_attn import triton as attn_triton
 from hybridkv.ops.sparse_attn.reference import gather_paged
 
 
@@ -14,17 +17,22 @@ def kernels():
     return k
 
 
-@pytest.mark.parametrize("n_idx", [24, 90], ids=["one-piece", "split"])
-def test_contiguous_matches_reference(kernels, device, n_idx):
+SPLIT_CFG = (16, 16, 24, 4, 1)      # (BLOCK_H, BLOCK_N, split rows, warps, stages): pieces end mid-tile
+
+
+@pytest.mark.parametrize("n_idx,cfg,d", [(24, None, 64), (90, None, 64), (90, SPLIT_CFG, 64),
+                                         (130, (16, 16, 16, 4, 1), 64), (40, None, 96), (90, SPLIT_CFG, 96)],
+                         ids=["one-piece", "one-piece-long", "split-partial-tiles", "many-pieces", "d96", "d96-split"])
+def test_contiguous_matches_reference(kernels, device, n_idx, cfg, d):
     g = torch.Generator().manual_seed(0)
-    t, h, d, n = 5, 4, 64, 50
+    t, h, n = 5, 4, 50
     q, kv = torch.randn(t, h, d, generator=g), torch.randn(n, d, generator=g)
     idx = torch.randint(0, n, (t, n_idx), generator=g)
     idx[torch.rand(t, n_idx, generator=g) < 0.3] = -1
     idx[0] = -1                                           # a token with nothing but the sink
     sink = torch.randn(h, generator=g)
     ref = reference.sparse_attn(q, kv, idx, sink, 0.125)
-    out = kernels.sparse_attn(q.to(device), kv.to(device), idx.to(device), sink.to(device), 0.125).cpu()
+    out = kernels.sparse_attn(q.to(device), kv.to(device), idx.to(device), sink.to(device), 0.125, cfg=cfg).cpu()
     assert rel_rms(ref, out) <= 1e-3
     assert torch.allclose(out[0], torch.zeros_like(out[0]))
 
@@ -54,21 +62,40 @@ def _paged_case(kind: str, fmt: str, device: str, segments, seed=0):
 SEGMENTS = [(0, 5), (37, 1), (70, 9), (200, 1)]   # a first chunk, decodes, a later chunk that crosses the ring
 
 
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG, (64, 16, 24, 4, 1)], ids=["default", "split", "split-64-heads"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
-def test_paged_matches_reference(kernels, device, kind, fmt):
+def test_paged_matches_reference(kernels, device, kind, fmt, cfg):
     batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case(kind, fmt, device, SEGMENTS)
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, **kw)
     ref = reference.sparse_attn(q, rows, index, sink, 0.1)
     dv = lambda x: None if x is None else x.to(device)  # noqa: E731
     out = kernels.sparse_attn_paged(q.to(device), sink.to(device), 0.1, batch.to(device), dv(new_kv), dv(ring),
-                                    dv(pool), dv(idx), ratio, **kw).cpu()
+                                    dv(pool), dv(idx), ratio, cfg=cfg, **kw).cpu()
     assert rel_rms(ref, out) <= 1e-3
+
+
+def test_deterministic_token_does_not_depend_on_batch(kernels, device):
+    """Deterministic mode: a token's output bits are the same alone and inside a batch of others."""
+    from hybridkv.ops.backend import deterministic
+    from hybridkv.ops.paged import PagedBatch
+    batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("hca", "fp8", device, [(37, 1), (200, 1), (90, 1)])
+    dv = lambda x: x.to(device)  # noqa: E731
+    with deterministic():
+        full = kernels.sparse_attn_paged(dv(q), dv(sink), 0.1, batch.to(device), dv(new_kv), dv(ring), dv(pool), None,
+                                         ratio, max_pos=199, **kw).cpu()
+        one = PagedBatch(*(getattr(batch, f)[i] for f, i in (("token_req", slice(0, 1)), ("positions", slice(1, 2)),
+                                                                ("slots", slice(1, 2)), ("block_tables", slice(1, 2)),
+                                                                ("seg_start", slice(1, 2)), ("seg_row0", slice(0, 1)))),
+                         block_tokens=batch.block_tokens)
+        alone = kernels.sparse_attn_paged(dv(q[1:2]), dv(sink), 0.1, one.to(device), dv(new_kv[1:2]), dv(ring),
+                                          dv(pool), None, ratio, max_pos=199, **kw).cpu()
+    assert torch.equal(full[1:2], alone)
 
 
 def test_paged_prefill_configuration(kernels, device, monkeypatch):
     """The many-token configuration (one piece per token, 64-head blocks) computes the same thing."""
-    monkeypatch.setattr(kernels, "_config", lambda t, rows, h, bd: (16, 32, max(32, -(-rows // 32) * 32), 4))
+    monkeypatch.setattr(kernels, "_config", lambda t, rows, h, dev: (16, 32, max(32, -(-rows // 32) * 32), 4, 1))
     batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("hca", "fp8", device, [(100, 3), (5, 2)], seed=3)
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, **kw)
     ref = reference.sparse_attn(q, rows, index, sink, 0.1)
@@ -83,3 +110,29 @@ def test_public_function_on_cpu_is_the_reference():
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, **kw)
     assert torch.equal(sparse_attn_paged(q, sink, 0.1, batch, new_kv, ring, pool, idx, ratio, **kw),
                        reference.sparse_attn(q, rows, index, sink, 0.1))
+
+
+@triton.jit
+def _decode(WORDS, s_row, OUT, D: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BN)
+    kv = attn_triton._load_rows(WORDS + rows * s_row, rows >= 0, D, ROPE, True, tl.float32)
+    tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], kv)
+
+
+@pytest.mark.parametrize("d", [128, 512])
+def test_fp8_entry_decoding_is_exact(device, d):
+    """Packed 584-B-style entries decode bit-exactly (all e4m3 codes but NaN, a spread of scales, bf16 rope)."""
+    from hybridkv.cache.formats import unpack_main_fp8
+    g = torch.Generator().manual_seed(7)
+    rope, n = 64, 16
+    buf = random_entries(n, d, rope, "fp8", g)
+    nope = d - rope
+    codes = torch.arange(nope * n) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0                                       # e4m3 NaN codes
+    buf[:, :nope] = codes.view(n, nope).to(torch.uint8)
+    buf[:, nope + 2 * rope:nope + 2 * rope + nope // 64] = torch.randint(110, 140, (n, nope // 64), dtype=torch.uint8,
+                                                                         generator=g)
+    out = torch.empty(n, d, device=device)
+    words = buf.view(torch.int32)
+    _decode[(1,)](words.to(device), words.shape[1], out, D=d, ROPE=rope, BN=n)
+    assert torch.equal(out.cpu(), unpack_main_fp8(buf, d, rope))

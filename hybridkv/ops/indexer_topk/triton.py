@@ -1,200 +1,219 @@
 """Triton kernels for the Lightning Indexer: scores of every visible compressed entry, then an
-exact causal top-k by radix select, returned in ascending entry order (what attention consumes).
+exact causal top-k, returned in ascending entry order (what attention consumes). Two launches:
 
-1. `score_kernel`: a tile of query tokens of one request × a chunk of its visible keys (bf16/fp32
-   rows, or 68-B packed FP4 rows dequantised in registers); `Σ_h w_h·ReLU(q_h·k)` as a GEMM over
-   (tokens·heads) × keys; writes an order-preserving uint32 key per score and, for one-token tiles,
-   the histogram of its top 8 bits.
-2. `hist_kernel` (levels 1–3): the histogram of the next 8 bits among keys that share the prefix
-   found so far; each program re-derives the prefix from the histograms (integer counts: the
-   result is exact and deterministic whatever the atomics' order).
-3. `count_kernel` and `write_kernel`: with the threshold key τ and the number r of τ-ties to keep,
-   every chunk counts its keys > τ and = τ; a chunk writes its selected entries at the exclusive
-   prefix of the earlier chunks' counts. Ties at τ are broken by entry order.
+1. Scoring, split along the entry axis so that a long context fills the GPU. Decode tokens use
+   `score_decode_kernel` (one token × a chunk of its keys per program, the keys as the rows of the
+   MMA, so the sum over heads stays inside a warp); prefill chunks use `score_tile_kernel` (a tile
+   of one request's tokens × a chunk of keys, tokens·heads as rows). Both write an
+   order-preserving uint32 key per score and, as the first selection stage, the largest key of
+   every `TILE` consecutive entries.
+2. `select_kernel` (`hybridkv.ops.indexer_topk.select`), one program per token: exact top-k from
+   the keys and the tile maxima. Integer keys and fixed orders: the result is exact (by score) and
+   deterministic, and a token's result never depends on its batch (each score is computed by one
+   MMA row whatever the chunking).
+
+FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales) are read as 17 int32 words. Four codes of a word
+become e4m3 bytes at once (sign to bit 7, e1 e0 m to bits 4..2: the e4m3 value is the E2M1 value
+× 2⁻⁶, E2M1's subnormal 0.5 landing on an e4m3 subnormal), which the hardware widens to fp16; an
+fp16 multiply by 2^(s−smax+6) brings each 32-block to the row's largest scale, and the MMA runs in
+fp16 on queries pre-scaled per head; the powers of two come back after the ReLU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from hybridkv.ops.backend import is_deterministic
+from hybridkv.ops.indexer_topk.select import select_kernel
 from hybridkv.ops.paged import PagedBatch
 
-NBINS = 256
+TILE = 64          # entries per maximum (first selection stage)
 
 
 @triton.jit
-def _load_keys(ptr, d, valid, D: tl.constexpr, FP4: tl.constexpr):
-    """Rows [BN, BD] as float32 from row base pointers [BN]; FP4 rows are D/2 code bytes then D/32
-    ue8m0 scales."""
-    p = ptr[:, None]
-    v = valid[:, None] & (d < D)[None, :]
-    if FP4:
-        byte = tl.load(p + d[None, :] // 2, mask=v, other=0).to(tl.int32)
-        code = (byte >> ((d[None, :] % 2) * 4)) & 15
-        e = (code >> 1) & 3
-        m = (code & 1).to(tl.float32)
-        pow2 = ((e + 125) << 23).to(tl.float32, bitcast=True)          # 2^(e-2)
-        mag = tl.where(e == 0, m * 0.5, (2.0 + m) * pow2)
-        val = tl.where(code >= 8, -mag, mag)
-        sb = tl.load(p + D // 2 + d[None, :] // 32, mask=v, other=127).to(tl.int32)
-        return val * (sb << 23).to(tl.float32, bitcast=True)
+def _ordered(sc):
+    """float32 -> uint32 whose unsigned order is the float order (−0 and +0 equal)."""
+    u = (sc + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
+def _bytes4(w):
+    """int32 [A, B] -> its four bytes as int8 [A, B, 4], low byte first (joins keep them in one thread)."""
+    b01 = tl.join(w.to(tl.int8), (w >> 8).to(tl.int8))                   # [A, B, 2]: bytes 0, 1
+    b23 = tl.join((w >> 16).to(tl.int8), (w >> 24).to(tl.int8))          # bytes 2, 3
+    return tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 3, 2)), [w.shape[0], w.shape[1], 4])
+
+
+@triton.jit
+def _float_keys(rows, POOL, s_row, D: tl.constexpr, OUT_T: tl.constexpr):
+    """Float key rows [BN, D] as OUT_T (rows must be valid: no masks, so no per-element predicates)."""
+    return tl.load(POOL + rows.to(tl.int64)[:, None] * s_row + tl.arange(0, D)[None, :]).to(OUT_T)
+
+
+@triton.jit
+def _fp4_keys16(rows, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr):
+    """FP4 key rows as fp16 [BN, D] scaled by 2^(127 − smax) (smax: the row's largest ue8m0 scale,
+    returned [BN]): every value is exact (blocks more than 2²⁰ below the row's largest are dropped:
+    they are below fp32 resolution of the score), and the MMA runs on fp16 directly from the e4m3
+    widening, with no fp32 round trip. The row factor 2^(smax−127) is applied to the score (ReLU
+    commutes with positive scaling)."""
+    BN: tl.constexpr = rows.shape[0]
+    base = POOL + rows.to(tl.int64) * s_row
+    if WORDS:
+        NW: tl.constexpr = D // 8
+        wi = tl.arange(0, NW)
+        words = tl.load(base[:, None] + wi[None, :])                                             # [BN, NW]
+        sw = tl.load(base[:, None] + NW + 0 * wi[None, :])                   # [BN, NW]: the scale word, per word
+        # four codes per word at once: code (s e1 e0 m) -> e4m3 byte (s 0 0 e1 e0 m 0 0) = e2m1 · 2⁻⁶
+        # (−0x7F7F7F80 is 0x80808080, the sign bit of every byte, as an int32)
+        ev = ((words << 2) & 0x1C1C1C1C) | ((words << 4) & -0x7F7F7F80)                          # even elements
+        od = ((words >> 2) & 0x1C1C1C1C) | (words & -0x7F7F7F80)                               # odd elements
+        byte = tl.join(_bytes4(ev), _bytes4(od))                                                   # [BN, NW, 4, 2]
+        val = tl.reshape(byte, [BN, NW, 8]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        smax2 = tl.maximum(tl.maximum(sw & 255, (sw >> 8) & 255), tl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+        delta = ((sw >> ((wi // 4) * 8)[None, :]) & 255) - smax2                                 # [BN, NW], ≤ 0
+        f = ((delta + 21) << 10).to(tl.int16).to(tl.float16, bitcast=True)                      # 2^(delta+6)
+        f = tl.where(delta >= -20, f, 0.0)
+        k = tl.reshape(val * f[:, :, None], [BN, D])
+        smax = tl.max(smax2, 1)
     else:
-        return tl.load(p + d[None, :], mask=v, other=0.0).to(tl.float32)
+        bi = tl.arange(0, D // 2)
+        byte = tl.load(base[:, None] + bi[None, :]).to(tl.int32)
+        e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16).to(tl.int32)                    # [BN, D/2]
+        code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15                  # [BN, D/2, 2]
+        b8 = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.int8)
+        val = b8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        smax = tl.max(e, 1)
+        delta = e - smax[:, None]
+        f = tl.where(delta >= -20, ((delta + 21) << 10).to(tl.int16).to(tl.float16, bitcast=True), 0.0)
+        k = tl.reshape(val * f[:, :, None], [BN, D])
+    return k, smax
 
 
 @triton.jit
-def score_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_N, KEYS, s_keys,
-                 HIST, s_hist, H, T,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr,
-                 EPB: tl.constexpr, FUSE_HIST: tl.constexpr, PREC: tl.constexpr):
+def _q16(q, w):
+    """Rows of q as fp16 scaled into [1, 2) by a power of two 2^(127−e), and w · 2^(e−127) to undo it
+    after the ReLU. Exact for bf16 (and FP4-grid) queries, but for elements 2²⁴ below a row's largest."""
+    qf = q.to(tl.float32)
+    e = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 255
+    q16 = (qf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+    return q16, w * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
+    """Pool rows of entries j (all valid entries of request r)."""
+    if PAGED:
+        blk = tl.load(BT + r * s_bt + j // EPB)
+        return blk.to(tl.int64) * EPB + j % EPB
+    else:
+        return j.to(tl.int64)
+
+
+@triton.jit
+def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, KEYS, s_keys, TMAX, s_tmax,
+                        H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+                        TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
+                        EPB: tl.constexpr, PREC: tl.constexpr):
+    """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows."""
+    t = tl.program_id(0)
+    n_start = tl.program_id(1) * CHUNK
+    vis = tl.load(VIS + t)
+    if n_start < vis:
+        r = tl.load(TOK_REQ + t).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, D)
+        q = tl.load(Q + t.to(tl.int64) * sq_t + h[:, None] * sq_h + d[None, :], mask=(h < H)[:, None], other=0.0)
+        w = tl.load(W + t.to(tl.int64) * sw_t + h, mask=h < H, other=0.0).to(tl.float32)
+        if FP4:
+            q, w = _q16(q, w)
+        qt = tl.trans(q)                                                                         # [D, BLOCK_H]
+        end = tl.minimum(n_start + CHUNK, vis)
+        for n0 in range(n_start, end, BN):
+            j = n0 + tl.arange(0, BN)
+            jv = j < end
+            rows = _rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED)   # rows past the end: recomputed, not stored
+            if FP4:
+                k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
+            else:
+                k = _float_keys(rows, POOL, s_pool_row, D, q.dtype)
+            s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
+            sc = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
+            if FP4:
+                sc = sc * (smax << 23).to(tl.float32, bitcast=True)
+            key = tl.where(jv, _ordered(sc), 0)
+            tl.store(KEYS + t.to(tl.int64) * s_keys + j, key.to(tl.int32, bitcast=True), mask=jv)
+            tmax = tl.max(tl.reshape(key, [BN // TILE_N, TILE_N]), 1)
+            ti = n0 // TILE_N + tl.arange(0, BN // TILE_N)
+            tl.store(TMAX + t.to(tl.int64) * s_tmax + ti, tmax.to(tl.int32, bitcast=True), mask=ti * TILE_N < end)
+
+
+@triton.jit
+def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT, KEYS,
+                      s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BN: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
+                      PAGED: tl.constexpr,
+                      EPB: tl.constexpr, PREC: tl.constexpr):
+    """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN = TILE."""
     tile = tl.program_id(0)
-    chunk = tl.program_id(1)
+    n_start = tl.program_id(1) * CHUNK
     t0 = tl.load(TILE_T0 + tile)
-    nt = tl.load(TILE_N + tile)
+    nt = tl.load(TILE_CNT + tile)
     ti = tl.arange(0, BLOCK_T)
     tmask = ti < nt
     vis_t = tl.load(VIS + t0 + ti, mask=tmask, other=0)
     vis_max = tl.max(vis_t, 0)
-    n_start = chunk * CHUNK
     if n_start < vis_max:
         r = tl.load(TOK_REQ + t0).to(tl.int64)
         mrow = tl.arange(0, BLOCK_T * BLOCK_H)
         tok = t0 + mrow // BLOCK_H
         h = mrow % BLOCK_H
         rmask = (mrow // BLOCK_H < nt) & (h < H)
-        d = tl.arange(0, BLOCK_D)
-        q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
-                    mask=rmask[:, None] & (d < D)[None, :], other=0.0)
+        d = tl.arange(0, D)
+        q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=rmask[:, None],
+                    other=0.0)
         w = tl.load(W + tok.to(tl.int64) * sw_t + h, mask=rmask, other=0.0).to(tl.float32)
-        hist = tl.zeros([256], tl.int32)
+        if FP4:
+            q, w = _q16(q, w)
         end = tl.minimum(n_start + CHUNK, vis_max)
-        for n0 in range(n_start, end, BLOCK_N):
-            j = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(n_start, end, BN):
+            j = n0 + tl.arange(0, BN)
             jv = j < end
-            if PAGED:
-                blk = tl.load(BT + r * s_bt + j // EPB, mask=jv, other=0)
-                row = blk.to(tl.int64) * EPB + j % EPB
+            rows = _rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED)
+            if FP4:
+                k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
             else:
-                row = j.to(tl.int64)
-            k = _load_keys(POOL + row * s_pool_row, d, jv, D, FP4).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            s = tl.maximum(s, 0.0) * w[:, None]
-            sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BLOCK_N]), 1) + 0.0   # + 0.0 maps −0 to +0
-            u = sc.to(tl.uint32, bitcast=True)
-            key = tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+                k = _float_keys(rows, POOL, s_pool_row, D, q.dtype)
+            s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]
+            sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
+            if FP4:
+                sc = sc * (smax << 23).to(tl.float32, bitcast=True)[None, :]
             valid = tmask[:, None] & (j[None, :] < vis_t[:, None])
+            key = tl.where(valid, _ordered(sc), 0)
             tl.store(KEYS + (t0 + ti).to(tl.int64)[:, None] * s_keys + j[None, :], key.to(tl.int32, bitcast=True),
                      mask=tmask[:, None] & jv[None, :])
-            if FUSE_HIST:
-                hist += tl.histogram(tl.reshape(key >> 24, [BLOCK_N]).to(tl.int32), 256,
-                                     mask=tl.reshape(valid, [BLOCK_N]))
-        if FUSE_HIST:
-            tl.atomic_add(HIST + t0.to(tl.int64) * s_hist + tl.arange(0, 256), hist)
-
-
-@triton.jit
-def _threshold(hist_ptr, LEVELS: tl.constexpr, K):
-    """(prefix of the k-th largest key after LEVELS digits, how many keys equal to it to keep)."""
-    b = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.uint32)
-    krem = K
-    for lvl in tl.static_range(LEVELS):
-        hcount = tl.load(hist_ptr + lvl * 256 + b)
-        suffix = tl.sum(hcount, 0) - tl.cumsum(hcount, 0) + hcount      # keys in bins ≥ b
-        bsel = tl.max(tl.where(suffix >= krem, b, -1), 0)
-        krem = krem - tl.sum(tl.where(b > bsel, hcount, 0), 0)
-        prefix = (prefix << 8) | bsel.to(tl.uint32)
-    return prefix, krem
-
-
-@triton.jit
-def hist_kernel(KEYS, s_keys, HIST, s_hist, VIS, K, LEVEL: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    vis = tl.load(VIS + t)
-    if (vis > K) & (c * CHUNK < vis):
-        hp = HIST + t.to(tl.int64) * s_hist
-        prefix, krem = _threshold(hp, LEVEL, K)
-        hist = tl.zeros([256], tl.int32)
-        end = tl.minimum(c * CHUNK + CHUNK, vis)
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            m = j < end
-            key = tl.load(KEYS + t.to(tl.int64) * s_keys + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-            if LEVEL > 0:
-                m = m & ((key >> (32 - 8 * LEVEL)) == prefix)
-            hist += tl.histogram(((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32), 256, mask=m)
-        tl.atomic_add(hp + LEVEL * 256 + tl.arange(0, 256), hist)
-
-
-@triton.jit
-def count_kernel(KEYS, s_keys, HIST, s_hist, COUNTS, s_cnt, VIS, K, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    vis = tl.load(VIS + t)
-    if (vis > K) & (c * CHUNK < vis):
-        tau, krem = _threshold(HIST + t.to(tl.int64) * s_hist, 4, K)
-        gt = 0
-        eq = 0
-        end = tl.minimum(c * CHUNK + CHUNK, vis)
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            m = j < end
-            key = tl.load(KEYS + t.to(tl.int64) * s_keys + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-            gt += tl.sum((m & (key > tau)).to(tl.int32), 0)
-            eq += tl.sum((m & (key == tau)).to(tl.int32), 0)
-        tl.store(COUNTS + t.to(tl.int64) * s_cnt + 2 * c, gt)
-        tl.store(COUNTS + t.to(tl.int64) * s_cnt + 2 * c + 1, eq)
-
-
-@triton.jit
-def write_kernel(KEYS, s_keys, HIST, s_hist, COUNTS, s_cnt, VIS, OUT, s_out, K, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, NCH: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    vis = tl.load(VIS + t)
-    out = OUT + t.to(tl.int64) * s_out
-    end = tl.minimum(c * CHUNK + CHUNK, vis)
-    if vis <= K:
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            tl.store(out + j, j, mask=j < end)
-    elif c * CHUNK < vis:
-        tau, krem = _threshold(HIST + t.to(tl.int64) * s_hist, 4, K)
-        ch = tl.arange(0, NCH)
-        before = ch < c
-        gt_before = tl.sum(tl.load(COUNTS + t.to(tl.int64) * s_cnt + 2 * ch, mask=before, other=0), 0)
-        eq_seen = tl.sum(tl.load(COUNTS + t.to(tl.int64) * s_cnt + 2 * ch + 1, mask=before, other=0), 0)
-        base = gt_before + tl.minimum(eq_seen, krem)
-        for n0 in range(c * CHUNK, end, BLOCK):
-            j = n0 + tl.arange(0, BLOCK)
-            m = j < end
-            key = tl.load(KEYS + t.to(tl.int64) * s_keys + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-            is_eq = (m & (key == tau)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
-            sel = ((m & (key > tau)) | ((is_eq != 0) & (eq_rank < krem))).to(tl.int32)
-            dst = base + tl.cumsum(sel, 0) - sel
-            tl.store(out + dst, j, mask=sel != 0)
-            base += tl.sum(sel, 0)
-            eq_seen += tl.sum(is_eq, 0)
+            tl.store(TMAX + (t0 + ti).to(tl.int64) * s_tmax + n0 // BN, tl.max(key, 1).to(tl.int32, bitcast=True),
+                     mask=tmask)
 
 
 # ----------------------------------------------------------------------------- launchers
-SCORE_CHUNK = 2048      # keys per scoring program
-SELECT_CHUNK = 8192     # keys per selection program
-SCORE_BUFFER = 1 << 28  # bytes of uint32 keys held at once (tokens are processed in groups)
+SCORE_BUFFER = 1 << 28  # bytes of per-entry scratch (keys + candidates) held at once; tokens go in groups
+# Scoring: keys per MMA tile, warps, pipeline stages. Selection: block over tile maxima, tiles per
+# gather, block over candidates, radix levels (8 bits each) of the bound τ₀, warps.
+DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
+PROGRAMS_PER_SM = 4     # decode scoring programs per SM to aim for (sets the chunk of keys per program)
+TILE_CFG = dict(num_warps=8, num_stages=2)
+SELECT_CFG = dict(BLOCK=4096, TB=64, CBLOCK=1024, TAU_LEVELS=3, num_warps=16)
 
 
 def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiles of ≤ block_t consecutive tokens of one request: (first token, count)."""
     t = token_req.shape[0]
-    if block_t == 1:
-        return (torch.arange(t, dtype=torch.int32, device=token_req.device),
-                torch.ones(t, dtype=torch.int32, device=token_req.device))
     req = token_req.tolist()
     t0, n = [], []
     i = 0
@@ -209,47 +228,68 @@ def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.T
     return torch.tensor(t0, dtype=torch.int32, device=dev), torch.tensor(n, dtype=torch.int32, device=dev)
 
 
-def _run(q, weights, pool_flat, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None):
+@functools.lru_cache(maxsize=8)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
+    """Keys per scoring program: enough programs to fill the GPU without tiny programs.
+    The chunking never changes a score (each is one MMA row), only how the work is spread."""
+    sms = _sms(device)
+    want = max(1, tokens * n_max // (PROGRAMS_PER_SM * sms))
+    return min(8192, max(4 * bn, triton.next_power_of_2(want)))
+
+
+def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
+         block_t=None, words=False):
     t, h, _ = q.shape
     dev = q.device
-    out = torch.full((t, topk), -1, dtype=torch.int32, device=dev)
-    if t == 0 or n_max == 0:
+    assert head_dim == triton.next_power_of_2(head_dim), "indexer head_dim must be a power of two"
+    out = torch.empty((t, topk), dtype=torch.int32, device=dev)
+    if t == 0:
         return out
+    if n_max == 0:
+        return out.fill_(-1)
     block_h = max(16, triton.next_power_of_2(h))
-    block_d = triton.next_power_of_2(head_dim)
     if block_t is None:
-        # one-token tiles for decode, and always in deterministic mode (the score of a token must not
-        # depend on the tile shape its batch happens to give it)
+        # decode-shaped scoring for few tokens, and always in deterministic mode (a token's scores must
+        # not depend on the tile its batch happens to give it)
         block_t = 1 if t <= 64 or is_deterministic() else max(1, 256 // block_h)
-    group = max(block_t, (SCORE_BUFFER // (4 * n_max)) // block_t * block_t)
+    n_tiles = triton.cdiv(n_max, TILE)
+    per_token = 12 * n_max + 8 * n_tiles
+    group = max(block_t, (SCORE_BUFFER // per_token) // block_t * block_t)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    score_chunk = min(SCORE_CHUNK, max(64, triton.next_power_of_2(n_max)))
-    sel_chunk = min(SELECT_CHUNK, max(64, triton.next_power_of_2(n_max)))
-    nch = triton.cdiv(n_max, sel_chunk)
     bt = block_tables if block_tables is not None else out
     for a in range(0, t, group):
         b = min(t, a + group)
         tn = b - a
         keys = torch.empty(tn, n_max, dtype=torch.int32, device=dev)
-        hist = torch.zeros(tn, 4, NBINS, dtype=torch.int32, device=dev)
-        counts = torch.empty(tn, nch, 2, dtype=torch.int32, device=dev)
-        tile_t0, tile_n = _tiles(token_req[a:b], block_t)
-        fuse = block_t == 1
-        score_kernel[(tile_t0.shape[0], triton.cdiv(n_max, score_chunk))](
-            q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), pool_flat, row_stride, bt, bt.stride(0),
-            token_req[a:b], vis[a:b], tile_t0, tile_n, keys, keys.stride(0), hist, hist.stride(0), h, tn,
-            D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_N=64, CHUNK=score_chunk, FP4=fp4,
-            PAGED=paged, EPB=epb, FUSE_HIST=fuse, PREC=prec, num_warps=4 if block_t * block_h <= 64 else 8)
-        grid = (tn, nch)
-        for level in range(0 if not fuse else 1, 4):
-            hist_kernel[grid](keys, keys.stride(0), hist, hist.stride(0), vis[a:b], topk, LEVEL=level,
-                              CHUNK=sel_chunk, BLOCK=1024 if sel_chunk >= 1024 else sel_chunk)
-        count_kernel[grid](keys, keys.stride(0), hist, hist.stride(0), counts, counts.stride(0), vis[a:b], topk,
-                           CHUNK=sel_chunk, BLOCK=1024 if sel_chunk >= 1024 else sel_chunk)
-        write_kernel[grid](keys, keys.stride(0), hist, hist.stride(0), counts, counts.stride(0), vis[a:b], out[a:b],
-                           out.stride(0), topk, CHUNK=sel_chunk, BLOCK=1024 if sel_chunk >= 1024 else sel_chunk,
-                           NCH=max(2, triton.next_power_of_2(nch)))
+        tmax = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
+        tlist = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
+        cand = torch.empty(2, tn, n_max, dtype=torch.int32, device=dev)
+        common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b])
+        if block_t == 1:
+            cfg = DECODE_CFG
+            assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
+            chunk = _chunk(tn, n_max, cfg["BN"], dev)
+            score_decode_kernel[(tn, triton.cdiv(n_max, chunk))](
+                q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
+                tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BN=cfg["BN"], CHUNK=chunk,
+                TILE_N=TILE, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+        else:
+            tile_t0, tile_n = _tiles(token_req[a:b], block_t)
+            chunk = 2048
+            score_tile_kernel[(tile_t0.shape[0], triton.cdiv(n_max, chunk))](
+                q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
+                keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
+                BN=TILE, CHUNK=chunk, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
+                num_warps=TILE_CFG["num_warps"],
+                num_stages=TILE_CFG["num_stages"])
+        select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1),
+                             vis[a:b], out[a:b], out.stride(0), topk, TILE_N=TILE, KPAD=triton.next_power_of_2(topk),
+                             **SELECT_CFG)
     return out
 
 
@@ -271,6 +311,10 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     vis = ((batch.positions + 1) // ratio).to(torch.int32)
     if max_visible is None:
         max_visible = int(vis.max()) if vis.numel() else 0   # a host sync: pass it under CUDA graphs
+    fp4 = fmt == "fp4"
     flat = pool.reshape(-1, pool.shape[-1])
-    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, vis, topk, max_visible,
-                fmt == "fp4", True, epb, head_dim or q.shape[-1])
+    words = fp4 and flat.shape[1] % 4 == 0 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
+    if words:
+        flat = flat.view(torch.int32)          # 68-B rows as 17 words
+    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, vis, topk, max_visible, fp4,
+                True, epb, head_dim or q.shape[-1], words=words)

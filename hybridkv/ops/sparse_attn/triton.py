@@ -1,14 +1,17 @@
-"""Triton kernels for sparse attention with a sink: one query token × a block of heads per program,
-over a virtual row list = the window rows of the token, then its compressed rows.
+"""Triton kernels for sparse attention with a sink: one query token × a block of heads × a piece of
+its row list per program. The row list of a token is its window rows, then its compressed rows.
 
 Rows come from three places, chosen per row: the chunk's own new rows (positions ≥ the chunk
 start), the request's window ring (earlier positions, ring row pos % window) and the compressed
 pool (CSA: the entries of the token's index list; HCA: every entry j < (pos+1)//ratio). Packed fp8
-entries (584 B) are dequantised in registers: e4m3 nope bytes × their ue8m0 tile scale, bf16 rope.
+entries (584 B) are read as int32 words and dequantised once per tile of BLOCK_N rows: e4m3 nope
+bytes × their ue8m0 tile scale, bf16 rope, into the MMA dtype.
 
-Work is split along the row list in fixed `split_rows` pieces (flash-decoding); a second kernel
-merges the pieces in a fixed order together with the sink. The split size never depends on the
-batch, so a token's result does not depend on what else is in the batch.
+Decode splits the row list into fixed pieces of `split` rows (flash-decoding) over many programs;
+`combine_kernel` merges a token's pieces in a fixed order together with the sink, split over
+heads and head dims. Prefill takes one piece per token (all heads of a block at once, the output
+written directly). Deterministic mode fixes every shape that touches a token's arithmetic (head
+block, row tile, piece size, warps), so a token's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -20,35 +23,64 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv(ptr, d, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):
-    """Rows [BN, BD] as float32 from row base pointers `ptr` [BN] (bytes for FP8, else elements)."""
-    NOPE: tl.constexpr = D - ROPE
-    p = ptr[:, None]
-    v = valid[:, None]
+def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, OUT_T: tl.constexpr,
+               BLOCK_D: tl.constexpr = None):
+    """Rows [BN, BLOCK_D] as OUT_T from row base pointers `ptr` [BN]: int32 words of packed fp8 entries
+    (FP8, BLOCK_D = D), else elements (dims ≥ D zero)."""
+    BN: tl.constexpr = ptr.shape[0]
     if FP8:
-        in_nope = (d < NOPE)[None, :]
-        code = tl.load(p + d[None, :], mask=v & in_nope, other=0)
-        nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        e = tl.load(p + (NOPE + 2 * ROPE) + d[None, :] // 64, mask=v & in_nope, other=127)
-        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        r = d[None, :] - NOPE
-        in_rope = (r >= 0) & (r < ROPE)
-        lo = tl.load(p + NOPE + 2 * r, mask=v & in_rope, other=0).to(tl.int32)
-        hi = tl.load(p + NOPE + 2 * r + 1, mask=v & in_rope, other=0).to(tl.int32)
-        rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
-        return tl.where(in_nope, nope * scale, rope)
+        NOPE: tl.constexpr = D - ROPE
+        NB: tl.constexpr = D // 64                    # 64-wide dim blocks: NOPE // 64 nope blocks, then rope
+        blk = tl.arange(0, NB)
+        is_nope = blk < NOPE // 64
+        wi = tl.arange(0, 16)
+        m3 = valid[:, None, None] & is_nope[None, :, None]
+        words = tl.load(ptr[:, None, None] + (blk[None, :, None] * 16 + wi[None, None, :]), mask=m3, other=0)
+        # the four bytes of a word as a new minor dim, kept in one thread (joins, not a broadcast shift)
+        b01 = tl.join(words.to(tl.int8), (words >> 8).to(tl.int8))
+        b23 = tl.join((words >> 16).to(tl.int8), (words >> 24).to(tl.int8))
+        byte = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 2, 4, 3)), [BN, NB, 16, 4])
+        sw = tl.load(ptr[:, None] + (NOPE + 2 * ROPE) // 4 + blk[None, :] // 4,
+                     mask=valid[:, None] & is_nope[None, :], other=0)
+        # 2^(e−127) in OUT_T (exact: a power of two); the products below are exact in bf16 too
+        scale = (((sw >> ((blk % 4) * 8)[None, :]) & 255) << 23).to(tl.float32, bitcast=True).to(OUT_T)
+        nope = byte.to(tl.float8e4nv, bitcast=True).to(OUT_T) * scale[:, :, None, None]
+        rw = tl.load(ptr[:, None] + NOPE // 4 + tl.arange(0, ROPE // 2)[None, :], mask=valid[:, None], other=0)
+        lo = (rw & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (rw >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        rope = tl.reshape(tl.join(lo, hi), [BN, ROPE]).to(OUT_T)                                   # ROPE == 64
+        kv = tl.where(is_nope[None, :, None], tl.reshape(nope, [BN, NB, 64]), rope[:, None, :])
+        return tl.reshape(kv, [BN, D])
+    elif BLOCK_D == D:
+        d = tl.arange(0, D)
+        return tl.load(ptr[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(OUT_T)
     else:
-        return tl.load(p + d[None, :], mask=v & (d < D)[None, :], other=0.0).to(tl.float32)
+        d = tl.arange(0, BLOCK_D)
+        return tl.load(ptr[:, None] + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0).to(OUT_T)
+
+
+@triton.jit
+def _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
+    """One row tile of the online softmax: (running max, sum, unnormalised output) after kv."""
+    s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    pr = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(kv.dtype), kv, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def sparse_attn_kernel(
     Q, sq_t, sq_h, O, so_t, so_s, so_h, ML, sml_t, sml_s,
     NEW, s_new, RING, s_ring_slot, s_ring_row, POOL, s_pool_row, BT, s_bt, IDX, s_idx,
-    TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX,
+    TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX, split_rows,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
-    PAGED: tl.constexpr, SPLIT_ROWS: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
+    PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -62,56 +94,81 @@ def sparse_attn_kernel(
     else:
         n_comp = 0
     total = WINDOW + n_comp
-    start = sp * SPLIT_ROWS
+    start = sp * split_rows
     if start < total:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
         d = tl.arange(0, BLOCK_D)
+        dmask = d < D
         q = tl.load(Q + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + d[None, :],
-                    mask=hmask[:, None] & (d < D)[None, :], other=0.0)
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        if WINDOW > 0:
-            seg_start = tl.load(SEG_START + r)
-            seg_row0 = tl.load(SEG_ROW0 + r)
-            slot = tl.load(SLOTS + r).to(tl.int64)
-        end = tl.minimum(start + SPLIT_ROWS, total)
-        for n0 in range(start, end, BLOCK_N):
-            v = n0 + tl.arange(0, BLOCK_N)
-            c = v - WINDOW
-            # compressed rows
-            if MODE == 1:
-                j = tl.load(IDX + t.to(tl.int64) * s_idx + c, mask=(c >= 0) & (c < n_comp), other=-1)
-            else:
-                j = tl.where((c >= 0) & (c < n_comp), c, -1)
-            if PAGED:
-                blk = tl.load(BT + r.to(tl.int64) * s_bt + tl.maximum(j, 0) // EPB, mask=j >= 0, other=0)
-                row = blk.to(tl.int64) * EPB + tl.maximum(j, 0) % EPB
-            else:
-                row = tl.maximum(j, 0).to(tl.int64)
-            ptr = POOL + row * s_pool_row
-            valid = j >= 0
+        end = tl.minimum(start + split_rows, total)
+        if TWO_LOOPS:
             if WINDOW > 0:
-                p = pos - (WINDOW - 1) + v
-                in_win = v < WINDOW
-                is_new = p >= seg_start
-                new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
-                ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
-                ptr = tl.where(in_win, tl.where(is_new, new_ptr, ring_ptr), ptr)
-                valid = tl.where(in_win, p >= 0, valid)
-            valid = valid & (v < end)
-            kv = _load_kv(ptr, d, valid, D, ROPE, FP8).to(q.dtype)
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            pr = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(kv.dtype), kv, input_precision=PREC)
-            m_i = m_new
-        omask = hmask[:, None] & (d < D)[None, :]
+                # window rows: positions pos−WINDOW+1 .. pos, from the chunk's new rows or the ring
+                seg_start = tl.load(SEG_START + r)
+                seg_row0 = tl.load(SEG_ROW0 + r)
+                slot = tl.load(SLOTS + r).to(tl.int64)
+                for n0 in range(start, tl.minimum(end, WINDOW), BLOCK_N):
+                    v = n0 + tl.arange(0, BLOCK_N)
+                    p = pos - (WINDOW - 1) + v
+                    new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
+                    ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
+                    valid = (p >= 0) & (v < end) & (v < WINDOW)
+                    kv = _load_rows(tl.where(p >= seg_start, new_ptr, ring_ptr), valid, D, ROPE, FP8, q.dtype, BLOCK_D)
+                    m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
+            if MODE > 0:
+                # compressed rows: CSA the token's index list, HCA every visible entry
+                for n0 in range(tl.maximum(start, WINDOW), end, BLOCK_N):
+                    c = n0 - WINDOW + tl.arange(0, BLOCK_N)
+                    if MODE == 1:
+                        j = tl.load(IDX + t.to(tl.int64) * s_idx + c, mask=c < n_comp, other=-1)
+                    else:
+                        j = c
+                    valid = (j >= 0) & (c < end - WINDOW)
+                    jc = tl.where(valid, j, 0)
+                    if PAGED:
+                        blk = tl.load(BT + r.to(tl.int64) * s_bt + jc // EPB, mask=valid, other=0)
+                        row = blk.to(tl.int64) * EPB + jc % EPB
+                    else:
+                        row = jc.to(tl.int64)
+                    kv = _load_rows(POOL + row * s_pool_row, valid, D, ROPE, FP8, q.dtype, BLOCK_D)
+                    m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
+        else:
+            # one loop over the whole row list (fewer registers live: packed fp8 with 64-head blocks)
+            if WINDOW > 0:
+                seg_start = tl.load(SEG_START + r)
+                seg_row0 = tl.load(SEG_ROW0 + r)
+                slot = tl.load(SLOTS + r).to(tl.int64)
+            for n0 in range(start, end, BLOCK_N):
+                v = n0 + tl.arange(0, BLOCK_N)
+                c = v - WINDOW
+                if MODE == 1:
+                    j = tl.load(IDX + t.to(tl.int64) * s_idx + c, mask=(c >= 0) & (c < n_comp), other=-1)
+                else:
+                    j = tl.where((c >= 0) & (c < n_comp), c, -1)
+                valid = j >= 0
+                jc = tl.where(valid, j, 0)
+                if PAGED:
+                    blk = tl.load(BT + r.to(tl.int64) * s_bt + jc // EPB, mask=valid, other=0)
+                    row = blk.to(tl.int64) * EPB + jc % EPB
+                else:
+                    row = jc.to(tl.int64)
+                ptr = POOL + row * s_pool_row
+                if WINDOW > 0:
+                    p = pos - (WINDOW - 1) + v
+                    in_win = v < WINDOW
+                    new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
+                    ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
+                    ptr = tl.where(in_win, tl.where(p >= seg_start, new_ptr, ring_ptr), ptr)
+                    valid = tl.where(in_win, p >= 0, valid)
+                valid = valid & (v < end)
+                kv = _load_rows(ptr, valid, D, ROPE, FP8, q.dtype, BLOCK_D)
+                m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
+        omask = hmask[:, None] & dmask[None, :]
         if FINAL:
             sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
             m_all = tl.maximum(m_i, sink)
@@ -126,13 +183,15 @@ def sparse_attn_kernel(
 
 @triton.jit
 def combine_kernel(
-    PART, sp_t, sp_s, sp_h, ML, sml_t, sml_s, O, so_t, so_h, POS, SINK, H, K_IDX,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr,
-    RATIO: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+    PART, sp_t, sp_s, sp_h, ML, sml_t, sml_s, O, so_t, so_h, POS, SINK, H, K_IDX, split_rows,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr,
+    MODE: tl.constexpr, RATIO: tl.constexpr,
 ):
-    """Merge the row pieces of one token (fixed order) with the sink: o = Σ acc_s 2^(m_s−M) / L."""
+    """Merge the pieces of one token for BLOCK_H heads × BLOCK_D dims, BLOCK_S pieces at a time in a
+    fixed order, with the sink: o = Σ_s acc_s 2^(m_s−M) / (Σ_s l_s 2^(m_s−M) + 2^(sink−M))."""
     t = tl.program_id(0)
-    hb = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     pos = tl.load(POS + t)
     if MODE == 1:
         n_comp = K_IDX
@@ -140,51 +199,98 @@ def combine_kernel(
         n_comp = (pos + 1) // RATIO
     else:
         n_comp = 0
-    n_split = (WINDOW + n_comp + SPLIT_ROWS - 1) // SPLIT_ROWS
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    n_split = (WINDOW + n_comp + split_rows - 1) // split_rows
     hmask = heads < H
-    d = tl.arange(0, BLOCK_D)
     sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
-    m_all = sink
     base = ML + t.to(tl.int64) * sml_t
-    for s in range(0, n_split):
-        m_all = tl.maximum(m_all, tl.load(base + s * sml_s + heads, mask=hmask, other=float("-inf")))
+    m_all = sink
+    for s0 in range(0, n_split, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        m = tl.load(base + s[:, None] * sml_s + heads[None, :], mask=(s < n_split)[:, None] & hmask[None, :],
+                    other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(m, 0))
     denom = tl.exp2(sink - m_all)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    omask = hmask[:, None] & (d < D)[None, :]
-    for s in range(0, n_split):
-        m_s = tl.load(base + s * sml_s + heads, mask=hmask, other=float("-inf"))
-        l_s = tl.load(base + s * sml_s + H + heads, mask=hmask, other=0.0)
-        w = tl.exp2(m_s - m_all)
-        denom += l_s * w
-        part = tl.load(PART + t.to(tl.int64) * sp_t + s * sp_s + heads[:, None] * sp_h + d[None, :], mask=omask,
-                       other=0.0)
-        acc += part * w[:, None]
-    tl.store(O + t.to(tl.int64) * so_t + heads[:, None] * so_h + d[None, :], acc / denom[:, None], mask=omask)
+    for s0 in range(0, n_split, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        sm = (s < n_split)[:, None] & hmask[None, :]
+        m = tl.load(base + s[:, None] * sml_s + heads[None, :], mask=sm, other=float("-inf"))
+        l = tl.load(base + s[:, None] * sml_s + H + heads[None, :], mask=sm, other=0.0)
+        w = tl.exp2(m - m_all[None, :])
+        denom += tl.sum(l * w, 0)
+        part = tl.load(PART + t.to(tl.int64) * sp_t + s[:, None, None] * sp_s + heads[None, :, None] * sp_h
+                       + dd[None, None, :], mask=sm[:, :, None] & (dd < D)[None, None, :], other=0.0)
+        acc += tl.sum(part * w[:, :, None], 0)
+    tl.store(O + t.to(tl.int64) * so_t + heads[:, None] * so_h + dd[None, :], acc / denom[:, None],
+             mask=hmask[:, None] & (dd < D)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
+import functools  # noqa: E402
+
 import torch  # noqa: E402
 
 from hybridkv.ops.backend import is_deterministic  # noqa: E402
 
+# Launch shapes (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages), chosen so that nothing spills at
+# D = 512 with packed fp8 rows (ptxas, sm_90): a BLOCK_N × 512 tile is dequantised in registers.
+# Deterministic mode: one fixed shape for every token. Prefill: all 64 heads of a token per program
+# (wgmma, M = 64), one piece per token. Decode: 16-head programs ("narrow", each row tile re-read per
+# head block from L2) while there are few tokens, whole-head programs ("wide", no re-reads, 128 KB of
+# partial output per piece) once tokens × pieces of ≥ WIDE_MIN_SPLIT rows fill the GPU.
+DETERMINISTIC_CFG = (16, 32, 256, 8, 2)
+PREFILL_CFG = (64, 32, 8, 2)                     # BLOCK_H, BLOCK_N, num_warps, num_stages
+NARROW_CFG = (16, 32, 8, 2)
+WIDE_CFG = (64, 32, 8, 2)
+PIECES_PER_SM = 2                                # decode programs per SM to aim for
+MIN_SPLIT, WIDE_MIN_SPLIT = 64, 256
+COMBINE_CFG = dict(BLOCK_H=4, BLOCK_D=64, BLOCK_S=16, num_warps=4)
 
-def _config(num_tokens: int, rows_max: int, heads: int, block_d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, split_rows, num_warps). Few tokens (decode): small head blocks, rows split
-    over many programs; many tokens (prefill): one piece per token, all heads of a block at once.
-    Deterministic mode always takes the decode configuration, so a token's reduction order never
-    depends on how many other tokens share the launch."""
-    bn = 32 if block_d >= 256 else 64
-    if num_tokens <= 64 or is_deterministic():
-        return 16, bn, 64, 4
-    bh = 64 if heads >= 64 else 16
-    return bh, bn, max(bn, triton.cdiv(rows_max, bn) * bn), 8 if bh >= 64 else 4
+
+@functools.lru_cache(maxsize=8)
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A placeholder int32 argument for pointers a launch never reads (cached: no fill per call)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _launch(q, sink, scale, new_kv, ring, pool, pool_row_stride, block_tables, idx, token_req, positions, slots,
-            seg_start, seg_row0, window, mode, ratio, epb, paged, fp8, head_dim, rope_dim, max_pos):
+@functools.lru_cache(maxsize=8)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _config(num_tokens: int, rows_max: int, heads: int, device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, split_rows, num_warps, num_stages) for a launch of num_tokens tokens whose
+    longest row list has rows_max rows."""
+    if is_deterministic():
+        return DETERMINISTIC_CFG
+    if num_tokens > 64:
+        bh, bn, warps, stages = PREFILL_CFG
+        return min(bh, max(16, triton.next_power_of_2(heads))), bn, triton.cdiv(rows_max, bn) * bn, warps, stages
+    sms = _sms(device)
+    wide = heads >= WIDE_CFG[0] and num_tokens * (rows_max // WIDE_MIN_SPLIT) >= sms
+    bh, bn, warps, stages = WIDE_CFG if wide else NARROW_CFG
+    want = max(1, (sms if wide else PIECES_PER_SM * sms) // (num_tokens * triton.cdiv(heads, bh)))
+    split = max(WIDE_MIN_SPLIT if wide else MIN_SPLIT, triton.cdiv(triton.cdiv(rows_max, want), bn) * bn)
+    return bh, bn, split, warps, stages
+
+
+def _words(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Packed uint8 entries viewed as int32 words (the row length is a multiple of 8 bytes)."""
+    if x is None:
+        return None
+    if x.shape[-1] % 4 or x.stride(-1) != 1 or x.data_ptr() % 4:
+        x = x.contiguous()
+    return x.view(torch.int32)
+
+
+def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, positions, slots,
+            seg_start, seg_row0, window, mode, ratio, epb, paged, fp8, head_dim, rope_dim, max_pos, cfg=None):
     t, h, _ = q.shape
     dev = q.device
+    block_d = triton.next_power_of_2(head_dim)
+    if fp8:
+        assert rope_dim == 64 and head_dim == block_d >= 128, "packed fp8 entries: 64 rope dims, head_dim 2^k ≥ 128"
+        new_kv, ring, pool = _words(new_kv), _words(ring), _words(pool)
     k_idx = idx.shape[1] if mode == 1 else 0
     if mode == 1:
         n_comp_max = k_idx
@@ -193,58 +299,63 @@ def _launch(q, sink, scale, new_kv, ring, pool, pool_row_stride, block_tables, i
     else:
         n_comp_max = 0
     rows_max = window + n_comp_max
-    block_d = triton.next_power_of_2(head_dim)
-    bh, bn, split, warps = _config(t, rows_max, h, block_d)
+    bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev)
     n_split = max(1, triton.cdiv(rows_max, split))
     out = torch.empty(t, h, head_dim, dtype=torch.float32, device=dev)
+    if t == 0:
+        return out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy = _dummy(dev)
     idx_t = idx if mode == 1 else dummy
     new_t = new_kv if new_kv is not None else pool
     ring_t = ring if ring is not None else pool
-    common = dict(D=head_dim, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window,
-                  MODE=mode, RATIO=max(ratio, 1), EPB=epb, PAGED=paged, SPLIT_ROWS=split, PREC=prec)
+    common = dict(D=head_dim, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window, MODE=mode,
+                  RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec, TWO_LOOPS=not (fp8 and bh >= 64))
     args_tail = (new_t, new_t.stride(0), ring_t, ring_t.stride(0) if ring is not None else 0,
-                 ring_t.stride(1) if ring is not None else 0, pool, pool_row_stride,
+                 ring_t.stride(1) if ring is not None else 0, pool, pool.stride(0),
                  block_tables if block_tables is not None else dummy,
                  block_tables.stride(0) if block_tables is not None else 0, idx_t, idx_t.stride(0) if mode == 1 else 0,
-                 token_req, positions, slots, seg_start, seg_row0, sink, scale * LOG2E, h, k_idx)
+                 token_req, positions, slots, seg_start, seg_row0, sink, scale * LOG2E, h, k_idx, split)
     grid = (t, triton.cdiv(h, bh), n_split)
     if n_split == 1:
         sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), out, out.stride(0), 0, out.stride(1), dummy, 0, 0,
-                                 *args_tail, FINAL=True, num_warps=warps, num_stages=2, **common)
+                                 *args_tail, FINAL=True, num_warps=warps, num_stages=stages, **common)
         return out
     part = torch.empty(t, n_split, h, head_dim, dtype=torch.float32, device=dev)
     ml = torch.empty(t, n_split, 2, h, dtype=torch.float32, device=dev)
     sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), part, part.stride(0), part.stride(1), part.stride(2),
-                             ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps, num_stages=2,
-                             **common)
-    combine_kernel[(t, triton.cdiv(h, bh))](part, part.stride(0), part.stride(1), part.stride(2), ml, ml.stride(0),
-                                            ml.stride(1), out, out.stride(0), out.stride(1), positions, sink, h, k_idx,
-                                            D=head_dim, BLOCK_D=block_d, BLOCK_H=bh, WINDOW=window, MODE=mode,
-                                            RATIO=max(ratio, 1), SPLIT_ROWS=split, num_warps=4)
+                             ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps,
+                             num_stages=stages, **common)
+    c = COMBINE_CFG
+    bhc, bdc = min(c["BLOCK_H"], max(2, triton.next_power_of_2(h))), min(c["BLOCK_D"], head_dim)
+    combine_kernel[(t, triton.cdiv(h, bhc), triton.cdiv(head_dim, bdc))](
+        part, part.stride(0), part.stride(1), part.stride(2), ml, ml.stride(0), ml.stride(1), out, out.stride(0),
+        out.stride(1), positions, sink, h, k_idx, split, D=head_dim, BLOCK_H=bhc, BLOCK_D=bdc, BLOCK_S=c["BLOCK_S"],
+        WINDOW=window, MODE=mode, RATIO=max(ratio, 1), num_warps=c["num_warps"])
     return out
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                cfg=None) -> torch.Tensor:
     """Contiguous variant, same contract as the reference: q [T, H, D], kv [N, D], idx [T, K]."""
     t = q.shape[0]
     z = torch.zeros(t, dtype=torch.int32, device=q.device)
-    return _launch(q, sink.float().contiguous(), scale, None, None, kv, kv.stride(0), None, idx.to(torch.int32), z,
+    return _launch(q, sink.float().contiguous(), scale, None, None, kv, None, idx.to(torch.int32), z,
                    z, z, z, z, window=0, mode=1, ratio=0, epb=1, paged=False, fp8=False, head_dim=kv.shape[1],
-                   rope_dim=0, max_pos=0)
+                   rope_dim=0, max_pos=0, cfg=cfg)
 
 
 def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio=0, fmt="bf16", head_dim=None,
-                      rope_dim=0, window=128, max_pos=None):
-    """See `hybridkv.ops.sparse_attn.sparse_attn_paged`."""
+                      rope_dim=0, window=128, max_pos=None, cfg=None):
+    """See `hybridkv.ops.sparse_attn.sparse_attn_paged`. `cfg` overrides the launch shape
+    (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages)."""
     fp8 = fmt == "fp8"
     mode = 1 if idx is not None else (2 if ratio else 0)
     epb = batch.block_tokens // ratio if ratio else 1
     pool_flat = pool.reshape(-1, pool.shape[-1]) if pool is not None else new_kv
     if mode == 2 and max_pos is None:
         max_pos = int(batch.positions.max())  # a host sync: pass max_pos under CUDA graphs
-    return _launch(q, sink.float().contiguous(), scale, new_kv, ring, pool_flat, pool_flat.stride(0),
-                   batch.block_tables, None if idx is None else idx.to(torch.int32), batch.token_req, batch.positions,
-                   batch.slots, batch.seg_start, batch.seg_row0, window=window, mode=mode, ratio=ratio, epb=epb,
-                   paged=True, fp8=fp8, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0)
+    return _launch(q, sink.float().contiguous(), scale, new_kv, ring, pool_flat, batch.block_tables,
+                   None if idx is None else idx.to(torch.int32), batch.token_req, batch.positions, batch.slots,
+                   batch.seg_start, batch.seg_row0, window=window, mode=mode, ratio=ratio, epb=epb, paged=True,
+                   fp8=fp8, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0, cfg=cfg)
