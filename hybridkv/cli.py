@@ -133,6 +133,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(a: argparse.Namespace) -> int:
+    from hybridkv.eval.cli import main as eval_main
+
+    return eval_main(a.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridkv", description="DeepSeek-V4-family models and their KV memory system")
     sub = p.add_subparsers(dest="command", required=True)
@@ -190,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("eval", help="long-context evaluation (RULER, MRCR, passkey) under memory policies; "
+                                    "'hybridkv eval compare A.json B.json'", add_help=False)
+    e.add_argument("args", nargs=argparse.REMAINDER)
+    e.set_defaults(func=cmd_eval)
 
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")
     d.add_argument("--model", default=None, help="model directory (default: the shipped model)")

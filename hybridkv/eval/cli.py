@@ -1,0 +1,68 @@
+"""`hybridkv eval MODEL_DIR ...` and `hybridkv eval compare A.json B.json`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hybridkv.eval.report import compare, load, markdown, plots
+from hybridkv.eval.runner import build_samples, run_policy
+from hybridkv.eval.tasks import expand_tasks
+
+
+def _lengths(text: str) -> list[int]:
+    out = []
+    for t in text.split(","):
+        t = t.strip().lower()
+        out.append(int(float(t[:-1]) * 1024) if t.endswith("k") else int(t))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "compare":
+        p = argparse.ArgumentParser(prog="hybridkv eval compare")
+        p.add_argument("a")
+        p.add_argument("b")
+        a = p.parse_args(argv[1:])
+        print(compare(load(a.a), load(a.b), Path(a.a).parent.name or "A", Path(a.b).parent.name or "B"))
+        return 0
+    p = argparse.ArgumentParser(prog="hybridkv eval", description="long-context evaluation through the engine")
+    p.add_argument("model_dir")
+    p.add_argument("--tasks", default="ruler,mrcr,passkey", help="suites (ruler, mrcr, passkey) or task names")
+    p.add_argument("--lengths", default="4k,8k,16k,32k")
+    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
+    p.add_argument("--policy", default="full", help="memory policies, comma separated: full, recency-N, random-p, "
+                                                    "oracle-K")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model directory's)")
+    p.add_argument("--out", default=None, help="output directory (default: MODEL_DIR/eval)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    from tqdm import tqdm
+
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+
+    tok = TaskTokenizer.load(a.tokenizer or a.model_dir)
+    tasks, lengths = expand_tasks(a.tasks), _lengths(a.lengths)
+    policies = [x.strip() for x in a.policy.split(",") if x.strip()]
+    total = len(tasks) * len(lengths) * a.samples
+    with tqdm(total=total, desc="generating prompts", unit="prompt") as bar:
+        samples = build_samples(tok, tasks, lengths, a.samples, a.seed, progress=bar.update)
+    runs = []
+    for policy in policies:
+        with tqdm(total=len(samples), desc=f"policy {policy}", unit="req") as bar:
+            runs.append(run_policy(a.model_dir, policy, samples, tok, tasks, lengths, a.samples, a.device,
+                                   a.max_num_seqs, progress=bar.update))
+    out = Path(a.out) if a.out else Path(a.model_dir) / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv),
+                                                  "runs": [r.to_json() for r in runs]}, indent=1))
+    table = markdown(runs)
+    (out / "results.md").write_text(f"`hybridkv eval {' '.join(argv)}`\n\n" + table)
+    written = plots(runs, out)
+    print(table)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(written)} plots", file=sys.stderr)
+    return 0
