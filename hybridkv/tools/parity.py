@@ -134,9 +134,9 @@ def replay(model: Transformer, input_ids: torch.Tensor, prefill_len: int, chunks
                 return h
 
             flat_ids = torch.cat([ids[b, start:start + n] for b, (start, n) in active])
-            model(flat_ids, batch, after_layer)
-            own = computed[-1]  # the last block's own output (before any teacher forcing)
-            logits = model.logits(own[batch.last_rows()])
+            head_input = model(flat_ids, batch, after_layer)  # from the last block's own output
+            own = computed[-1]
+            logits = model.logits(head_input[batch.last_rows()])
             for k, (seg, (b, (start, n))) in enumerate(zip(batch.segments, active)):
                 if start >= prefill_len:
                     decode_logits[b][start - prefill_len] = logits[k]

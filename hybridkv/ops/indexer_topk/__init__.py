@@ -1,1 +1,6 @@
-from hybridkv.ops.indexer_topk.reference import causal_topk, index_scores  # noqa: F401
+from hybridkv.ops.indexer_topk.reference import (  # noqa: F401
+    candidate_blocks,
+    causal_topk,
+    index_scores,
+    mask_invisible,
+)
