@@ -75,11 +75,14 @@ class Transformer(nn.Module):
                                  for i in range(c.num_nextn_predict_layers))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                after_layer: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
+                after_layer: Callable | None = None) -> torch.Tensor:
         """input_ids [T] (flat batch) -> what `logits` reads: the last block's stream [T, hc, dim]
-        (V4) or its collapse [T, dim] (V4.1). `after_layer(i, h)` is called with the stream after
-        block i; if it returns a tensor, the next block reads that instead (teacher forcing); the
-        return value is always computed from the last block's own output."""
+        (V4) or its collapse [T, dim] (V4.1).
+
+        `after_layer(i, h, pre)` is called after block i with its output stream and, for V4.1, the
+        pre mix it hands to the next block (None for V4). It may return None, a stream for the next
+        block to read instead (teacher forcing), or, for V4.1, a (stream, pre mix) pair. The return
+        value is always computed from the last block's own output."""
         h = self.embed(input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         pre = identity_pre(h) if self.single_pass else None
         share = CrossLayerShare()
@@ -88,11 +91,14 @@ class Transformer(nn.Module):
                 h, pre = layer.forward_single_pass(h, pre, batch, input_ids, share)
             else:
                 h = layer(h, batch, input_ids)
-            out = h
+            out, out_pre = h, pre
             if after_layer is not None:
-                replaced = after_layer(i, h)
-                h = h if replaced is None else replaced
-        return hc_collapse(out, pre) if self.single_pass else out
+                replaced = after_layer(i, h, pre)
+                if isinstance(replaced, tuple):
+                    h, pre = replaced
+                elif replaced is not None:
+                    h = replaced
+        return hc_collapse(out, out_pre) if self.single_pass else out
 
     def logits(self, h: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
         """Rows of `forward`'s output -> float32 logits [N, vocab]. V4: stream rows [N, hc, dim],
