@@ -122,6 +122,11 @@ class ContiguousLayerKV:
     def entries(self, kind: str, count: int) -> torch.Tensor:
         return self._entries[kind][:count]
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of compressed entries this layer owns ("kv", "index"); empty if none."""
+        return tuple(self._entries)
+
     def num_entries(self, kind: str) -> int:
         return self._counts[kind]
 

@@ -84,7 +84,7 @@ class _Work:
 def replay(model: Transformer, input_ids: torch.Tensor, prefill_len: int, chunks: list[int] | None = None,
            batch_mix: bool = False, teacher: torch.Tensor | None = None, with_hidden: bool = True,
            with_mtp: bool = True, teacher_mix: torch.Tensor | None = None,
-           with_mixes: bool = False) -> dict[str, torch.Tensor]:
+           with_mixes: bool = False, states: list[ContiguousKV] | None = None) -> dict[str, torch.Tensor]:
     """Run the golden protocol; returns the tensors in the golden file's layouts.
 
     teacher: the golden prefill_hidden [layers, batch, prefill, hc, dim]. When given, every prefill
@@ -94,6 +94,7 @@ def replay(model: Transformer, input_ids: torch.Tensor, prefill_len: int, chunks
     teacher_mix (V4.1): the pre mix [layers, batch, prefill, hc] each block hands to the next, the
     other half of the state between V4.1 blocks, replaced like the stream (see `reference_mixes`).
     with_mixes: also return the pre mixes of the prefill rows as "prefill_mixes" (V4.1).
+    states: if given, each sequence's KV state is appended to it (for inspection).
     """
     cfg = model.config
     device = next(model.parameters()).device
@@ -109,6 +110,8 @@ def replay(model: Transformer, input_ids: torch.Tensor, prefill_len: int, chunks
             pos += n
         items += [(prefill_len + s, 1) for s in range(steps)]
         works.append(_Work(items, b * lag, ContiguousKV(cfg, model.dtype, device)))
+    if states is not None:
+        states.extend(w.kv for w in works)
     if teacher is not None:
         teacher = teacher.to(device=device, dtype=model.dtype)
     if teacher_mix is not None:
