@@ -389,7 +389,8 @@ def _validate_v41(c: ModelConfig) -> None:
             _fail(f"{name} must be strictly increasing, got {list(ids)}")
     if not set(c.kv_source_layer_ids) <= set(c.index_source_layer_ids):
         missing = sorted(set(c.kv_source_layer_ids) - set(c.index_source_layer_ids))
-        _fail(f"kv source layer(s) {missing} must also be in index_source_layer_ids: a Full layer computes its own top-k")
+        _fail(f"kv source layer(s) {missing} must also be in index_source_layer_ids: a Full layer computes its "
+              f"own top-k")
     first_src = c.kv_source_layer_ids[0] if c.kv_source_layer_ids else None
     for i, r in enumerate(backbone):
         if r == 0:

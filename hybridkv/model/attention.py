@@ -57,7 +57,7 @@ class Attention(nn.Module):
         self.compressor: Compressor | None = None
         self.indexer: Indexer | LatentIndexer | None = None
         if self.v41:
-            self.kv_source, self.index_source = c.kv_source(layer_id), c.index_source(layer_id)
+            self.kv_source = c.kv_source(layer_id)  # whose entries this layer attends over
             if self.mode == "full":
                 self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype)
             if self.mode in ("full", "reindex"):

@@ -1,10 +1,11 @@
-"""FP8 (e4m3) and FP4 (e2m1) quantisation as the V4 reference simulates it.
+"""FP8 (e4m3) and FP4 (e2m1) quantisation as the V4 and V4.1 references simulate it.
 
 Scales are powers of two, `2^ceil(log2(amax / qmax))`, computed from the float32 bits exactly as
 the reference kernels do; amax is clamped below at 1e-4 (FP8) and 6·2^-126 (FP4). V4.1's global KV
 is the exception: FP4 in blocks of 16 with e4m3 scales, `e4m3(amax / 6)` with amax clamped below at
-6·2^-9 (the smallest e4m3 subnormal times 6). Values round to nearest, ties to even. A "round trip" quantises and dequantises in place of storing the low
-precision value, so that stored and simulated numbers are identical.
+6·2^-9 (the smallest e4m3 subnormal times 6). Values round to nearest, ties to even. A "round
+trip" quantises and dequantises in place of storing the low precision value, so that stored and
+simulated numbers are identical.
 """
 
 from __future__ import annotations
