@@ -19,6 +19,9 @@ from hybridkv.errors import ConfigError
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 KV_FP8_BLOCK = 64  # the window/compressed KV nope dims are FP8-simulated in blocks of 64
 FP4_BLOCK = 32
+# DeepSeek-V4.1 storage round trips: window KV FP8 over all dims, global KV FP4 with e4m3 scales
+V41_WINDOW_FP8_BLOCK = 32
+V41_GLOBAL_FP4_BLOCK = 16
 V4_TYPES = ("deepseek_v4",)
 V41_TYPES = ("deepseek_v41", "deepseek_v4_1")
 MLA_TYPES = ("deepseek_v32",)
@@ -86,6 +89,7 @@ class ModelConfig:
     num_hash_layers: int = 0
     scoring_func: str = "sqrtsoftplus"
     routed_scaling_factor: float = 1.0
+    gate_temp: float = 1.0  # V4.1: gate logits are divided by it before scoring
     norm_topk_prob: bool = True
     topk_method: str = "noaux_tc"
     swiglu_limit: float = 0.0
@@ -121,6 +125,13 @@ class ModelConfig:
         return "v4"
 
     @property
+    def multimodal(self) -> bool:
+        """A V4.1 release config with a vision tower (`vision_config`); hybridkv runs the text path,
+        but the checkpoint then carries the image tokens' gate bias (`ffn.gate.bias_vl`)."""
+        vc = self.extra.get("vision_config")
+        return isinstance(vc, dict) and vc.get("num_hidden_layers", 1) > 0
+
+    @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
 
@@ -133,11 +144,39 @@ class ModelConfig:
         return self.compress_ratios[layer_id]
 
     def layer_kind(self, layer_id: int) -> str:
-        """'swa' (window only), 'csa' (ratio 4 with the Lightning Indexer) or 'hca'."""
+        """V4: 'swa' (window only), 'csa' (ratio 4 with the Lightning Indexer) or 'hca'.
+        V4.1: 'swa' or the CSA2 mode of a compressed layer:
+        'full' (own compressor, indexer keys and top-k), 'reindex' (own top-k over the last Full
+        layer's keys) or 'reuse' (the last Full layer's KV and the last indexer's top-k)."""
         r = self.layer_ratio(layer_id)
         if r == 0:
             return "swa"
+        if self.family == "v4.1":
+            if layer_id in self.kv_source_layer_ids:
+                return "full"
+            return "reindex" if layer_id in self.index_source_layer_ids else "reuse"
         return "csa" if r == 4 else "hca"
+
+    def kv_source(self, layer_id: int) -> int | None:
+        """The layer whose compressed KV (and, in V4.1, indexer keys) this layer attends over:
+        itself in V4; in V4.1 the last Full layer at or before it. None for window-only layers."""
+        if self.layer_ratio(layer_id) == 0:
+            return None
+        if self.family != "v4.1":
+            return layer_id
+        return max((i for i in self.kv_source_layer_ids if i <= layer_id), default=None)
+
+    def index_source(self, layer_id: int) -> int | None:
+        """V4.1: the last Full or Reindex layer at or before this one, whose top-k it uses."""
+        if self.layer_ratio(layer_id) == 0 or self.family != "v4.1":
+            return None
+        return max((i for i in self.index_source_layer_ids if i <= layer_id), default=None)
+
+    def uses_candidates(self, layer_id: int) -> bool:
+        """V4.1: whether this indexer takes its top-k inside the candidate source's pool."""
+        cs = self.candidate_source_layer_id
+        return (self.family == "v4.1" and cs is not None and cs < layer_id
+                and layer_id in self.index_source_layer_ids)
 
     @property
     def block_tokens(self) -> int:
@@ -157,7 +196,10 @@ class ModelConfig:
     def kv_pow2_scales(self) -> bool:
         """Whether the KV FP8 round trips use power-of-two scales. The reference takes this from
         the checkpoint's scale_fmt (ue8m0 in the releases); a model without a quantization_config
-        uses plain amax/448 scales, as the reference does with scale_fmt None."""
+        uses plain amax/448 scales, as the reference does with scale_fmt None. The V4.1 reference
+        fixes ue8m0 whatever the checkpoint says."""
+        if self.family == "v4.1":
+            return True
         qc = self.quantization_config
         return qc is not None and qc.scale_fmt == "ue8m0"
 
@@ -170,6 +212,13 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
+        text = d.get("text_config")
+        if isinstance(text, dict) and "compress_ratios" not in d:
+            # a multimodal release nests the language model's fields under text_config
+            d.pop("text_config")
+            d = {**d, **{k: v for k, v in text.items() if k != "model_type"}}
+        if isinstance(d.get("candidate_source_layer_id"), int) and d["candidate_source_layer_id"] < 0:
+            d["candidate_source_layer_id"] = None  # the reference's "no candidate pool"
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         for k in list(d):
@@ -302,9 +351,11 @@ def _validate(c: ModelConfig) -> None:
         if len(qc.weight_block_size) != 2 or min(qc.weight_block_size) <= 0:
             _fail(f"quantization_config.weight_block_size must be two positive ints, got {qc.weight_block_size}")
     if any(r > 0 for r in c.compress_ratios) or c.family == "v4.1":
-        if c.index_head_dim % FP4_BLOCK or c.index_head_dim & (c.index_head_dim - 1):
+        if c.family == "v4" and (c.index_head_dim % FP4_BLOCK or c.index_head_dim & (c.index_head_dim - 1)):
             _fail(f"index_head_dim ({c.index_head_dim}) must be a power of two and a multiple of {FP4_BLOCK} "
                   f"(Hadamard rotation and FP4 blocks)")
+        if c.index_head_dim % FP4_BLOCK:
+            _fail(f"index_head_dim ({c.index_head_dim}) must be a multiple of {FP4_BLOCK} (FP4 indexer key blocks)")
         if c.index_head_dim < c.qk_rope_head_dim:
             _fail(f"index_head_dim ({c.index_head_dim}) must be at least qk_rope_head_dim ({c.qk_rope_head_dim})")
         positive("index_n_heads")
@@ -314,33 +365,64 @@ def _validate(c: ModelConfig) -> None:
 
 
 def _validate_v41(c: ModelConfig) -> None:
-    backbone = c.compress_ratios[: c.num_hidden_layers]
+    n = c.num_hidden_layers
+    backbone = c.compress_ratios[:n]
+    if c.head_dim % V41_WINDOW_FP8_BLOCK:
+        _fail(f"head_dim ({c.head_dim}) must be a multiple of {V41_WINDOW_FP8_BLOCK}: V4.1 window KV is FP8 in blocks "
+              f"of {V41_WINDOW_FP8_BLOCK} and global KV FP4 in blocks of {V41_GLOBAL_FP4_BLOCK}")
+    if c.num_hash_layers:
+        _fail(f"num_hash_layers must be 0 for DeepSeek-V4.1 (it routes every layer by score), got {c.num_hash_layers}")
+    if c.gate_temp <= 0:
+        _fail(f"gate_temp must be positive, got {c.gate_temp}")
+    if any(r > 0 for r in c.compress_ratios[n:]):
+        _fail(f"the draft (MTP) layers of a V4.1 config must not compress (ratio 0), got {list(c.compress_ratios[n:])}")
     for name in ("kv_source_layer_ids", "index_source_layer_ids"):
         ids = getattr(c, name)
         if ids is None:
             _fail(f"a V4.1 config needs {name}")
         for i in ids:
-            if not 0 <= i < c.num_hidden_layers:
-                _fail(f"{name} names layer {i}, outside 0..{c.num_hidden_layers - 1}")
+            if not isinstance(i, int) or not 0 <= i < n:
+                _fail(f"{name} names layer {i}, outside 0..{n - 1}")
             if backbone[i] == 0:
                 _fail(f"{name} names layer {i}, which does not compress (ratio 0)")
         if list(ids) != sorted(set(ids)):
             _fail(f"{name} must be strictly increasing, got {list(ids)}")
     if not set(c.kv_source_layer_ids) <= set(c.index_source_layer_ids):
-        _fail("every kv_source_layer_id must also be an index_source_layer_id")
-    cs = c.candidate_source_layer_id
-    if cs is not None:
-        if cs not in c.kv_source_layer_ids:
-            _fail(f"candidate_source_layer_id {cs} must be one of kv_source_layer_ids {list(c.kv_source_layer_ids)}")
-        for i in c.index_source_layer_ids:
-            if i not in c.kv_source_layer_ids and i < cs:
-                _fail(f"Reindex layer {i} comes before the candidate source layer {cs}")
-        if not (c.candidate_topk_blocks and c.candidate_block_size):
-            _fail("candidate_source_layer_id needs candidate_topk_blocks and candidate_block_size")
+        missing = sorted(set(c.kv_source_layer_ids) - set(c.index_source_layer_ids))
+        _fail(f"kv source layer(s) {missing} must also be in index_source_layer_ids: a Full layer computes its "
+              f"own top-k")
     first_src = c.kv_source_layer_ids[0] if c.kv_source_layer_ids else None
     for i, r in enumerate(backbone):
-        if r > 0 and first_src is not None and i < first_src:
-            _fail(f"layer {i} compresses (ratio {r}) before the first kv source layer {first_src}")
+        if r == 0:
+            continue
+        if first_src is None or i < first_src:
+            _fail(f"layer {i} compresses (ratio {r}) before the first kv source layer "
+                  f"{first_src}: it would have no compressed KV to read; add it to kv_source_layer_ids")
+        src = c.kv_source(i)
+        if backbone[src] != r:
+            _fail(f"layer {i} (ratio {r}) reads the compressed KV of layer {src} (ratio {backbone[src]}): a layer "
+                  f"sharing KV must have its source's ratio; make layer {i} a kv source or change its ratio")
+    cs = c.candidate_source_layer_id
+    if cs is None:
+        return
+    if cs not in c.kv_source_layer_ids:
+        _fail(f"candidate_source_layer_id {cs} must be one of kv_source_layer_ids {list(c.kv_source_layer_ids)}")
+    for i in c.index_source_layer_ids:
+        if i not in c.kv_source_layer_ids and i < cs:
+            _fail(f"Reindex layer {i} comes before the candidate source layer {cs}: it would have no candidate pool")
+        if i > cs and backbone[i] != backbone[cs]:
+            _fail(f"index source layer {i} (ratio {backbone[i]}) takes its top-k inside the candidate pool of layer "
+                  f"{cs} (ratio {backbone[cs]}): both must have the same ratio")
+    for name in ("candidate_topk_blocks", "candidate_block_size"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            _fail(f"candidate_source_layer_id needs {name} as a positive integer, got {v!r}")
+    # the pool holds at least (blocks - 1) full blocks plus the newest position; a smaller pool than
+    # index_topk would make Reindex layers pick positions outside it
+    pool = (c.candidate_topk_blocks - 1) * c.candidate_block_size + 1
+    if pool < c.index_topk:
+        _fail(f"the candidate pool ({c.candidate_topk_blocks} blocks x {c.candidate_block_size}) can hold as few as "
+              f"{pool} positions, fewer than index_topk ({c.index_topk}); raise candidate_topk_blocks")
 
 
 def load_config(source: str | Path) -> ModelConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.cache.layout import entry_bytes
+from hybridkv.cache.layout import default_format, entry_bytes, kv_layout
 from hybridkv.errors import CheckpointError
 from hybridkv.model import ContiguousKV, ForwardBatch
 from hybridkv.weights import load_model
@@ -40,27 +40,35 @@ def greedy_generate(model, prompt: torch.Tensor, max_tokens: int, chunk: int) ->
     return out, kv, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
-def kv_accounting(kv: ContiguousKV) -> list[tuple[str, int | None, int, int]]:
-    """(kind, entries, bytes held by this run, bytes in the fp8 deployment layout) per kind."""
+# (kind of compressed entry in kv-calc's breakdown, LayerKV kind, priced as an indexer key?) by layer kind
+_ENTRY_KINDS = {
+    "csa": (("CSA main", "kv", False), ("CSA indexer", "index", True)),
+    "hca": (("HCA", "kv", False),),
+    "full": (("global KV", "kv", False), ("indexer keys", "index", True)),
+}
+
+
+def kv_accounting(kv: ContiguousKV, fmt: str | None = None) -> list[tuple[str, int | None, int, int]]:
+    """(kind, entries, bytes held by this run, bytes in the deployment layout `fmt`) per kind; the
+    compressed kinds are kv-calc's (`kv_layout(config).per_token`), then "window" and "compressor
+    state". The default format is the family's (fp8 for V4, v41 for V4.1)."""
     cfg = kv.config
-    eb = entry_bytes(cfg, "fp8")
-    rows = []
-    held = {"CSA main": 0, "CSA indexer": 0, "HCA": 0}
-    counts = dict.fromkeys(held, 0)
+    eb = entry_bytes(cfg, fmt or default_format(cfg))
+    held: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    priced: dict[str, int] = {}
+    breakdown = kv_layout(cfg, "bf16").per_token
+    for kinds in _ENTRY_KINDS.values():
+        for name, _, is_index in kinds:
+            if name in breakdown:
+                held[name] = counts[name] = 0
+                priced[name] = eb.index if is_index else eb.main
     for layer_id, layer in enumerate(kv.layers):
-        kind = cfg.layer_kind(layer_id)
         nb = layer.nbytes()
-        if kind == "csa":
-            counts["CSA main"] += layer.num_entries("kv")
-            counts["CSA indexer"] += layer.num_entries("index")
-            held["CSA main"] += nb["kv"]
-            held["CSA indexer"] += nb["index"]
-        elif kind == "hca":
-            counts["HCA"] += layer.num_entries("kv")
-            held["HCA"] += nb["kv"]
-    for kind in held:
-        per = eb.index if kind == "CSA indexer" else eb.main
-        rows.append((kind, counts[kind], held[kind], counts[kind] * per))
+        for name, entry_kind, _ in _ENTRY_KINDS.get(cfg.layer_kind(layer_id), ()):
+            counts[name] += layer.num_entries(entry_kind)
+            held[name] += nb[entry_kind]
+    rows = [(name, counts[name], held[name], counts[name] * priced[name]) for name in held]
     total = kv.nbytes()
     rows.append(("window", len(kv.layers) * cfg.sliding_window, total["window"],
                  len(kv.layers) * cfg.sliding_window * eb.window))
@@ -85,13 +93,14 @@ def run_demo(model_dir: str | None, max_tokens: int, chunk: int) -> int:
     n_ctx = prompt.numel() + len(out) - 1
     print(f"prefill {prompt.numel() / tm['prefill_s']:.0f} tok/s, decode {(len(out) - 1) / max(tm['decode_s'], 1e-9):.1f} "
           f"tok/s; context {n_ctx} tokens\n")
-    print(f"KV held by this run ({str(model.dtype).replace('torch.', '')} storage) and in the fp8 deployment layout:")
-    print(f"{'kind':<18}{'entries':>9}{'held bytes':>14}{'fp8 bytes':>14}")
-    rows = kv_accounting(kv)
+    fmt = default_format(cfg)
+    print(f"KV held by this run ({str(model.dtype).replace('torch.', '')} storage) and in the {fmt} deployment layout:")
+    print(f"{'kind':<18}{'entries':>9}{'held bytes':>14}{fmt + ' bytes':>14}")
+    rows = kv_accounting(kv, fmt)
     for kind, n, held, fp8 in rows:
         print(f"{kind:<18}{'-' if n is None else n:>9}{held:>14,}{fp8:>14,}")
-    grow = sum(r[3] for r in rows[:3])
+    grow = sum(r[3] for r in rows[:-2])
     print(f"{'total':<18}{'':>9}{sum(r[2] for r in rows):>14,}{sum(r[3] for r in rows):>14,}")
-    print(f"compressed KV: {grow / n_ctx:.2f} B/token in fp8 over {n_ctx} tokens "
+    print(f"compressed KV: {grow / n_ctx:.2f} B/token in {fmt} over {n_ctx} tokens "
           f"(kv-calc: hybridkv kv-calc --config {path} --context {n_ctx})")
     return 0

@@ -68,22 +68,69 @@ def test_missing_compress_ratios():
         ModelConfig.from_dict(d)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"kv_source_layer_ids": [2, 9]}, "kv_source_layer_ids names layer 9, outside"),
-    ({"kv_source_layer_ids": [1, 6]}, "names layer 1, which does not compress"),
-    ({"index_source_layer_ids": [2, 6, 4]}, "strictly increasing"),
-    ({"candidate_source_layer_id": 7}, "must be one of kv_source_layer_ids"),
-    ({"index_source_layer_ids": [2, 5, 6], "candidate_source_layer_id": 6}, "Reindex layer 5 comes before"),
-])
-def test_v41_validation(fixtures, change, message):
+def _v41_base(fixtures) -> dict:
     base = json.loads((fixtures / "v4-tiny" / "config.json").read_text())
     base.update({"model_type": "deepseek_v41", "num_hidden_layers": 8, "num_nextn_predict_layers": 0,
-                 "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1], "kv_source_layer_ids": [2, 6],
-                 "index_source_layer_ids": [2, 6], "candidate_source_layer_id": 6, "candidate_topk_blocks": 4,
+                 "num_hash_layers": 0, "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1], "kv_source_layer_ids": [2, 4],
+                 "index_source_layer_ids": [2, 4, 6], "candidate_source_layer_id": 4, "candidate_topk_blocks": 4,
                  "candidate_block_size": 8})
-    ModelConfig.from_dict(base)  # the base plan is valid
+    return base
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kv_source_layer_ids": [2, 9]}, "kv_source_layer_ids names layer 9, outside"),
+    ({"kv_source_layer_ids": [1, 4]}, "names layer 1, which does not compress"),
+    ({"index_source_layer_ids": [2, 6, 4]}, "strictly increasing"),
+    ({"index_source_layer_ids": [2, 6]}, r"kv source layer\(s\) \[4\] must also be in index_source_layer_ids"),
+    ({"candidate_source_layer_id": 6}, "must be one of kv_source_layer_ids"),
+    ({"index_source_layer_ids": [2, 3, 4, 6]}, "Reindex layer 3 comes before the candidate source layer 4"),
+    ({"kv_source_layer_ids": [3, 4], "index_source_layer_ids": [3, 4, 6]}, "layer 2 compresses .* before the first kv"),
+    ({"kv_source_layer_ids": [2, 5], "index_source_layer_ids": [2, 5, 6], "candidate_source_layer_id": 5},
+     r"layer 4 \(ratio 1\) reads the compressed KV of layer 2 \(ratio 2\)"),
+    ({"kv_source_layer_ids": [2, 4], "index_source_layer_ids": [2, 3, 4], "candidate_source_layer_id": 2},
+     r"index source layer 4 \(ratio 1\) takes its top-k inside the candidate pool of layer 2 \(ratio 2\)"),
+    ({"candidate_topk_blocks": 2, "index_topk": 16}, "can hold as few as 9 positions, fewer than index_topk"),
+    ({"candidate_block_size": 0}, "candidate_block_size as a positive integer"),
+    ({"num_hash_layers": 1}, "num_hash_layers must be 0 for DeepSeek-V4.1"),
+    ({"head_dim": 112, "qk_rope_head_dim": 16}, r"head_dim \(112\) must be a multiple of 32"),
+    ({"index_head_dim": 48}, r"index_head_dim \(48\) must be a multiple of 32"),
+    ({"kv_source_layer_ids": None}, "a V4.1 config needs kv_source_layer_ids"),
+])
+def test_v41_validation(fixtures, change, message):
+    base = _v41_base(fixtures)
+    c = ModelConfig.from_dict(base)  # the base plan is valid
+    assert [c.layer_kind(i) for i in range(8)] == ["swa", "swa", "full", "reuse", "full", "reuse", "reindex", "reuse"]
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**base, **change})
+
+
+def test_v41_plan(fixtures):
+    c = ModelConfig.from_json(fixtures / "v41-tiny")
+    assert c.family == "v4.1" and c.kv_pow2_scales  # the V4.1 reference always uses ue8m0 KV scales
+    assert [c.layer_kind(i) for i in range(10)] == ["swa", "swa", "full", "reuse", "reuse", "reuse", "full", "reuse",
+                                                    "reindex", "reuse"]
+    assert [c.kv_source(i) for i in range(10)] == [None, None, 2, 2, 2, 2, 6, 6, 6, 6]
+    assert [c.index_source(i) for i in range(10)] == [None, None, 2, 2, 2, 2, 6, 6, 8, 8]
+    assert [i for i in range(10) if c.uses_candidates(i)] == [8]
+    f = get_preset("v4.1-flash")
+    assert [i for i in range(40) if f.layer_kind(i) == "reindex"] == [24, 28, 32, 36]
+    assert f.fp8_block == (32, 32) and f.index_source(27) == 24 and f.kv_source(39) == 20
+
+
+def test_v41_release_config_nesting(fixtures):
+    """A multimodal release nests the language model under text_config; -1 means no candidate pool."""
+    text = {k: v for k, v in json.loads((fixtures / "v41-tiny" / "config.json").read_text()).items()
+            if k not in ("architectures",)}
+    text["model_type"] = "deepseek_v41_text"
+    release = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForConditionalGeneration"],
+               "text_config": text, "vision_config": {"num_hidden_layers": 32, "hidden_size": 1024}}
+    c = ModelConfig.from_dict(release)
+    assert c.model_type == "deepseek_v41" and c.num_hidden_layers == 10 and c.multimodal
+    assert c.extra["vision_config"]["hidden_size"] == 1024
+    assert not ModelConfig.from_json(fixtures / "v41-tiny").multimodal
+    off = ModelConfig.from_dict({**text, "model_type": "deepseek_v41", "candidate_source_layer_id": -1,
+                                 "index_source_layer_ids": [2, 6]})
+    assert off.candidate_source_layer_id is None and not any(off.uses_candidates(i) for i in range(10))
 
 
 def test_load_config_sources(fixtures):

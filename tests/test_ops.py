@@ -7,9 +7,9 @@ import torch
 
 from hybridkv.ops.compress import pool_blocks
 from hybridkv.ops.hadamard import hadamard_transform
-from hybridkv.ops.indexer_topk import causal_topk, index_scores
+from hybridkv.ops.indexer_topk import candidate_blocks, causal_topk, index_scores
 from hybridkv.ops.quant import (E2M1_VALUES, dequant_fp4_weight, dequant_fp8_weight, e2m1_round, fp4_round_trip,
-                                fp8_round_trip, pack_fp4, pow2_scale, quant_fp8_weight, unpack_fp4)
+                                fp8_round_trip, pack_fp4, pow2_scale, quant_fp4, quant_fp8_weight, unpack_fp4)
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 from hybridkv.ops.sparse_attn import sparse_attn
@@ -147,3 +147,42 @@ def test_sparse_attn_matches_softmax_with_sink(sink):
         logits = torch.cat([(q[ti] @ kv[sel].T) * 0.5, torch.full((h, 1), sink)], dim=1)
         p = logits.softmax(-1)[:, :-1]
         assert torch.allclose(o[ti], p @ kv[sel], atol=1e-6)
+
+
+def test_fp4_e4m3_scales():
+    """V4.1 global KV: FP4 in blocks of 16 whose scale is e4m3(amax / 6), not a power of two."""
+    x = torch.randn(3, 64) * 3
+    q, s = quant_fp4(x, 16, "e4m3")
+    amax = x.view(3, 4, 16).abs().amax(-1)
+    assert torch.equal(s, (amax / 6).to(torch.float8_e4m3fn).float())
+    assert torch.isin(q.abs(), E2M1_VALUES).all()
+    y = fp4_round_trip(x, 16, "e4m3")
+    assert torch.equal(y.view(3, 4, 16), q.view(3, 4, 16) * s.unsqueeze(-1))
+    assert not torch.equal(y, fp4_round_trip(x, 16))  # differs from power-of-two scales
+    tiny = torch.full((1, 16), 1e-6)  # amax is clamped at 6·2^-9: the scale stays a normal e4m3 value
+    assert float(quant_fp4(tiny, 16, "e4m3")[1]) == 2.0**-9
+    with pytest.raises(ValueError, match="unknown FP4 scale format"):
+        quant_fp4(x, 16, "e5m2")
+
+
+def test_causal_topk_by_position():
+    scores = torch.tensor([[1.0, 9.0, 3.0, 7.0, 5.0], [4.0, 2.0, 8.0, 1.0, 0.0]])
+    idx = causal_topk(scores, torch.tensor([5, 2]), 3, by_position=True)
+    assert idx.tolist() == [[1, 3, 4], [0, 1, -1]]
+
+
+def test_candidate_blocks():
+    """Blocks score their best entry; the newest visible entry's block is always kept; a block with
+    no visible entry never is; the mask covers whole blocks (cut at N)."""
+    ninf = float("-inf")
+    s = torch.tensor([[5.0, 1.0, 2.0, 2.0, 9.0, 0.0, 3.0, ninf, ninf, ninf]])  # visible 7, blocks of 2
+    keep = candidate_blocks(s, torch.tensor([7]), 2, 2)
+    # block scores [5, 2, 9, 3, -inf]: the newest entry (6) is in block 3, pinned; then block 2 (9)
+    assert keep.tolist() == [[False, False, False, False, True, True, True, True, False, False]]
+    keep = candidate_blocks(s, torch.tensor([7]), 3, 2)
+    assert keep[0, :2].all() and not keep[0, 2:4].any()
+    # more blocks asked for than are reachable: invisible blocks stay out
+    few = torch.tensor([[1.0, 2.0, ninf, ninf, ninf]])
+    assert candidate_blocks(few, torch.tensor([2]), 3, 2).tolist() == [[True, True, False, False, False]]
+    # nothing visible yet: nothing is pinned
+    assert not candidate_blocks(torch.full((1, 4), ninf), torch.tensor([0]), 2, 2).any()

@@ -76,6 +76,10 @@ class EngineCore:
                  config: EngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config: ModelConfig = model.config
+        if self.config.family != "v4":
+            raise ConfigError(f"the engine serves DeepSeek-V4 checkpoints; {self.config.family} "
+                              f"(model_type {self.config.model_type!r}) runs through the model API and the parity "
+                              f"tool, but its paged store (shared source-layer KV) is not built yet")
         self.ec = config or EngineConfig()
         self.device = next(model.parameters()).device
         self.memory = parse_policy(self.ec.memory_policy)

@@ -1,21 +1,29 @@
-"""Hybrid attention layer: every layer attends over its 128-token sliding window; CSA layers (ratio
-4) add the Lightning Indexer's top-k compressed entries, HCA layers (ratio 128) add all visible
-compressed entries; pure-SWA layers (ratio 0) use the window only. One softmax with a per-head
-sink runs over the union."""
+"""Hybrid attention layer: every layer attends over its 128-token sliding window; compressing
+layers add compressed entries; pure-SWA layers (ratio 0) use the window only. One softmax with a
+per-head sink runs over the union.
+
+Which compressed entries, by family:
+- V4: CSA layers (ratio 4) take the Lightning Indexer's top-k of their own entries, HCA layers
+  (ratio 128) all visible entries of their own.
+- V4.1: the CSA2 modes of `csa2.py` (Full / Reindex / Reuse), sharing one source layer's entries.
+The families also differ in the query (V4 RMS-normalises each head) and in the window KV's storage
+round trip (V4: FP8 nope dims in blocks of 64; V4.1: FP8 over all dims in blocks of 32).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from hybridkv.config import KV_FP8_BLOCK, ModelConfig
+from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK, ModelConfig
 from hybridkv.model.compressor import Compressor
+from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
 from hybridkv.model.linear import Linear
-from hybridkv.model.norm import RMSNorm, rms_normalize
-from hybridkv.model.state import DecodeKV, ForwardBatch, Segment
+from hybridkv.model.norm import RMSNorm
+from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
-from hybridkv.ops.rope import apply_rope, yarn_inv_freq
+from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.sparse_attn import sparse_attn
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
@@ -34,6 +42,8 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.layer_id, self.ratio = layer_id, c.layer_ratio(layer_id)
+        self.v41 = c.family == "v4.1"
+        self.mode = c.layer_kind(layer_id)
         self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
         self.window, self.eps, self.groups, self.o_rank = c.sliding_window, c.rms_norm_eps, c.o_groups, c.o_lora_rank
         self.scale = self.head_dim**-0.5
@@ -45,51 +55,71 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.wo_a = Linear(self.n_heads * self.head_dim // self.groups, self.groups * self.o_rank, "float", dtype)
         self.wo_b = Linear(self.groups * self.o_rank, c.hidden_size, fmt, dtype, c.fp8_block)
-        self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype) if self.ratio else None
-        self.indexer = Indexer(c, self.ratio, fmt, dtype) if self.ratio == 4 else None
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | LatentIndexer | None = None
+        if self.v41:
+            self.kv_source = c.kv_source(layer_id)  # whose entries this layer attends over
+            if self.mode == "full":
+                self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype)
+            if self.mode in ("full", "reindex"):
+                self.indexer = LatentIndexer(c, layer_id, fmt, dtype)
+        else:
+            if self.ratio:
+                self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype)
+            if self.ratio == 4:
+                self.indexer = Indexer(c, self.ratio, fmt, dtype)
         self.kv_pow2 = c.kv_pow2_scales
         self.rope_key = ("compressed" if self.ratio else "window", c.qk_rope_head_dim)
         self.register_buffer("inv_freq", layer_inv_freq(c, self.ratio), persistent=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, dim] (the whole flat batch) -> [T, dim]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, share: CrossLayerShare | None = None) -> torch.Tensor:
+        """x [T, dim] (the whole flat batch) -> [T, dim]. `share` carries V4.1's cross-layer
+        selections within this forward."""
         freqs = batch.rope(self.inv_freq, key=self.rope_key)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope((q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype),
-                       freqs)
+        if not self.v41:  # V4 RMS-normalises each query head (without a weight)
+            q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        q = apply_rope(q, freqs)
         kv = apply_rope(self.kv_norm(self.wkv(x)), freqs)
-        kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
-                        kv[..., -self.rope_dim:]], -1)
-
-        comp_rows = idx_q = idx_w = idx_rows = None
-        if self.compressor is not None:
-            comp_rows = self.compressor.project(x, batch.positions)
-        if self.indexer is not None:
-            idx_q = self.indexer.queries(qr, freqs)
-            idx_w = self.indexer.head_weights(x)
-            idx_rows = self.indexer.compressor.project(x, batch.positions)
+        if self.v41:
+            kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
+        else:
+            kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
+                            kv[..., -self.rope_dim:]], -1)
+        rows = self._token_rows(x, qr, freqs, batch)
 
         o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        for seg in batch.segments:
+        for s, seg in enumerate(batch.segments):
             r = seg.rows
-            o[r] = self._attend_segment(
-                seg, q[r], kv[r], batch.positions[r],
-                None if comp_rows is None else (comp_rows[0][r], comp_rows[1][r]),
-                None if idx_q is None else (idx_q[r], idx_w[r], idx_rows[0][r], idx_rows[1][r]))
+            o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
+                                        {k: v[r] for k, v in rows.items()}, share)
         if batch.decode is not None:
+            if self.v41:
+                raise NotImplementedError("batched decode over a paged store is not implemented for V4.1 layers")
             r = batch.decode.rows
-            o[r] = self._attend_decode(
-                batch.decode.kv, q[r], kv[r],
-                None if comp_rows is None else (comp_rows[0][r], comp_rows[1][r]),
-                None if idx_q is None else (idx_q[r], idx_w[r], idx_rows[0][r], idx_rows[1][r]))
+            o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
         return self.wo_b(o.flatten(1))
 
-    def _attend_segment(self, seg: Segment, q, kv, positions, comp_rows, idx_inputs) -> torch.Tensor:
+    def _token_rows(self, x, qr, freqs, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """Per-token inputs of the compressed path, computed once for the flat batch."""
+        rows: dict[str, torch.Tensor] = {}
+        if self.compressor is not None:
+            rows["comp_kv"], score = self.compressor.project(x, batch.positions)
+            if score is not None:
+                rows["comp_score"] = score
+        if self.indexer is not None:
+            rows["idx_q"] = self.indexer.queries(qr, freqs)
+            rows["idx_w"] = self.indexer.head_weights(x)
+            if not self.v41:
+                rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(x, batch.positions)
+        return rows
+
+    def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share) -> torch.Tensor:
         layer_kv = seg.kv.layer(self.layer_id)
         prev = layer_kv.window_rows(seg.start_pos)
         layer_kv.write_window(seg.start_pos, kv)
@@ -99,30 +129,16 @@ class Attention(nn.Module):
         # (the reference's order, which fixes the float summation order)
         win_pos = (positions - self.window + 1).clamp(min=0).unsqueeze(1) + torch.arange(self.window, device=kv.device)
         idx = torch.where(win_pos <= positions.unsqueeze(1), win_pos - first_pos, -1)
-        if self.compressor is not None:
-            first, new = self.compressor.update(layer_kv.compressor_state("kv"), *comp_rows, seg.start_pos,
-                                                self.inv_freq)
-            if new.shape[0]:
-                layer_kv.append_entries("kv", first, new)
-            n_entries = seg.end_pos // self.ratio
-            entries = layer_kv.entries("kv", n_entries)
-            if self.indexer is not None:
-                iq, iw, ikv, iscore = idx_inputs
-                first, new = self.indexer.compressor.update(layer_kv.compressor_state("index"), ikv, iscore,
-                                                            seg.start_pos, self.inv_freq)
-                if new.shape[0]:
-                    layer_kv.append_entries("index", first, new)
-                comp_idx = self.indexer.select(iq, iw, layer_kv.entries("index", n_entries), positions)
-            else:
-                cols = torch.arange(n_entries, device=kv.device)
-                comp_idx = torch.where(cols.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), cols, -1)
+        if self.ratio:
+            compressed = self._compressed_v41 if self.v41 else self._compressed_v4
+            entries, comp_idx = compressed(seg, seg_id, layer_kv, positions, rows, share)
             comp_idx = torch.where(comp_idx >= 0, comp_idx + keys.shape[0], -1)
             idx = torch.cat([idx, comp_idx], dim=1)
             keys = torch.cat([keys, entries.to(keys.dtype)])
         out = sparse_attn(q, keys, idx, self.attn_sink, self.scale)
         capture = getattr(seg.kv, "capture", None)
         if capture is not None and self.indexer is not None and seg.end_pos == capture.end_pos:
-            self._capture_mass(capture, q, keys, idx, n_entries)
+            self._capture_mass(capture, q, keys, idx, entries.shape[0])
         layer_kv.done(seg.end_pos)
         return out
 
@@ -134,19 +150,18 @@ class Attention(nn.Module):
         entry_ids = (idx[rows] - (keys.shape[0] - n_entries))[comp]
         capture.add(self.layer_id, entry_ids, probs[comp], n_entries)
 
-    def _attend_decode(self, dkv: DecodeKV, q, kv, comp_rows, idx_inputs) -> torch.Tensor:
-        """One token for each of B requests at once (same math as _attend_segment)."""
+    def _attend_decode(self, dkv: DecodeKV, q, kv, rows) -> torch.Tensor:
+        """One token for each of B requests at once (V4; the same math as _attend_segment)."""
         lid, pos = self.layer_id, dkv.positions
         keys, valid = dkv.window(lid, kv)                                  # [B, W, D], [B, W]
         if self.compressor is not None:
             n_entries = (pos + 1) // self.ratio
-            self._compress_decode(dkv, "kv", self.compressor, *comp_rows)
+            self._compress_decode(dkv, "kv", self.compressor, rows["comp_kv"], rows["comp_score"])
             if self.indexer is not None:
-                iq, iw, ikv, iscore = idx_inputs
-                self._compress_decode(dkv, "index", self.indexer.compressor, ikv, iscore)
+                self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"])
                 index_keys = dkv.entries(lid, "index", n_entries)          # [B, N, di]
-                scores = (torch.einsum("bhd,bnd->bhn", iq.float(), index_keys.float()).relu_()
-                          * iw.float().unsqueeze(-1)).sum(1)
+                scores = (torch.einsum("bhd,bnd->bhn", rows["idx_q"].float(), index_keys.float()).relu_()
+                          * rows["idx_w"].float().unsqueeze(-1)).sum(1)
                 cols = torch.arange(scores.shape[1], device=kv.device)
                 hidden = cols >= n_entries.unsqueeze(1)
                 resident = dkv.resident(lid, scores.shape[1])
@@ -155,8 +170,7 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(hidden, float("-inf"))
                 k = min(self.indexer.topk, scores.shape[1])
                 top = scores.topk(k, dim=-1)
-                sel = top.indices
-                sel_ok = top.values > float("-inf")
+                sel, sel_ok = top.indices, top.values > float("-inf")
                 comp = dkv.gather_entries(lid, "kv", torch.where(sel_ok, sel, 0))
             else:
                 comp = dkv.entries(lid, "kv", n_entries)
@@ -176,3 +190,51 @@ class Attention(nn.Module):
         dkv.store_compressor_state(self.layer_id, kind, st_kv, st_score)
         if which.numel():
             dkv.append_entries(self.layer_id, kind, which, dkv.positions[which] // self.ratio, entries)
+
+    def _compressed_v4(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows, share):
+        """This layer's own entries; CSA: the indexer's top-k of them, HCA: all visible ones."""
+        first, new = self.compressor.update(layer_kv.compressor_state("kv"), rows["comp_kv"], rows["comp_score"],
+                                            seg.start_pos, self.inv_freq)
+        if new.shape[0]:
+            layer_kv.append_entries("kv", first, new)
+        n_entries = seg.end_pos // self.ratio
+        entries = layer_kv.entries("kv", n_entries)
+        if self.indexer is not None:
+            first, new = self.indexer.compressor.update(layer_kv.compressor_state("index"), rows["idx_kv"],
+                                                        rows["idx_score"], seg.start_pos, self.inv_freq)
+            if new.shape[0]:
+                layer_kv.append_entries("index", first, new)
+            comp_idx = self.indexer.select(rows["idx_q"], rows["idx_w"], layer_kv.entries("index", n_entries),
+                                           positions)
+        else:
+            cols = torch.arange(n_entries, device=positions.device)
+            comp_idx = torch.where(cols.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), cols, -1)
+        return entries, comp_idx
+
+    def _compressed_v41(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows,
+                        share: CrossLayerShare):
+        """The kv source's entries, selected by this layer's indexer or the last one's top-k."""
+        if self.mode == "full":
+            state = None if self.compressor.stateless else layer_kv.compressor_state("kv")
+            first, latent = self.compressor.update(state, rows["comp_kv"], rows.get("comp_score"), seg.start_pos,
+                                                   self.inv_freq)
+            if latent.shape[0]:
+                starts = torch.arange(first, first + latent.shape[0], device=latent.device) * self.ratio
+                freqs = rope_freqs(starts, self.inv_freq)
+                layer_kv.append_entries("index", first, self.indexer.keys(latent, freqs))
+                layer_kv.append_entries("kv", first, global_kv(latent, freqs))
+        source = seg.kv.layer(self.kv_source)
+        n_entries = seg.end_pos // self.ratio
+        entries = source.entries("kv", n_entries)
+        if self.indexer is None:
+            return entries, share.topk[seg_id]
+        if n_entries == 0:
+            comp_idx = torch.empty(positions.shape[0], 0, dtype=torch.long, device=positions.device)
+        else:
+            pool = share.candidates.get(seg_id) if self.indexer.uses_candidates else None
+            comp_idx, published = self.indexer.select(rows["idx_q"], rows["idx_w"], source.entries("index", n_entries),
+                                                      positions, pool)
+            if published is not None:
+                share.candidates[seg_id] = published
+        share.topk[seg_id] = comp_idx
+        return entries, comp_idx

@@ -1,4 +1,5 @@
-"""One transformer block: attention and MoE sub-blocks, each wrapped in an mHC site."""
+"""One transformer block: attention and MoE sub-blocks, each wrapped in an mHC site (V4: `forward`;
+V4.1's single-pass mHC: `forward_single_pass`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from torch import nn
 
 from hybridkv.config import ModelConfig
 from hybridkv.model.attention import Attention
-from hybridkv.model.mhc import hc_post, hc_pre
+from hybridkv.model.csa2 import CrossLayerShare
+from hybridkv.model.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
 from hybridkv.model.moe import MoE
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import ForwardBatch
@@ -39,3 +41,15 @@ class Block(nn.Module):
         y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
         return hc_post(self.ffn(self.ffn_norm(y), input_ids), x, post, comb)
+
+    def forward_single_pass(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor,
+                            share: CrossLayerShare) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4.1: (x [T, hc, dim], the previous sub-block's pre mix [T, hc]) -> (x', the FFN's pre mix
+        for the next block). Each sub-block's own mixes give its post/comb and the next one's pre."""
+        attn_pre, post, comb = hc_mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
+                                        self.hc_eps, self.norm_eps)
+        x = hc_post(self.attn(self.attn_norm(hc_collapse(x, pre)), batch, share), x, post, comb)
+        ffn_pre, post, comb = hc_mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
+                                       self.hc_eps, self.norm_eps)
+        x = hc_post(self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), input_ids), x, post, comb)
+        return x, ffn_pre

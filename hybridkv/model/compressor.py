@@ -3,6 +3,14 @@
 Handles any chunking of the token stream: tokens of an incomplete block wait in the request's
 `CompressorState` and are pooled when their block completes, exactly as the reference's decode
 path does; a chunk that completes many blocks pools them all at once, as its prefill path does.
+
+Two variants, selected by the config's family:
+- V4: a learned position bias `ape` on the gate logits; ratio 4 pools overlapping windows; the
+  entry is normalised, RoPE'd at its block's first position and round-tripped for storage (FP8
+  nope dims for the main KV; Hadamard + FP4 for the indexer's keys).
+- V4.1: non-overlapping, no `ape`; ratio 1 is `norm(wkv(x))` with no gate and no state. It returns
+  the normalised latent *before* RoPE, because the indexer keys are derived from it; the attention
+  layer applies RoPE and the FP4 storage round trip itself.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import CompressorState
-from hybridkv.ops.compress import block_rows, compress_entries, each_block_rows
+from hybridkv.ops.compress import block_rows, compress_entries, each_block_rows, softmax_pool
 from hybridkv.ops.rope import rope_freqs
 
 
@@ -22,25 +30,46 @@ class Compressor(nn.Module):
     def __init__(self, config: ModelConfig, ratio: int, head_dim: int, rotate: bool, dtype: torch.dtype):
         super().__init__()
         self.ratio, self.head_dim, self.rotate = ratio, head_dim, rotate
-        self.overlap = ratio == 4
+        self.latent = config.family == "v4.1"
+        self.overlap = ratio == 4 and not self.latent
         self.rope_dim = config.qk_rope_head_dim
         coff = 2 if self.overlap else 1
-        self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32))
-        self.wkv = Linear(config.hidden_size, coff * head_dim, "float", torch.float32)
-        self.wgate = Linear(config.hidden_size, coff * head_dim, "float", torch.float32)
+        if self.latent:
+            self.register_parameter("ape", None)
+        else:
+            self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32))
+        # ratio 1 projects each token in the model's dtype; pooling runs in float32
+        self.wkv = Linear(config.hidden_size, coff * head_dim, "float", dtype if ratio == 1 else torch.float32)
+        if self.latent and ratio == 1:
+            self.register_module("wgate", None)
+        else:
+            self.wgate = Linear(config.hidden_size, coff * head_dim, "float", torch.float32)
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.out_dtype = dtype
         self.kv_pow2 = config.kv_pow2_scales
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token rows for the state: kv [T, coff·d] and score + ape [T, coff·d], float32."""
-        x = x.float()
-        return self.wkv(x), self.wgate(x) + self.ape[positions % self.ratio]
+    @property
+    def stateless(self) -> bool:
+        """True when every token is its own entry (V4.1 ratio 1): no pending-block state."""
+        return self.wgate is None
 
-    def update(self, state: CompressorState, kv: torch.Tensor, score: torch.Tensor, start_pos: int,
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token rows: (kv [T, coff·d], score (+ ape) [T, coff·d]) in float32 for the state; for a
+        stateless compressor (latent entries [T, d], None)."""
+        if self.stateless:
+            return self.norm(self.wkv(x)), None
+        x = x.float()
+        score = self.wgate(x)
+        if self.ape is not None:
+            score = score + self.ape[positions % self.ratio]
+        return self.wkv(x), score
+
+    def update(self, state: CompressorState | None, kv: torch.Tensor, score: torch.Tensor | None, start_pos: int,
                inv_freq: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Feed one request's rows for positions [start_pos, start_pos + len(kv)).
         Returns (index of the first new entry, new entries [n, d]); n may be 0."""
+        if self.stateless:
+            return start_pos, kv
         r = self.ratio
         end_pos = start_pos + kv.shape[0]
         first_block = start_pos // r
@@ -89,6 +118,8 @@ class Compressor(nn.Module):
 
     def _finish(self, rows: tuple[torch.Tensor, torch.Tensor], block_starts: torch.Tensor,
                 inv_freq: torch.Tensor) -> torch.Tensor:
-        """Pool, RMSNorm, RoPE at each block's first position, storage round trip."""
+        """Pool and RMSNorm; for V4 also RoPE at each block's first position and the storage round trip."""
+        if self.latent:
+            return self.norm(softmax_pool(*rows).to(self.out_dtype))
         return compress_entries(*rows, self.norm.weight, self.norm.eps, rope_freqs(block_starts, inv_freq),
                                 "index" if self.rotate else "main", self.out_dtype, pow2=self.kv_pow2)

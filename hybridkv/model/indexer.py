@@ -1,5 +1,6 @@
-"""Lightning Indexer (CSA layers): scores the compressed entries for every query with a small
-multi-head ReLU scorer over FP4-simulated, Hadamard-rotated queries and keys, and keeps the top-k."""
+"""Lightning Indexer of V4's CSA layers: scores the compressed entries for every query with a small
+multi-head ReLU scorer over FP4-simulated, Hadamard-rotated queries and keys (from its own
+overlapping compressor), and keeps the top-k. V4.1's indexer is `csa2.LatentIndexer`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,12 @@
 """Manifold-constrained hyper-connections: the residual stream is `hc` parallel copies; each
 sub-block reads a σ-weighted mix of them and writes back through `post` weights and a doubly
 stochastic (Sinkhorn) combination of the copies. Parameters are owned by the block (release names
-`hc_{attn,ffn,head}_{fn,base,scale}`); these functions are the math."""
+`hc_{attn,ffn,head}_{fn,base,scale}`); these functions are the math.
+
+V4 computes a sub-block's mixes from the stream it reads (`hc_pre`). V4.1's single-pass mHC
+computes them from that stream too but collapses it with the `pre` mix the *previous* sub-block
+computed (`hc_mixes` + `hc_collapse`), starting from a one-hot mix (`identity_pre`); the final
+collapse before the LM head uses the last FFN's mix, and there is no hc head."""
 
 from __future__ import annotations
 
@@ -9,11 +14,30 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.ops.mhc import mhc_post, mhc_pre
+from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     flat = x.flatten(1).float()
     return F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
+             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hc, dim] -> pre [T, hc], post [T, hc], comb [T, hc, hc]."""
+    return hc_split_sinkhorn(_mixes(x, fn, norm_eps), scale, base, x.shape[1], iters, eps)
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Σ_j pre_j · x_j: [T, hc, dim] x [T, hc] -> [T, dim]."""
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+
+
+def identity_pre(x: torch.Tensor) -> torch.Tensor:
+    """The one-hot mix V4.1's first sub-block collapses the stream with: [T, hc], copy 0 only."""
+    pre = x.new_zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    pre[:, 0] = 1.0
+    return pre
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,

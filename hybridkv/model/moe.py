@@ -1,5 +1,8 @@
 """Mixture of experts: sqrt-softplus gate with an aux-loss-free selection bias (or a fixed
-token-id → experts table on hash layers), routed SwiGLU experts with clamping, one shared expert."""
+token-id → experts table on hash layers), routed SwiGLU experts with clamping, one shared expert.
+V4.1's gate divides the logits by `gate_temp` and normalises the weights with a 1e-20 guard; a
+multimodal V4.1 checkpoint also carries `bias_vl`, the selection bias of image tokens (the text
+path never uses it)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ class Gate(nn.Module):
         self.topk, self.score_func, self.route_scale = (config.num_experts_per_tok, config.scoring_func,
                                                         config.routed_scaling_factor)
         self.norm_topk = config.norm_topk_prob
+        self.v41 = config.family == "v4.1"
+        self.temp = config.gate_temp
         self.hash = layer_id < config.num_hash_layers
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
         if self.hash:
@@ -24,10 +29,14 @@ class Gate(nn.Module):
             self.bias = None
         else:
             self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        if self.v41 and config.multimodal:
+            self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> routing weights [T, k] (float32), expert ids [T, k]."""
         scores = F.linear(x.float(), self.weight.float())
+        if self.v41:
+            scores = scores / self.temp
         if self.score_func == "softmax":
             scores = scores.softmax(-1)
         elif self.score_func == "sigmoid":
@@ -39,7 +48,10 @@ class Gate(nn.Module):
         else:
             ids = (scores + self.bias).topk(self.topk, dim=-1).indices
         w = scores.gather(1, ids)
-        if self.score_func != "softmax" and self.norm_topk:
+        if self.v41:
+            if self.norm_topk and self.topk > 1:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        elif self.score_func != "softmax" and self.norm_topk:
             w = w / w.sum(-1, keepdim=True)
         return w * self.route_scale, ids
 

@@ -10,7 +10,11 @@ absolute position of its first token. A batch may mix requests at any positions 
 - each compressor's fixed-size partial-block state (float32),
 - the compressed entries appended so far, by kind ("kv": the main latent, "index": indexer keys).
 `ContiguousKV` keeps all of it in per-request tensors. A paged store implements the same methods
-over block tables without any change to the model.
+over block tables without any change to the model. `layer_storage` says what each layer owns.
+
+In DeepSeek-V4.1 only the Full (kv source) layers own compressed entries ("kv" and "index") and a
+compressor state; every layer owns its window. Reindex and Reuse layers read their source's
+entries through `kv.layer(config.kv_source(layer_id))`.
 """
 
 from __future__ import annotations
@@ -62,12 +66,32 @@ class LayerKV(Protocol):
         """Called when the layer has processed the request up to end_pos (a store may snapshot)."""
 
 
+def layer_storage(config: ModelConfig, layer_id: int) -> tuple[dict[str, int], dict[str, int], bool]:
+    """What a layer owns besides its window: (width of each kind of compressed entry, width of each
+    compressor state, whether the compressor overlaps blocks)."""
+    ratio = config.layer_ratio(layer_id)
+    if ratio == 0:
+        return {}, {}, False
+    if config.family == "v4.1":
+        if config.layer_kind(layer_id) != "full":
+            return {}, {}, False
+        states = {"kv": config.head_dim} if ratio > 1 else {}
+        return {"kv": config.head_dim, "index": config.index_head_dim}, states, False
+    coff = 2 if ratio == 4 else 1
+    entry_widths = {"kv": config.head_dim}
+    comp_widths = {"kv": coff * config.head_dim}
+    if ratio == 4:
+        entry_widths["index"] = config.index_head_dim
+        comp_widths["index"] = coff * config.index_head_dim
+    return entry_widths, comp_widths, ratio == 4
+
+
 class ContiguousLayerKV:
     def __init__(self, window: int, width: int, ratio: int, entry_widths: dict[str, int],
-                 compressor_widths: dict[str, int], dtype: torch.dtype, device=None):
+                 compressor_widths: dict[str, int], dtype: torch.dtype, device=None, overlap: bool | None = None):
         self.window, self.ratio = window, ratio
         self.ring = torch.zeros(window, width, dtype=dtype, device=device)
-        overlap = ratio == 4
+        overlap = ratio == 4 if overlap is None else overlap
         self.states = {k: CompressorState(ratio, w, overlap, device) for k, w in compressor_widths.items()}
         self._entries = {k: torch.zeros(0, w, dtype=dtype, device=device) for k, w in entry_widths.items()}
         self._counts = {k: 0 for k in entry_widths}
@@ -100,6 +124,11 @@ class ContiguousLayerKV:
 
     def entries(self, kind: str, count: int) -> torch.Tensor:
         return self._entries[kind][:count]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of compressed entries this layer owns ("kv", "index"); empty if none."""
+        return tuple(self._entries)
 
     def num_entries(self, kind: str) -> int:
         return self._counts[kind]
@@ -181,18 +210,9 @@ class ContiguousKV:
         self.capture: AttentionCapture | None = None
         self.layers: list[ContiguousLayerKV] = []
         for layer_id in range(config.num_layers_with_mtp):
-            ratio = config.layer_ratio(layer_id)
-            coff = 2 if ratio == 4 else 1
-            entry_widths: dict[str, int] = {}
-            comp_widths: dict[str, int] = {}
-            if ratio:
-                entry_widths["kv"] = config.head_dim
-                comp_widths["kv"] = coff * config.head_dim
-                if ratio == 4:
-                    entry_widths["index"] = config.index_head_dim
-                    comp_widths["index"] = coff * config.index_head_dim
-            self.layers.append(ContiguousLayerKV(config.sliding_window, config.head_dim, ratio, entry_widths,
-                                                 comp_widths, dtype, device))
+            entry_widths, comp_widths, overlap = layer_storage(config, layer_id)
+            self.layers.append(ContiguousLayerKV(config.sliding_window, config.head_dim, config.layer_ratio(layer_id),
+                                                 entry_widths, comp_widths, dtype, device, overlap))
 
     def layer(self, layer_id: int) -> ContiguousLayerKV:
         return self.layers[layer_id]

@@ -1,5 +1,10 @@
 """The DeepSeek-V4 causal LM: embedding → hc-fold stream → blocks → hc head → norm → logits,
-plus the MTP block(s) that predict the token after next from the last stream."""
+plus the MTP block(s) that predict the token after next from the last stream.
+
+DeepSeek-V4.1 (selected by the config's family): the blocks run single-pass mHC and CSA2 layer
+sharing; the stream is collapsed with the last FFN's mix instead of an hc head; the draft layers
+(DSpark) are not built. `forward` returns what the LM head reads: the stream [T, hc, dim] for V4
+(collapsed by the hc head in `logits`), the collapsed hidden [T, dim] for V4.1."""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.block import Block
 from hybridkv.model.linear import Linear
-from hybridkv.model.mhc import hc_head
+from hybridkv.model.csa2 import CrossLayerShare
+from hybridkv.model.mhc import hc_collapse, hc_head, identity_pre
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import ForwardBatch
 
@@ -47,35 +53,58 @@ def weight_formats(config: ModelConfig) -> tuple[str, str]:
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
-        if config.family != "v4":
+        if config.family not in ("v4", "v4.1"):
             raise ConfigError(f"the {config.family} family cannot be instantiated by this model "
                               f"(model_type {config.model_type!r}); V3.2 is an accounting-only preset")
+        if config.extra.get("engram_layer_ids"):
+            raise ConfigError(f"engram_layer_ids {config.extra['engram_layer_ids']}: Engram memory layers are not "
+                              f"implemented; use a config without them")
         c = self.config = config
         self.dtype = dtype
+        self.single_pass = c.family == "v4.1"
         fmt, expert_fmt = weight_formats(c)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Block(c, i, fmt, expert_fmt, dtype) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+        if self.single_pass:  # no hc head; V4.1's draft layers (DSpark) are out of scope
+            self.mtp = nn.ModuleList()
+            return
         _add_hc_head(self, c.hc_mult, c.hidden_size)
         self.mtp = nn.ModuleList(MTPBlock(c, c.num_hidden_layers + i, fmt, expert_fmt, dtype)
                                  for i in range(c.num_nextn_predict_layers))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                after_layer: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
-        """input_ids [T] (flat batch) -> final stream [T, hc, dim]. `after_layer(i, h)` is called with
-        the stream after block i; if it returns a tensor, that replaces the stream (teacher forcing)."""
+                after_layer: Callable | None = None) -> torch.Tensor:
+        """input_ids [T] (flat batch) -> what `logits` reads: the last block's stream [T, hc, dim]
+        (V4) or its collapse [T, dim] (V4.1).
+
+        `after_layer(i, h, pre)` is called after block i with its output stream and, for V4.1, the
+        pre mix it hands to the next block (None for V4). It may return None, a stream for the next
+        block to read instead (teacher forcing), or, for V4.1, a (stream, pre mix) pair. The return
+        value is always computed from the last block's own output."""
         h = self.embed(input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
+        pre = identity_pre(h) if self.single_pass else None
+        share = CrossLayerShare()
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, input_ids)
+            if self.single_pass:
+                h, pre = layer.forward_single_pass(h, pre, batch, input_ids, share)
+            else:
+                h = layer(h, batch, input_ids)
+            out, out_pre = h, pre
             if after_layer is not None:
-                replaced = after_layer(i, h)
-                h = h if replaced is None else replaced
-        return h
+                replaced = after_layer(i, h, pre)
+                if isinstance(replaced, tuple):
+                    h, pre = replaced
+                elif replaced is not None:
+                    h = replaced
+        return hc_collapse(out, out_pre) if self.single_pass else out
 
     def logits(self, h: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
-        """Stream rows [N, hc, dim] -> float32 logits [N, vocab]. `owner` holds the hc head and final
-        norm to use (the model itself, or an MTP block)."""
+        """Rows of `forward`'s output -> float32 logits [N, vocab]. V4: stream rows [N, hc, dim],
+        collapsed by the hc head of `owner` (the model itself, or an MTP block); V4.1: [N, dim]."""
+        if self.single_pass:
+            return F.linear(self.norm(h).float(), self.head.weight.float())
         m = owner if owner is not None else self
         x = hc_head(h, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, self.config.hc_eps, self.config.rms_norm_eps)
         return F.linear(m.norm(x).float(), self.head.weight.float())

@@ -9,7 +9,8 @@ import torch
 
 from hybridkv.ops.backend import use_triton
 from hybridkv.ops.indexer_topk import reference
-from hybridkv.ops.indexer_topk.reference import causal_topk, index_scores  # noqa: F401
+from hybridkv.ops.indexer_topk.reference import (  # noqa: F401
+    candidate_blocks, causal_topk, index_scores, mask_invisible)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,

@@ -4,6 +4,11 @@
 
 Query s may select compressed entry j only when j < visible[s] (= (pos+1) // ratio); it keeps the
 `topk` highest-scoring visible entries, or all of them when fewer exist. Unused slots are −1.
+
+V4.1's hierarchical indexer adds a first level: the candidate source layer scores blocks of
+`block_size` consecutive entries by their best entry, always keeps the block holding the query's
+newest visible entry, and keeps the `topk_blocks` best blocks; later indexers take their top-k
+inside that pool only. V4.1 lists the selected entries in position order.
 """
 
 from __future__ import annotations
@@ -17,16 +22,22 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     return (s * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
-def causal_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores [T, N], visible [T] -> indices [T, min(topk, N)] of the best visible entries, −1 padded."""
+def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """scores [T, N] with entries j >= visible[t] set to −inf."""
+    cols = torch.arange(scores.shape[-1], device=scores.device)
+    return scores.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
+
+
+def causal_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int, by_position: bool = False) -> torch.Tensor:
+    """scores [T, N], visible [T] -> indices [T, min(topk, N)] of the best visible entries, −1 padded
+    (at the end when `by_position`, which lists the selected entries in ascending order)."""
     n = scores.shape[-1]
     k = min(topk, n)
     if k == 0:
         return torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
-    cols = torch.arange(n, device=scores.device)
-    invisible = cols.unsqueeze(0) >= visible.unsqueeze(1)
-    masked = scores.masked_fill(invisible, float("-inf"))
-    idx = masked.topk(k, dim=-1).indices
+    idx = mask_invisible(scores, visible).topk(k, dim=-1).indices
+    if by_position:
+        idx = idx.sort(dim=-1).values
     return torch.where(idx >= visible.unsqueeze(1), -1, idx)
 
 
@@ -57,3 +68,20 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
         sel = causal_topk(index_scores(q[toks], weights[toks], keys_all[rows]), vis[toks], topk)
         out[toks, : sel.shape[1]] = sel
     return out
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+    """The candidate pool: scores [T, N] (invisible entries already −inf), visible [T] -> bool [T, N],
+    True on the entries of the `topk_blocks` best blocks (a block scores its best entry), the
+    block of the newest visible entry always among them; blocks with no visible entry never."""
+    n = scores.shape[-1]
+    pad = -n % block_size
+    padded = torch.cat([scores, scores.new_full((scores.shape[0], pad), float("-inf"))], dim=-1)
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = torch.div(visible - 1, block_size, rounding_mode="floor")
+    blocks = torch.arange(n_blocks, device=scores.device)
+    block_scores = block_scores.masked_fill(blocks.unsqueeze(0) == newest.unsqueeze(1), float("inf"))
+    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[:, :n]

@@ -1,9 +1,11 @@
-"""FP8 (e4m3) and FP4 (e2m1) quantisation as the V4 reference simulates it.
+"""FP8 (e4m3) and FP4 (e2m1) quantisation as the V4 and V4.1 references simulate it.
 
 Scales are powers of two, `2^ceil(log2(amax / qmax))`, computed from the float32 bits exactly as
-the reference kernels do; amax is clamped below at 1e-4 (FP8) and 6·2^-126 (FP4). Values round to
-nearest, ties to even. A "round trip" quantises and dequantises in place of storing the low
-precision value, so that stored and simulated numbers are identical.
+the reference kernels do; amax is clamped below at 1e-4 (FP8) and 6·2^-126 (FP4). V4.1's global KV
+is the exception: FP4 in blocks of 16 with e4m3 scales, `e4m3(amax / 6)` with amax clamped below at
+6·2^-9 (the smallest e4m3 subnormal times 6). Values round to nearest, ties to even. A "round
+trip" quantises and dequantises in place of storing the low precision value, so that stored and
+simulated numbers are identical.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126
+FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
 # E2M1 code -> value for codes 0..7 (bit 3 is the sign).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -54,17 +57,23 @@ def e2m1_round(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(q.clamp(max=FP4_MAX), v)
 
 
-def quant_fp4(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP4 values (as float32 on the E2M1 grid) and their power-of-two scales per block."""
+def quant_fp4(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 values (as float32 on the E2M1 grid) and their scales per block (float32): powers of two
+    ("ue8m0") or e4m3 values ("e4m3")."""
     xb = _blocks(x.float(), block)
-    amax = xb.abs().amax(-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR)
-    s = pow2_scale(amax, FP4_MAX)
+    amax = xb.abs().amax(-1, keepdim=True)
+    if scale_fmt == "e4m3":
+        s = (amax.clamp(min=FP4_E4M3_AMAX_FLOOR) / FP4_MAX).to(torch.float8_e4m3fn).float()
+    elif scale_fmt == "ue8m0":
+        s = pow2_scale(amax.clamp(min=FP4_AMAX_FLOOR), FP4_MAX)
+    else:
+        raise ValueError(f"unknown FP4 scale format {scale_fmt!r} (ue8m0 or e4m3)")
     q = e2m1_round((xb / s).clamp(-FP4_MAX, FP4_MAX))
     return q.reshape(x.shape), s.squeeze(-1)
 
 
-def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    q, s = quant_fp4(x, block)
+def fp4_round_trip(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> torch.Tensor:
+    q, s = quant_fp4(x, block, scale_fmt)
     out = _blocks(q, block) * s.unsqueeze(-1)
     return out.reshape(x.shape).to(x.dtype)
 

@@ -1,0 +1,89 @@
+"""DeepSeek-V4.1 CSA2: compressed KV, indexer keys and top-k selections shared across layers.
+
+Every compressed layer has a mode (`config.layer_kind`):
+- full: its own compressor and indexer. The compressor's pre-RoPE latent gives both the indexer
+  keys `k_norm(wk(latent))` (RoPE, FP4 in blocks of 32 with power-of-two scales) and the global
+  KV (RoPE, FP4 in blocks of 16 with e4m3 scales); both are stored in the layer's own `LayerKV`.
+  It computes its own top-k over its keys.
+- reindex: an indexer query of its own over the last Full layer's keys, restricted to the
+  candidate pool when a candidate source precedes it.
+- reuse: the last Full layer's KV and the last indexer's (Full or Reindex) top-k.
+The candidate source (a Full layer) scores blocks of entries and publishes the pool.
+
+What persists across forwards (entries) lives in the request's `LayerKV`, read by later layers
+through `kv.layer(config.kv_source(layer_id))`, so every step sees each source's current keys.
+What a layer hands to the layers after it within one forward (top-k, pool) lives in a
+`CrossLayerShare`, one entry per segment.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.config import FP4_BLOCK, V41_GLOBAL_FP4_BLOCK, ModelConfig
+from hybridkv.model.linear import Linear
+from hybridkv.model.norm import RMSNorm
+from hybridkv.ops.indexer_topk import candidate_blocks, causal_topk, index_scores, mask_invisible
+from hybridkv.ops.quant import fp4_round_trip
+from hybridkv.ops.rope import apply_rope
+
+
+class CrossLayerShare:
+    """Per-forward hand-off between layers, keyed by segment index: the last index source's top-k
+    (entry ids, −1 = none) and the candidate source's pool (bool mask over entries)."""
+
+    def __init__(self) -> None:
+        self.topk: dict[int, torch.Tensor] = {}
+        self.candidates: dict[int, torch.Tensor] = {}
+
+
+class LatentIndexer(nn.Module):
+    """The V4.1 indexer of a Full or Reindex layer (release names `indexer.{wq_b, weights_proj}`,
+    plus `indexer.{wk, k_norm}` on Full layers, which derive the keys)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.ratio = c.layer_ratio(layer_id)
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fmt, dtype, c.fp8_block)
+        self.weights_proj = Linear(c.hidden_size, self.n_heads, "float", dtype)
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        if c.layer_kind(layer_id) == "full":
+            self.wk = Linear(c.head_dim, self.head_dim, "float", dtype)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.is_candidate_source = layer_id == c.candidate_source_layer_id
+        self.uses_candidates = c.uses_candidates(layer_id)
+        self.pool_blocks, self.pool_block_size = c.candidate_topk_blocks, c.candidate_block_size
+
+    def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """[T, heads, head_dim]: RoPE on the last dims of each head, FP4 round trip (no Hadamard)."""
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
+        return fp4_round_trip(q, FP4_BLOCK)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights_proj(x) * self.weight_scale
+
+    def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Indexer keys of new entries from their pre-RoPE latents [n, head_dim of the model]."""
+        return fp4_round_trip(apply_rope(self.k_norm(self.wk(latent)), freqs), FP4_BLOCK)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+               pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Top-k entry ids [T, k] in position order (−1 = unused), and the candidate pool this
+        layer publishes (candidate source only). `pool` restricts the choice (Reindex layers)."""
+        visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
+        scores = mask_invisible(index_scores(q, w, keys), visible)
+        published = None
+        if self.is_candidate_source:
+            published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
+        elif pool is not None:
+            scores = scores.masked_fill(~pool, float("-inf"))
+        return causal_topk(scores, visible, self.topk, by_position=True), published
+
+
+def global_kv(latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The stored form of new global KV entries: RoPE at the block's first position, then FP4 in
+    blocks of 16 with e4m3 scales."""
+    return fp4_round_trip(apply_rope(latent, freqs), V41_GLOBAL_FP4_BLOCK, "e4m3")
