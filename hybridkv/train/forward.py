@@ -1,0 +1,311 @@
+"""The differentiable training forward of a DeepSeek-V4 model: whole sequences [B, S] from position
+0, over the same modules (and so the same parameters) the inference model serves with.
+
+The inference path (`Transformer.forward`) walks requests and caches; this one computes the same
+math on dense batched tensors with autograd:
+- window attention in chunks of `window` queries against their own and the previous chunk;
+- compressed entries pooled for the whole sequence at once (overlapping ratio 4, ratio 128);
+- CSA: every visible entry in the DSA warm-up (`dense_indexer`), the indexer's top-k afterwards;
+  HCA: every visible entry; one softmax with the sink over window + compressed logits;
+- storage round trips (FP8 KV) always, FP4 of the indexer QK path and of the experts when asked,
+  as straight-through estimators, so that what is trained is what is served;
+- the indexer reads detached inputs and learns only from its KL to the main attention (the DSA
+  recipe), on `kl_queries` sampled query positions per sequence.
+`tests/test_train_forward.py` checks the logits against the inference model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.config import KV_FP8_BLOCK
+from hybridkv.model.attention import Attention
+from hybridkv.model.compressor import Compressor
+from hybridkv.model.moe import Expert, MoE
+from hybridkv.ops.hadamard import hadamard_transform
+from hybridkv.ops.mhc import reference as mhc_ref
+from hybridkv.ops.quant import act_quant_sim, fp4_round_trip, fp8_round_trip
+from hybridkv.ops.rope import apply_rope, rope_freqs
+
+@dataclass
+class TrainOptions:
+    dense_indexer: bool = True   # DSA warm-up: CSA layers attend to every visible entry
+    qat_experts: bool = False    # FP4 fake quantisation of the routed experts (switched on late)
+    qat_indexer: bool = False    # FP4 round trip of the indexer QK path, as served
+    kl_queries: int = 256        # query positions per sequence the indexer KL is computed on
+    query_tile: int = 2048       # queries per tile when the indexer selects top-k (bounds memory)
+
+
+@dataclass
+class Aux:
+    """What a forward leaves besides the stream: indexer KL terms and expert loads, by layer."""
+    indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def ste(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
+    """Forward: the quantised value; backward: identity."""
+    return x + (quantised - x).detach()
+
+
+class _Ctx:
+    """Per-forward constants: batch shape, positions and rotations by rope kind."""
+
+    def __init__(self, batch: int, seq: int, device, opts: TrainOptions, aux: Aux, gen: torch.Generator | None):
+        self.b, self.s, self.opts, self.aux, self.gen = batch, seq, opts, aux, gen
+        self.positions = torch.arange(seq, device=device)
+        self._freqs: dict = {}
+
+    def freqs(self, attn: Attention) -> torch.Tensor:
+        """[B·S, rope/2] rotations of the flat batch for this layer's rope kind."""
+        key = (attn.rope_key, attn.inv_freq.data_ptr())
+        if key not in self._freqs:
+            self._freqs[key] = rope_freqs(self.positions, attn.inv_freq).repeat(self.b, 1)
+        return self._freqs[key]
+
+
+# ----- compressed entries -----
+
+def compress_sequence(comp: Compressor, x: torch.Tensor, ctx: _Ctx, inv_freq: torch.Tensor, kind: str) -> torch.Tensor:
+    """All complete blocks of each sequence -> finished entries [B, S // ratio, d] ("main": FP8 nope
+    round trip; "index": Hadamard then FP4 round trip when training with QAT)."""
+    b, s, r = ctx.b, ctx.s, comp.ratio
+    n = s // r
+    kv, score = comp.project(x, ctx.positions.repeat(b))
+    kv = kv.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
+    score = score.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
+    if comp.overlap:  # block j pools block j-1 through the first half of the channels
+        d = kv.shape[-1] // 2
+        prev_kv = torch.cat([kv.new_zeros(b, 1, r, d), kv[:, :-1, :, :d]], 1)
+        prev_sc = torch.cat([score.new_full((b, 1, r, d), float("-inf")), score[:, :-1, :, :d]], 1)
+        kv = torch.cat([prev_kv, kv[..., d:]], 2)
+        score = torch.cat([prev_sc, score[..., d:]], 2)
+    pooled = (kv * score.softmax(dim=2)).sum(2)                               # [B, n, d]
+    x32 = pooled.to(comp.out_dtype).float()
+    c = (comp.norm.weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + comp.norm.eps)))
+    c = c.to(comp.out_dtype)
+    freqs = rope_freqs(torch.arange(n, device=x.device) * r, inv_freq)
+    c = apply_rope(c.transpose(0, 1), freqs).transpose(0, 1)
+    if kind == "index":
+        h = hadamard_transform(c)
+        return ste(h, fp4_round_trip(h.detach(), 32)) if ctx.opts.qat_indexer else h
+    rd = 2 * freqs.shape[-1]
+    nope = c[..., :-rd]
+    return torch.cat([ste(nope, fp8_round_trip(nope.detach(), KV_FP8_BLOCK, comp.kv_pow2)), c[..., -rd:]], -1)
+
+
+# ----- attention -----
+
+def _window_logits(q: torch.Tensor, kv: torch.Tensor, window: int, scale: float):
+    """q [B, S, H, D], kv [B, S, D] -> (logits [B, S, H, 2W] over each query's chunk pair, keys
+    [B, C, 2W, D]); logits outside [t − W + 1, t] are −inf."""
+    b, s, h, d = q.shape
+    pad = -s % window
+    c = (s + pad) // window
+    kvp = F.pad(kv, (0, 0, window, pad))
+    keys = torch.cat([kvp[:, : c * window].view(b, c, window, d), kvp[:, window:].view(b, c, window, d)], 2)
+    qc = F.pad(q, (0, 0, 0, 0, 0, pad)).view(b, c, window, h, d)
+    logits = torch.einsum("bcqhd,bckd->bcqhk", qc.float(), keys.float()) * scale
+    qi = torch.arange(window, device=q.device).view(window, 1)
+    kk = torch.arange(2 * window, device=q.device).view(1, 2 * window)
+    ok = (kk > qi) & (kk <= qi + window)                                      # [W, 2W]
+    ok = ok.unsqueeze(0).expand(c, -1, -1).clone()
+    ok[0, :, :window] = False                                                # before position 0
+    logits = logits.masked_fill(~ok.view(1, c, window, 1, 2 * window), float("-inf"))
+    return logits.view(b, c * window, h, 2 * window)[:, :s], keys
+
+
+def _window_output(p: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    b, s, h, _ = p.shape
+    c = keys.shape[1]
+    p = F.pad(p, (0, 0, 0, 0, 0, c * window - s)).view(b, c, window, h, 2 * window)
+    return torch.einsum("bcqhk,bckd->bcqhd", p, keys.float()).reshape(b, c * window, h, -1)[:, :s]
+
+
+def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, keys: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """Indexer top-k of each query among its visible entries: [B, S, k], −1 padded (no grad)."""
+    from hybridkv.ops.indexer_topk.reference import causal_topk, index_scores
+    b, s = ctx.b, ctx.s
+    n = keys.shape[1]
+    k = min(attn.indexer.topk, n)
+    vis = (ctx.positions + 1) // attn.ratio
+    out = torch.empty(b, s, k, dtype=torch.long, device=keys.device)
+    with torch.no_grad():
+        iq, iw = iq.view(b, s, *iq.shape[1:]), iw.view(b, s, -1)
+        for i in range(b):
+            for t0 in range(0, s, ctx.opts.query_tile):
+                t1 = min(s, t0 + ctx.opts.query_tile)
+                scores = index_scores(iq[i, t0:t1], iw[i, t0:t1], keys[i])
+                out[i, t0:t1] = causal_topk(scores, vis[t0:t1], k)
+    return out
+
+
+def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.Tensor | None, ctx: _Ctx):
+    """KL(head-summed main attention over compressed entries ‖ softmax of the indexer's scores) at
+    `kl_queries` random query positions that see at least two entries. main_p [B, S, H, K] are the
+    main attention's probabilities over the K compressed columns (all entries, or `sel`'s)."""
+    b, s = ctx.b, ctx.s
+    vis = (ctx.positions + 1) // attn.ratio
+    cand = torch.nonzero(vis >= 2).flatten()
+    if cand.numel() == 0:
+        return None
+    pick = cand[torch.randint(cand.numel(), (min(ctx.opts.kl_queries, cand.numel()),), device=cand.device,
+                              generator=ctx.gen)]
+    q = iq.view(b, s, *iq.shape[1:])[:, pick].float()                        # [B, P, Hi, di]
+    w = iw.view(b, s, -1)[:, pick].float()                                   # [B, P, Hi]
+    target = main_p[:, pick].detach().sum(2)                                 # [B, P, K]
+    if sel is None:
+        scores = (torch.einsum("bphd,bnd->bphn", q, keys.float()).relu() * w.unsqueeze(-1)).sum(2)
+        cols = torch.arange(keys.shape[1], device=keys.device)
+        valid = cols.view(1, 1, -1) < vis[pick].view(1, -1, 1)
+    else:
+        idx = sel[:, pick]                                                   # [B, P, k]
+        rows = torch.stack([keys[i][idx[i].clamp(min=0)] for i in range(b)])   # [B, P, k, di]
+        scores = (torch.einsum("bphd,bpkd->bphk", q, rows.float()).relu() * w.unsqueeze(-1)).sum(2)
+        valid = idx >= 0
+    target = target.masked_fill(~valid, 0)
+    target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
+    logp = scores.masked_fill(~valid, float("-inf")).log_softmax(-1)
+    kl = torch.where(target > 0, target * (target.clamp(min=1e-12).log() - logp), torch.zeros_like(target))
+    return kl.sum(-1).mean()
+
+
+def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """x [B·S, dim] (after the attention norm) -> [B·S, dim]."""
+    b, s = ctx.b, ctx.s
+    h, d, rd = attn.n_heads, attn.head_dim, attn.rope_dim
+    freqs = ctx.freqs(attn)
+    qr = attn.q_norm(attn.wq_a(x))
+    q = attn.wq_b(qr).unflatten(-1, (h, d)).float()
+    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.eps)
+    q = apply_rope(q, freqs)
+    kv = apply_rope(attn.kv_norm(attn.wkv(x)), freqs)
+    nope = kv[..., :-rd]
+    kv = torch.cat([ste(nope, fp8_round_trip(nope.detach(), KV_FP8_BLOCK, attn.kv_pow2)), kv[..., -rd:]], -1)
+
+    qb = q.view(b, s, h, d)
+    logits_w, keys_w = _window_logits(qb, kv.view(b, s, d), attn.window, attn.scale)
+    parts = [logits_w]
+    entries = sel = None
+    if attn.ratio:
+        entries = compress_sequence(attn.compressor, x, ctx, attn.inv_freq, "main").float()   # [B, n, D]
+        n = entries.shape[1]
+        vis = (ctx.positions + 1) // attn.ratio
+        if attn.indexer is not None:
+            ind = attn.indexer
+            xd, qrd = x.detach(), qr.detach()
+            iq = hadamard_transform(apply_rope(ind.wq_b(qrd).unflatten(-1, (ind.n_heads, ind.head_dim)), freqs))
+            if ctx.opts.qat_indexer:
+                iq = ste(iq, fp4_round_trip(iq.detach(), 32))
+            iw = ind.head_weights(xd)
+            ikeys = compress_sequence(ind.compressor, xd, ctx, attn.inv_freq, "index")
+            if not ctx.opts.dense_indexer and n > ind.topk:
+                sel = _select(attn, iq, iw, ikeys.detach(), ctx)
+        if sel is None:
+            cols = torch.arange(n, device=x.device)
+            logits_c = torch.einsum("bshd,bnd->bshn", qb, entries) * attn.scale
+            logits_c = logits_c.masked_fill((cols.view(1, -1) >= vis.view(-1, 1)).view(1, s, 1, n), float("-inf"))
+        else:
+            rows = torch.stack([entries[i][sel[i].clamp(min=0)] for i in range(b)])           # [B, S, k, D]
+            logits_c = torch.einsum("bshd,bskd->bshk", qb, rows) * attn.scale
+            logits_c = logits_c.masked_fill((sel < 0).unsqueeze(2), float("-inf"))
+        parts.append(logits_c)
+    sink = attn.attn_sink.float().view(1, 1, h, 1).expand(b, s, h, 1)
+    p = torch.cat([*parts, sink], -1).softmax(-1)
+    o = _window_output(p[..., : 2 * attn.window], keys_w, attn.window)
+    if attn.ratio:
+        p_c = p[..., 2 * attn.window: -1]
+        o = o + (torch.einsum("bshn,bnd->bshd", p_c, entries) if sel is None
+                 else torch.einsum("bshk,bskd->bshd", p_c, rows))
+        if attn.indexer is not None and n:
+            kl = _indexer_kl(attn, iq, iw, ikeys, p_c, sel, ctx)
+            if kl is not None:
+                ctx.aux.indexer_kl[attn.layer_id] = kl
+    o = apply_rope(o.reshape(b * s, h, d).to(x.dtype), freqs, inverse=True)
+    o = o.reshape(b * s, attn.groups, -1)
+    wo_a = attn.wo_a.dense_weight().view(attn.groups, attn.o_rank, -1)
+    o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
+    return attn.wo_b(o.flatten(1))
+
+
+# ----- MoE and blocks -----
+
+def _expert(e: Expert, x: torch.Tensor, weights: torch.Tensor | None, qat: bool) -> torch.Tensor:
+    """`Expert.forward`, with FP4 fake-quantised weights and FP8-simulated inputs under QAT (the
+    numerics of an FP4 expert at inference)."""
+    if not qat:
+        return e(x, weights)
+    from hybridkv.train.qat import fp4_weight_fake
+    blk = e.w1.act_block
+
+    def lin(inp, layer):
+        a = act_quant_sim(inp.detach(), blk)
+        return F.linear(ste(inp, a).to(x.dtype), fp4_weight_fake(layer.weight).to(x.dtype))
+
+    gate, up = lin(x, e.w1).float(), lin(x, e.w3).float()
+    if e.limit > 0:
+        up = up.clamp(-e.limit, e.limit)
+        gate = gate.clamp(max=e.limit)
+    hid = F.silu(gate) * up
+    if weights is not None:
+        hid = weights * hid
+    return lin(hid.to(x.dtype), e.w2)
+
+
+def moe_train(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx, layer_id: int) -> torch.Tensor:
+    weights, ids = moe.gate(x, input_ids)
+    counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
+    ctx.aux.expert_counts[layer_id] = counts.detach()
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(moe.n_experts):
+        rows, slot = torch.where(ids == e)
+        if rows.numel():
+            y = y.index_add(0, rows, _expert(moe.experts[e], x[rows], weights[rows, slot, None], ctx.opts.qat_experts).float())
+    y = y + moe.shared_experts(x).float()
+    return y.to(x.dtype)
+
+
+def block_train(block, h: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """`Block.forward` on the flat batch h [B·S, hc, dim] (reference mHC, which has autograd)."""
+    def site(h, fn, scale, base):
+        return mhc_ref.mhc_pre(h, F.linear(h.flatten(1).float(), fn), scale, base, block.hc_iters, block.hc_eps,
+                               block.norm_eps)
+
+    y, post, comb = site(h, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base)
+    h = mhc_ref.mhc_post(attention_train(block.attn, block.attn_norm(y), ctx), h, post, comb)
+    y, post, comb = site(h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base)
+    return mhc_ref.mhc_post(moe_train(block.ffn, block.ffn_norm(y), input_ids, ctx, block.layer_id), h, post, comb)
+
+
+@dataclass
+class TrainOutput:
+    stream: torch.Tensor              # [B·S, hc, dim], what model.logits reads
+    mtp_streams: list[torch.Tensor]   # per MTP depth, [B·S, hc, dim] (row t predicts token t + 2 + depth)
+    aux: Aux
+
+
+def train_forward(model, ids: torch.Tensor, opts: TrainOptions | None = None,
+                  gen: torch.Generator | None = None) -> TrainOutput:
+    """ids [B, S] (each row a sequence from position 0) -> streams for the LM and MTP heads."""
+    if model.config.family != "v4":
+        raise NotImplementedError("training is implemented for the V4 family")
+    opts = opts or TrainOptions()
+    b, s = ids.shape
+    aux = Aux()
+    ctx = _Ctx(b, s, ids.device, opts, aux, gen)
+    flat = ids.reshape(-1)
+    h = model.embed(flat).unsqueeze(1).repeat(1, model.config.hc_mult, 1)
+    for layer in model.layers:
+        h = block_train(layer, h, flat, ctx)
+    mtp = []
+    cur, nxt = h, ids
+    for depth, m in enumerate(model.mtp):
+        nxt = F.pad(nxt[:, 1:], (0, 1))                                      # token t + 1 + depth at row t
+        e = m.enorm(model.embed(nxt.reshape(-1)))
+        x = m.e_proj(e).unsqueeze(1) + m.h_proj(m.hnorm(cur))
+        cur = block_train(m, x, nxt.reshape(-1), ctx)
+        mtp.append(cur)
+    return TrainOutput(h, mtp, aux)

@@ -1,0 +1,80 @@
+"""Training losses and the MoE balance mechanism.
+
+- LM loss: next-token cross entropy over every token, plus an answer loss over the supervised
+  tokens (the task completions) that the recipe weights up, and their teacher-forced exact match;
+- MTP loss: the MTP block at row t predicts token t + 2;
+- indexer KL: the DSA signal, mean over the CSA layers' terms the forward left;
+- aux-loss-free balance: after each step every non-hash gate's selection bias moves by ±rate
+  towards the mean load (DeepSeek-V3/V4); hash layers have no bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.train.forward import TrainOutput
+
+
+@dataclass
+class LossWeights:
+    answer: float = 1.0      # extra weight of the supervised (answer) tokens' loss
+    mtp: float = 0.3
+    indexer_kl: float = 1.0
+
+
+def _ce_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: TrainOutput,
+                   weights: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
+    """ids, supervised [B, S]; supervised[b, t] marks token t as part of an answer. Returns the total
+    loss and the scalars to log."""
+    b, s = ids.shape
+    logits = model.logits(out.stream).view(b, s, -1)
+    ce = _ce_rows(logits[:, :-1].reshape(b * (s - 1), -1), ids[:, 1:].reshape(-1)).view(b, s - 1)
+    sup = supervised[:, 1:].float()
+    lm = ce.mean()
+    n_sup = sup.sum().clamp(min=1)
+    answer = (ce * sup).sum() / n_sup
+    total = lm + weights.answer * answer
+    with torch.no_grad():
+        hit = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | ~supervised[:, 1:]
+        has = supervised[:, 1:].any(-1)
+        exact = (hit.all(-1) & has).sum() / has.sum().clamp(min=1)
+    logs = {"lm": float(lm), "answer": float(answer), "answer_exact": float(exact)}
+    for depth, h in enumerate(out.mtp_streams):
+        ahead = 2 + depth
+        if s <= ahead:
+            continue
+        mlog = model.mtp_logits(h, depth).view(b, s, -1)[:, :-ahead]
+        mtp = _ce_rows(mlog.reshape(-1, mlog.shape[-1]), ids[:, ahead:].reshape(-1)).mean()
+        total = total + weights.mtp * mtp
+        logs[f"mtp{depth}"] = float(mtp)
+    if out.aux.indexer_kl:
+        kl = torch.stack(list(out.aux.indexer_kl.values())).mean()
+        total = total + weights.indexer_kl * kl
+        logs["indexer_kl"] = float(kl)
+    logs["loss"] = float(total)
+    return total, logs
+
+
+@torch.no_grad()
+def update_gate_biases(model, counts: dict[int, torch.Tensor], rate: float) -> dict[str, float]:
+    """bias_e += rate · sign(mean load − load_e) on every biased gate; returns load statistics
+    (max/mean expert load, averaged over layers) for the log."""
+    layers = list(model.layers) + list(model.mtp)
+    imbalance = []
+    for layer in layers:
+        c = counts.get(layer.layer_id)
+        if c is None:
+            continue
+        load = c.float()
+        imbalance.append(float(load.max() / load.mean().clamp(min=1e-9)))
+        bias = layer.ffn.gate.bias
+        if bias is not None:
+            bias.add_(rate * torch.sign(load.mean() - load))
+    return {"expert_max_over_mean": sum(imbalance) / max(1, len(imbalance))}

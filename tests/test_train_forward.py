@@ -1,0 +1,72 @@
+"""The training forward computes what the inference model serves, and trains what it should."""
+
+import pytest
+import torch
+
+from hybridkv.model import ContiguousKV, ForwardBatch
+from hybridkv.train.forward import TrainOptions, train_forward
+from hybridkv.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny(fixtures):
+    model, cfg = load_model(fixtures / "v4-tiny")
+    return model, cfg
+
+
+def _inference_logits(model, ids):
+    kv = ContiguousKV(model.config)
+    with torch.no_grad():
+        h = model(ids, ForwardBatch.build([(kv, 0, ids.shape[0])]))
+        return model.logits(h), model.mtp_logits(model.mtp_forward(h, torch.cat([ids[1:], ids[:1] * 0]),
+                                                                    ForwardBatch.build([(ContiguousKV(model.config),
+                                                                                         0, ids.shape[0])])))
+
+
+def _rel(a, b):
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+def test_sparse_training_forward_matches_inference(tiny):
+    """With the indexer selecting top-k (16 of up to 75 entries here) and its FP4 round trips on,
+    the training forward's logits and MTP logits equal the inference model's for each sequence of
+    a batch."""
+    model, cfg = tiny
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, cfg.vocab_size, (2, 300), generator=gen)
+    with torch.no_grad():
+        out = train_forward(model, ids, TrainOptions(dense_indexer=False, qat_indexer=True))
+        logits = model.logits(out.stream).view(2, 300, -1)
+        mtp = model.mtp_logits(out.mtp_streams[0]).view(2, 300, -1)
+    for i in range(2):
+        ref, ref_mtp = _inference_logits(model, ids[i])
+        assert _rel(logits[i], ref) < 1e-4
+        assert torch.equal(logits[i].argmax(-1), ref.argmax(-1))
+        # the last row's next token is padding in both
+        assert _rel(mtp[i, :-1], ref_mtp[:-1]) < 1e-3  # FP8 rounding flips of tiny differences
+
+
+def test_gradients_reach_every_trained_parameter(tiny):
+    """LM + MTP + indexer KL: every float parameter gets a finite gradient; the indexer gets its
+    gradient from the KL only (its inputs are detached)."""
+    model, cfg = tiny
+    model = model.train()
+    ids = torch.randint(2, cfg.vocab_size, (1, 260), generator=torch.Generator().manual_seed(1))
+    for dense in (True, False):
+        model.zero_grad(set_to_none=True)
+        out = train_forward(model, ids, TrainOptions(dense_indexer=dense, kl_queries=64))
+        lm = torch.nn.functional.cross_entropy(model.logits(out.stream)[:-1], ids[0, 1:])
+        lm.backward(retain_graph=True)
+        idx_params = [p for n, p in model.named_parameters() if ".indexer." in n]
+        assert all(p.grad is None or not p.grad.any() for p in idx_params)
+        assert out.aux.indexer_kl, "no indexer KL term"
+        sum(out.aux.indexer_kl.values()).backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in idx_params)
+        missing = [n for n, p in model.named_parameters()
+                   if p.requires_grad and not n.startswith("mtp.") and "gate.bias" not in n
+                   and (p.grad is None or not torch.isfinite(p.grad).all())]
+        assert not missing, missing
+        counts = out.aux.expert_counts
+        assert set(counts) == set(range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
+        assert all(int(c.sum()) == 260 * cfg.num_experts_per_tok for c in counts.values())
+    model.eval()
