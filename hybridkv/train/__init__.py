@@ -1,0 +1,1 @@
+"""The training stack: optimizers, QAT, losses, loop, recipes."""
