@@ -139,6 +139,35 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return eval_main(a.args)
 
 
+def cmd_train(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from hybridkv.train.recipes import get_recipe
+
+    recipe = get_recipe(a.recipe)
+    if a.steps:
+        recipe = replace(recipe, steps=a.steps)
+    run_dir = Path(a.out or f"runs/{recipe.name}")
+    if not a.export_only:
+        from hybridkv.train.loop import save_portable, train
+
+        progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume)
+        print(f"step {progress['step']}/{recipe.steps}, {progress['tokens'] / 1e6:.1f}M tokens, "
+              f"{progress['seconds'] / 60:.1f} min over {progress['commands']} command(s)", file=sys.stderr)
+        if a.portable_state:
+            from hybridkv.train.export import load_run_weights
+
+            paths = save_portable(load_run_weights(run_dir), progress, Path(a.portable_state))
+            print(f"portable state: {len(paths)} file(s) in {a.portable_state}", file=sys.stderr)
+    if a.export:
+        from hybridkv.train.export import export_model
+
+        out = export_model(recipe, run_dir, a.export)
+        print(f"exported {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridkv", description="DeepSeek-V4-family models and their KV memory system")
     sub = p.add_subparsers(dest="command", required=True)
@@ -201,6 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
                                     "'hybridkv eval compare A.json B.json'", add_help=False)
     e.add_argument("args", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_eval)
+
+    t = sub.add_parser("train", help="train a small V4-architecture model from a recipe (smoke, tiny-v4)")
+    t.add_argument("--recipe", required=True, help="smoke | tiny-v4")
+    t.add_argument("--out", default=None, help="run directory (default: runs/RECIPE)")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
+    t.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    t.add_argument("--portable-state", default=None,
+                   help="also write the weights and progress in files of <= 15 MiB to this directory")
+    t.add_argument("--export", default=None, help="write the trained model in the release format here")
+    t.add_argument("--export-only", action="store_true", help="export the run in --out without training")
+    t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")
     d.add_argument("--model", default=None, help="model directory (default: the shipped model)")

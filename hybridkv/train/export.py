@@ -1,0 +1,55 @@
+"""Export a training run as a model directory in the release format: config.json, sharded
+safetensors (bf16 matrices; routed experts packed FP4 with e8m0 scales when the recipe ships FP4
+experts, which QAT trained them for; float32 where the release keeps float32), tokenizer.json."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import torch
+
+from hybridkv.model import Transformer
+from hybridkv.model.linear import Linear
+from hybridkv.train.loop import PORTABLE, model_config, prepare_tokenizer
+from hybridkv.train.qat import quantize_fp4_weight_for_export
+from hybridkv.train.recipes import Recipe
+from hybridkv.weights import save_checkpoint
+
+SHARD_BYTES = 15 << 20
+
+
+def load_run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    state_path = run_dir / "state.pt"
+    if state_path.exists():
+        return torch.load(state_path, map_location="cpu", weights_only=False)["model"]
+    parts = sorted(run_dir.glob(f"{PORTABLE}.*"))
+    if not parts:
+        raise FileNotFoundError(f"no state.pt or {PORTABLE}.* in {run_dir}: nothing to export")
+    return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location="cpu",
+                      weights_only=False)["model"]
+
+
+@torch.no_grad()
+def export_model(recipe: Recipe, run_dir: str | Path, out_dir: str | Path) -> Path:
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    tok = prepare_tokenizer(recipe, run_dir)
+    trained = load_run_weights(run_dir)
+    config = model_config(recipe, tok.vocab_size, release=True)
+    release = Transformer(config, dtype=torch.bfloat16)
+    modules = dict(release.named_modules())
+    state = {}
+    for name, target in release.state_dict(keep_vars=True).items():
+        owner, leaf = name.rsplit(".", 1)
+        mod = modules.get(owner)
+        if isinstance(mod, Linear) and mod.fmt == "fp4":
+            if leaf == "weight":
+                packed, scale = quantize_fp4_weight_for_export(trained[f"{owner}.weight"].float())
+                state[f"{owner}.weight"], state[f"{owner}.scale"] = packed, scale
+            continue
+        state[name] = trained[name].to(target.dtype)
+    release.load_state_dict(state)
+    save_checkpoint(release, config, out_dir, max_shard_bytes=SHARD_BYTES)
+    shutil.copy(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    return out_dir

@@ -1,0 +1,220 @@
+"""The training loop: recipe → tokenizer, model, optimizers; steps with bf16 autocast on CUDA,
+gradient clipping, the aux-loss-free bias update, logs (JSON lines + a loss-curve PNG), and a
+checkpoint with optimizer state that a later command resumes (`max_minutes` bounds one command).
+
+Run directory:
+    tokenizer.json    built once from the recipe's corpus (deterministic)
+    config.json       the model config (release format)
+    state.pt          model, optimizers, step, tokens, device seconds (resume)
+    log.jsonl         one line per logged step;  loss.png  the curves
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from hybridkv.config import ModelConfig
+from hybridkv.model import Transformer
+from hybridkv.train.data import TaskBatches
+from hybridkv.train.forward import TrainOptions, train_forward
+from hybridkv.train.init import init_weights
+from hybridkv.train.losses import compute_losses, update_gate_biases
+from hybridkv.train.optim import build_optimizers, lr_schedule
+from hybridkv.train.recipes import Recipe
+
+
+def prepare_tokenizer(recipe: Recipe, run_dir: Path):
+    from hybridkv.tasks.generators import build_tokenizer
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+    path = run_dir / "tokenizer.json"
+    if path.exists():
+        return TaskTokenizer.load(path)
+    tok = build_tokenizer(recipe.vocab_size, seed=recipe.seed, n_texts=recipe.tokenizer_texts)
+    tok.save(run_dir)
+    return tok
+
+
+def model_config(recipe: Recipe, vocab_size: int, release: bool = False) -> ModelConfig:
+    """The config trained (experts in float, QAT simulating FP4) or, with `release`, the one shipped
+    (the recipe's expert format)."""
+    d = {**recipe.model, "vocab_size": vocab_size}
+    if not release:
+        d["expert_dtype"] = "bf16"
+    return ModelConfig.from_dict(d)
+
+
+PORTABLE = "state-portable.pt"
+PART_BYTES = 15 << 20
+
+
+def save_portable(weights: dict[str, torch.Tensor], progress: dict, out_dir: Path) -> list[Path]:
+    """Float32 weights and progress (no optimizer state), in files of at most 15 MiB: what a run
+    carries to a fresh machine. Resuming from it restarts the optimizer moments."""
+    import io
+    buf = io.BytesIO()
+    torch.save({"model": weights, "progress": progress}, buf)
+    data = buf.getvalue()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(0, len(data), PART_BYTES):
+        paths.append(out_dir / f"{PORTABLE}.{i // PART_BYTES:02d}")
+        paths[-1].write_bytes(data[i:i + PART_BYTES])
+    return paths
+
+
+def _load_portable(run_dir: Path, device: str) -> dict | None:
+    import io
+    parts = sorted(run_dir.glob(f"{PORTABLE}.*"))
+    if not parts:
+        return None
+    return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location=device, weights_only=False)
+
+
+def _set_lr(optimizers, lr: float) -> None:
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+
+
+def save_state(path: Path, model, optimizers, progress: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
+                "progress": progress}, tmp)
+    tmp.replace(path)
+
+
+def plot_log(log_path: Path, png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = [r["step"] for r in rows]
+    for key in ("lm", "answer", "mtp0", "indexer_kl"):
+        if key in rows[0]:
+            axes[0].plot(steps, [r.get(key, math.nan) for r in rows], label=key)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step")
+    axes[0].legend()
+    axes[0].set_title("losses")
+    axes[1].plot(steps, [r["answer_exact"] for r in rows])
+    axes[1].set_title("answer exact match (teacher forced)")
+    axes[1].set_xlabel("step")
+    axes[2].plot(steps, [r["seq_len"] for r in rows], label="seq_len")
+    axes[2].set_title("length curriculum")
+    axes[2].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes: float | None = None,
+          resume: bool = False, echo=print) -> dict:
+    """Run (or continue) `recipe` in run_dir; returns the progress dict."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    tok = prepare_tokenizer(recipe, run_dir)
+    config = model_config(recipe, tok.vocab_size)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    with torch.device(device):
+        model = Transformer(config, dtype=torch.float32)
+    init_weights(model, recipe.seed)
+    for layer in [*model.layers, *model.mtp]:      # the selection bias moves by the balance rule only
+        if layer.ffn.gate.bias is not None:
+            layer.ffn.gate.bias.requires_grad_(False)
+    optimizers = build_optimizers(model, recipe.lr)
+    progress = {"step": 0, "tokens": 0, "seconds": 0.0, "commands": 0}
+    state_path = run_dir / "state.pt"
+    log_path = run_dir / "log.jsonl"
+    rewarm_until = 0
+    state = None
+    if resume:
+        state = (torch.load(state_path, map_location=device, weights_only=False) if state_path.exists()
+                 else _load_portable(run_dir, device))
+        if state is None:
+            raise FileNotFoundError(f"--resume: no {state_path.name} or {PORTABLE}.* in {run_dir}")
+    if state is not None:
+        model.load_state_dict(state["model"])
+        for opt, sd in zip(optimizers, state.get("optimizers", [])):
+            opt.load_state_dict(sd)
+        progress = state["progress"]
+        if "optimizers" not in state:  # fresh moments: warm the learning rate up again
+            rewarm_until = progress["step"] + recipe.warmup // 5
+        echo(f"resumed at step {progress['step']} ({progress['tokens'] / 1e6:.1f}M tokens"
+             f"{'' if 'optimizers' in state else ', optimizer moments restarted'})")
+    elif log_path.exists():
+        log_path.unlink()
+    progress["commands"] += 1
+    model.train()
+    data = TaskBatches(tok, recipe.seed, recipe.task_weights)
+    gen = torch.Generator(device=device).manual_seed(recipe.seed + progress["step"])
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else None
+    deadline = t_start + max_minutes * 60 if max_minutes else None
+    n_params = sum(p.numel() for p in model.parameters())
+    echo(f"{recipe.name}: {n_params / 1e6:.2f}M parameters, {recipe.steps} steps, "
+         f"{recipe.tokens() / 1e6:.0f}M tokens, vocab {tok.vocab_size}, device {device}")
+    last_save = time.perf_counter()
+    window_t, window_tokens = time.perf_counter(), 0
+    with open(log_path, "a") as log:
+        while progress["step"] < recipe.steps:
+            step = progress["step"]
+            st = recipe.stage(step)
+            nxt = recipe.stage(step + 1)
+            ids, sup = data.get(step, st.batch, st.seq_len, (nxt.batch, nxt.seq_len))
+            ids, sup = ids.to(device, non_blocking=True), sup.to(device, non_blocking=True)
+            lr = lr_schedule(step, recipe.steps, recipe.warmup, recipe.lr, recipe.final_lr_frac)
+            if step < rewarm_until:
+                lr *= (step + 1 - (rewarm_until - recipe.warmup // 5)) / (recipe.warmup // 5)
+            _set_lr(optimizers, lr / recipe.lr)
+            opts = TrainOptions(dense_indexer=st.dense_indexer, qat_experts=st.qat_experts, qat_indexer=True,
+                                kl_queries=recipe.kl_queries)
+            if autocast is not None:
+                with autocast:
+                    out = train_forward(model, ids, opts, gen)
+                    loss, logs = compute_losses(model, ids, sup, out, recipe.loss)
+            else:
+                out = train_forward(model, ids, opts, gen)
+                loss, logs = compute_losses(model, ids, sup, out, recipe.loss)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            logs.update(update_gate_biases(model, out.aux.expert_counts, recipe.bias_rate))
+            progress["step"] += 1
+            progress["tokens"] += ids.numel()
+            window_tokens += ids.numel()
+            if progress["step"] % recipe.log_every == 0 or progress["step"] == recipe.steps:
+                now = time.perf_counter()
+                logs.update(step=progress["step"], lr=lr, seq_len=st.seq_len, batch=st.batch,
+                            grad_norm=float(grad_norm), tokens=progress["tokens"],
+                            tok_per_s=window_tokens / max(now - window_t, 1e-9),
+                            dense_indexer=st.dense_indexer, qat_experts=st.qat_experts)
+                window_t, window_tokens = now, 0
+                log.write(json.dumps(logs) + "\n")
+                log.flush()
+                echo(f"step {logs['step']:5d}  len {st.seq_len:5d}  loss {logs['loss']:.3f}  lm {logs['lm']:.3f}  "
+                     f"answer {logs['answer']:.3f}  exact {logs['answer_exact']:.2f}  "
+                     f"kl {logs.get('indexer_kl', 0):.3f}  load {logs['expert_max_over_mean']:.2f}  "
+                     f"lr {lr:.2e}  {logs['tok_per_s'] / 1e3:.0f}K tok/s")
+            out_of_time = deadline is not None and time.perf_counter() > deadline
+            if out_of_time or time.perf_counter() - last_save > 300 or progress["step"] == recipe.steps:
+                progress["seconds"] += time.perf_counter() - t_start
+                t_start = time.perf_counter()
+                save_state(state_path, model, optimizers, progress)
+                last_save = time.perf_counter()
+            if out_of_time:
+                echo(f"stopping at step {progress['step']} (time limit); continue with --resume")
+                break
+    data.close()
+    plot_log(log_path, run_dir / "loss.png")
+    return progress

@@ -1,0 +1,117 @@
+"""Training recipes: the model (a release-format config.json dict), the tokenizer, the data mix, the
+length curriculum with the DSA warm-up and the late FP4 QAT switch, and the optimisation settings.
+
+- `smoke`: seconds on a CPU; the CI test asserts its loss drops.
+- `tiny-v4`: the shipped model (`models/tiny-v4`), trained on one H200 in two commands of ≤ 10
+  minutes (`--max-minutes` checkpoints and `--resume` continues).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridkv.train.losses import LossWeights
+
+
+@dataclass(frozen=True)
+class Stage:
+    until: float             # fraction of the steps at which this stage ends
+    seq_len: int
+    batch: int
+    dense_indexer: bool      # DSA warm-up: CSA attends to all visible entries, the indexer learns by KL
+    qat_experts: bool = False
+
+
+@dataclass
+class Recipe:
+    name: str
+    model: dict
+    vocab_size: int
+    tokenizer_texts: int
+    steps: int
+    stages: list[Stage]
+    lr: float = 3e-3
+    warmup: int = 100
+    final_lr_frac: float = 0.1
+    clip: float = 1.0
+    bias_rate: float = 1e-3
+    loss: LossWeights = field(default_factory=LossWeights)
+    task_weights: dict[str, float] | None = None
+    kl_queries: int = 256
+    log_every: int = 10
+    seed: int = 0
+
+    def stage(self, step: int) -> Stage:
+        for s in self.stages:
+            if step < s.until * self.steps:
+                return s
+        return self.stages[-1]
+
+    def tokens(self) -> int:
+        """Tokens of the whole run."""
+        return sum(self.stage(i).seq_len * self.stage(i).batch for i in range(self.steps))
+
+
+_V4_BASE = {
+    "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
+    "num_key_value_heads": 1, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "norm_topk_prob": True, "topk_method": "noaux_tc",
+    "swiglu_limit": 10.0, "sliding_window": 128, "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+TINY_V4_MODEL = {
+    **_V4_BASE,
+    "hidden_size": 256, "num_hidden_layers": 6, "num_nextn_predict_layers": 1, "num_hash_layers": 2,
+    "num_attention_heads": 4, "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 128,
+    "o_groups": 2, "o_lora_rank": 64,
+    # pure-window, then CSA (ratio 4) and HCA (ratio 128) interleaved; the MTP layer is window-only
+    "compress_ratios": [0, 4, 128, 4, 128, 4, 0],
+    "index_n_heads": 4, "index_head_dim": 64, "index_topk": 64,
+    "n_routed_experts": 8, "moe_intermediate_size": 128,
+    "max_position_embeddings": 65536, "expert_dtype": "fp4",
+}
+
+SMOKE_MODEL = {
+    **_V4_BASE,
+    "hidden_size": 64, "num_hidden_layers": 3, "num_nextn_predict_layers": 1, "num_hash_layers": 1,
+    "num_attention_heads": 2, "head_dim": 96, "qk_rope_head_dim": 32, "q_lora_rank": 32,
+    "o_groups": 2, "o_lora_rank": 16, "compress_ratios": [0, 4, 128, 0],
+    "index_n_heads": 2, "index_head_dim": 32, "index_topk": 8,
+    "n_routed_experts": 4, "moe_intermediate_size": 128, "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
+
+def _tiny_v4() -> Recipe:
+    return Recipe(
+        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2400,
+        stages=[Stage(0.15, 2048, 16, dense_indexer=True),
+                Stage(0.35, 4096, 8, dense_indexer=False),
+                Stage(0.60, 8192, 4, dense_indexer=False),
+                Stage(0.90, 16384, 2, dense_indexer=False),
+                Stage(1.00, 16384, 2, dense_indexer=False, qat_experts=True)],
+        lr=3e-3, warmup=100,
+        task_weights={"passkey": 0.2, "niah_single_1": 0.05, "niah_single_2": 0.1, "niah_single_3": 0.05,
+                      "niah_multikey_1": 0.1, "niah_multikey_2": 0.05, "niah_multikey_3": 0.05,
+                      "niah_multivalue": 0.05, "niah_multiquery": 0.05, "vt": 0.1, "assoc": 0.1, "copy": 0.1},
+    )
+
+
+def _smoke() -> Recipe:
+    return Recipe(
+        name="smoke", model=SMOKE_MODEL, vocab_size=512, tokenizer_texts=300, steps=30,
+        stages=[Stage(0.5, 256, 4, dense_indexer=True), Stage(0.9, 384, 2, dense_indexer=False),
+                Stage(1.0, 384, 2, dense_indexer=False, qat_experts=True)],
+        lr=3e-3, warmup=5, log_every=5, kl_queries=32,
+    )
+
+
+RECIPES = {"tiny-v4": _tiny_v4, "smoke": _smoke}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]()

@@ -1,0 +1,78 @@
+"""The smoke recipe end to end on the CPU: the loss drops, a run resumes (from its own state and
+from the portable files a fresh machine gets), and the export loads as a release-format model whose
+logits are the trained model's."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hybridkv.model import ContiguousKV, ForwardBatch, Transformer
+from hybridkv.train.export import export_model
+from hybridkv.train.forward import TrainOptions, train_forward
+from hybridkv.train.loop import model_config, prepare_tokenizer, save_portable, train
+from hybridkv.train.recipes import get_recipe
+from hybridkv.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("smoke")
+    recipe = get_recipe("smoke")
+    progress = train(recipe, run, echo=lambda *_: None)
+    return recipe, run, progress
+
+
+def _log(run):
+    return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_smoke_loss_drops(smoke_run):
+    recipe, run, progress = smoke_run
+    assert progress["step"] == recipe.steps
+    rows = _log(run)
+    assert rows[-1]["lm"] < rows[0]["lm"] - 0.5, (rows[0]["lm"], rows[-1]["lm"])
+    assert (run / "loss.png").stat().st_size > 0
+    assert rows[-1]["qat_experts"] and not rows[-1]["dense_indexer"] and rows[0]["dense_indexer"]
+
+
+def test_resume_continues_the_same_run(smoke_run, tmp_path):
+    """Stopping after k steps and resuming gives the uninterrupted run's weights."""
+    recipe, run, _ = smoke_run
+    short = replace(recipe, steps=6)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
+    train(short, a, echo=lambda *_: None)
+    train(replace(short, steps=3), b, echo=lambda *_: None)
+    train(short, b, resume=True, echo=lambda *_: None)
+    wa = torch.load(a / "state.pt", weights_only=False)["model"]
+    wb = torch.load(b / "state.pt", weights_only=False)["model"]
+    assert all(torch.allclose(wa[k].float(), wb[k].float(), atol=1e-5) for k in wa)
+    # a fresh machine: only the portable files
+    c = tmp_path / "c"
+    save_portable(wb, torch.load(b / "state.pt", weights_only=False)["progress"], c)
+    (c / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
+    progress = train(replace(short, steps=8), c, resume=True, echo=lambda *_: None)
+    assert progress["step"] == 8
+
+
+def test_export_is_the_trained_model(smoke_run, tmp_path):
+    recipe, run, _ = smoke_run
+    out = export_model(recipe, run, tmp_path / "model")
+    model, cfg = load_model(out)
+    assert cfg.expert_dtype is None or cfg.to_dict().get("expert_dtype") == recipe.model.get("expert_dtype")
+    tok = prepare_tokenizer(recipe, run)
+    assert (out / "tokenizer.json").exists() and tok.vocab_size <= cfg.vocab_size
+    trained = Transformer(model_config(recipe, cfg.vocab_size), dtype=torch.float32)
+    trained.load_state_dict(torch.load(run / "state.pt", weights_only=False)["model"])
+    ids = torch.randint(2, cfg.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = trained.logits(train_forward(trained, ids, TrainOptions(dense_indexer=False, qat_indexer=True,
+                                                                        qat_experts=True)).stream)
+        got = model.logits(model(ids[0], ForwardBatch.build([(ContiguousKV(cfg), 0, 300)])))
+    err = float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    assert err < 2e-2, err     # bf16 export of float32 weights
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
