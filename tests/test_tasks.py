@@ -1,0 +1,209 @@
+"""hybridkv.tasks: the word lists, the task tokenizer (and its use by the engine), and the
+token-exact sample generators."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from hybridkv.server.chat_format import BOS, EOS, SPECIAL_TOKENS
+from hybridkv.tasks import words
+from hybridkv.tasks.generators import (NIAH_VARIANTS, TASKS, TRAIN_TASKS, Pools, Units, build_tokenizer,
+                                       make_sample, tokenizer_corpus, training_example)
+from hybridkv.tasks.tokenizer import TaskTokenizer
+
+# the string whose occurrence marks where a task's depth-placed insert sits (from the sample itself)
+MARKERS = {
+    **{t: lambda s: f"for {s.meta['keys'][0]} is:" for t in NIAH_VARIANTS},
+    "passkey": lambda s: "The pass key is",
+    "vt": lambda s: f"= {s.meta['value']}.",
+    "assoc": lambda s: f"{s.meta['key']}:",
+    "copy": lambda s: "The secret string is:",
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> TaskTokenizer:
+    return build_tokenizer(vocab_size=1024, seed=0, n_texts=1500)
+
+
+@pytest.fixture(scope="module")
+def pools(tok) -> Pools:
+    return Pools(tok, seed=0)
+
+
+def test_word_lists_are_sorted_lowercase_alphabetic():
+    for ws in (words.nouns(), words.adjectives(), words.verbs()):
+        assert len(ws) > 500 and ws == sorted(set(ws))
+        assert all(w.isascii() and w.isalpha() and w.islower() for w in ws)
+
+
+def test_special_tokens_and_digits(tok):
+    assert tok.bos_id == 0 and tok.eos_id == 1 and tok.vocab_size == 1024
+    assert [tok.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert tok.encode(BOS + "Hi")[0] == 0 and tok.encode("Hi" + EOS)[-1] == 1
+    digit_ids = [tok.encode(d) for d in "0123456789"]
+    assert all(len(i) == 1 for i in digit_ids)
+    ids = tok.encode("pass key 9876543210 and 0042")
+    assert [i for i in ids if [i] in digit_ids] == [*(digit_ids[int(d)][0] for d in "98765432100042")]
+
+
+@pytest.mark.parametrize("text", ["The pass key is 71432. Remember it.", "VAR ABCDE = 12345.",
+                                  "ffbd21fe-d631-43b9-a042-e368d5c4c325", "Grüße, 日本語!\n\tdone  ",
+                                  "<｜User｜>Write a poem.<｜Assistant｜></think>Ok."])
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert tok.tokenizer.decode(ids, skip_special_tokens=False) == text
+    plain = text
+    for special in SPECIAL_TOKENS:
+        plain = plain.replace(special, "")
+    assert tok.decode(ids) == plain     # special tokens are skipped
+    assert tok.decode([tok.bos_id, *tok.encode("plain"), tok.eos_id]) == "plain"
+
+
+def test_save_and_load(tok, tmp_path):
+    file = tok.save(tmp_path / "model")
+    assert file == tmp_path / "model" / "tokenizer.json" and file.exists()
+    text = "One of the special magic numbers for brave-otter is: 1234567."
+    for path in (tmp_path / "model", file):
+        loaded = TaskTokenizer.load(path)
+        assert loaded.encode(text) == tok.encode(text) and (loaded.bos_id, loaded.eos_id) == (0, 1)
+
+
+def test_engine_loads_and_streams_with_the_task_tokenizer(fixtures, tmp_path):
+    """A model directory carrying the task tokenizer: the engine encodes like it, and streamed text
+    deltas concatenate to the decoded output."""
+    from hybridkv.engine import LLM, SamplingParams
+
+    tok = build_tokenizer(vocab_size=512, seed=1, n_texts=300)   # the tiny checkpoint's vocabulary
+    model_dir = tmp_path / "m"
+    shutil.copytree(fixtures / "v4-tiny", model_dir, ignore=shutil.ignore_patterns("golden.safetensors"))
+    tok.save(model_dir)
+    llm = LLM(model_dir, num_blocks=16, max_num_seqs=2)
+    sample = make_sample("passkey", 0, Pools(tok, n_sentences=64, n_needles=16), 256)
+    assert llm.tokenizer.encode(tok.decode(sample.prompt[1:])) == sample.prompt[1:]
+    events = list(llm.stream([sample.prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=3)))
+    seq = next(iter(llm.engine.requests.values()))
+    assert "".join(e.text for e in events) == seq.text == llm.tokenizer.decode(seq.output_ids)
+    assert llm.tokenizer.decode([*tok.encode(" 123."), tok.eos_id]) == " 123." + EOS
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_sample_layout(task, tok, pools):
+    length = 2048
+    s = make_sample(task, 7, pools, length, depth=0.3)
+    assert s.task == task and len(s.prompt) == length and s.prompt[0] == tok.bos_id
+    assert tok.bos_id not in s.prompt[1:] and tok.eos_id not in s.prompt
+    assert s.answers and s.completion[-1] == tok.eos_id and s.completion.count(tok.eos_id) == 1
+    prompt, completion = tok.decode(s.prompt), tok.decode(s.completion)
+    assert tok.encode(prompt) == s.prompt[1:]      # the assembled pieces are the canonical tokenization
+    for a in s.answers:
+        assert a in prompt and a in completion
+    assert s.depth == 0.3
+    # the depth-placed insert sits at the requested fraction of the haystack
+    start, end = (len(tok.decode(s.prompt[:i])) for i in s.meta["context"])
+    marker = MARKERS[task](s)
+    found, at = [], prompt.find(marker, start)
+    while 0 <= at < end:
+        found.append((at - start) / (end - start))
+        at = prompt.find(marker, at + 1)
+    assert found and min(abs(f - 0.3) for f in found) < 0.05
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_samples_are_deterministic_by_seed(task, tok, pools):
+    a, b = make_sample(task, 3, pools, 1024), make_sample(task, 3, pools, 1024)
+    assert (a.prompt, a.completion, a.answers, a.depth) == (b.prompt, b.completion, b.answers, b.depth)
+    assert 0.0 <= a.depth <= 1.0
+    assert make_sample(task, 4, pools, 1024).prompt != a.prompt
+    # another depth keeps the needles and moves them
+    shallow, deep = make_sample(task, 3, pools, 1024, depth=0.1), make_sample(task, 3, pools, 1024, depth=0.9)
+    assert sorted(shallow.answers) == sorted(deep.answers) and shallow.prompt != deep.prompt
+
+
+def test_samples_repeat_across_pool_rebuilds(tok, pools):
+    again = Pools(tok, seed=0)
+    for task in ("niah_multikey_2", "copy"):
+        assert make_sample(task, 5, again, 1500).prompt == make_sample(task, 5, pools, 1500).prompt
+
+
+def test_needle_variants(tok, pools):
+    def sample(task):
+        return make_sample(task, 11, pools, 4096, depth=0.5)
+
+    noise = tok.decode(sample("niah_single_1").prompt)
+    assert noise.count("The grass is green.") > 50
+    assert len(sample("niah_single_2").answers[0]) == 7
+    assert sample("niah_single_3").answers[0].count("-") == 4
+    mk1 = tok.decode(sample("niah_multikey_1").prompt)
+    assert mk1.count("One of the special magic numbers for") == 4
+    mk2 = tok.decode(sample("niah_multikey_2").prompt)
+    assert mk2.count("One of the special magic numbers for") > 100
+    mk3 = sample("niah_multikey_3")
+    assert tok.decode(mk3.prompt).count("One of the special magic uuids for") > 50
+    assert mk3.meta["keys"][0].count("-") == 4
+    mv = sample("niah_multivalue")
+    assert len(mv.answers) == 4 and tok.decode(mv.prompt).count(f"for {mv.meta['keys'][0]} is:") == 4
+    mq = sample("niah_multiquery")
+    assert len(mq.answers) == 4 and len(set(mq.meta["keys"])) == 4
+    assert tok.decode(mq.completion) == " " + ", ".join(mq.answers) + "."
+
+
+def test_vt_chain_and_passkey(tok, pools):
+    vt = make_sample("vt", 2, pools, 3000)
+    text = tok.decode(vt.prompt)
+    names, value = vt.answers, vt.meta["value"]
+    assert len(names) == 5 and f"VAR {names[0]} = {value}." in text
+    assert all(text.index(f"VAR {b} = VAR {a}.") > text.index(f"VAR {a} =") for a, b in zip(names, names[1:]))
+    pk = make_sample("passkey", 2, pools, 3000)
+    key = pk.answers[0]
+    assert len(key) == 5 and f"The pass key is {key}. Remember it. {key} is the pass key." in tok.decode(pk.prompt)
+    assert tok.decode(pk.completion) == f" {key}."
+
+
+def test_training_examples(tok, pools):
+    seen = set()
+    for seed in range(40):
+        ids, sup = training_example(seed, pools, 1024)
+        assert ids.dtype == np.int32 and ids.shape == sup.shape == (1024,) and sup.dtype == bool
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and (ids == tok.eos_id).sum() == 1
+        n = int(sup.sum())
+        assert n >= 2 and sup[-n:].all()           # one contiguous block at the end
+        seen.add(tok.decode(ids[-n:]))
+    assert len(seen) == 40
+    a, b = training_example(5, pools, 2000), training_example(5, pools, 2000)
+    assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+    ids, sup = training_example(9, pools, 800, weights={"copy": 1.0})
+    target = tok.decode(ids[sup])
+    assert target.endswith(".") and target.strip(" .") in tok.decode(ids[~sup])
+    assert set(TRAIN_TASKS) <= set(TASKS)
+    # training draws are kept apart from the evaluation samples of the same seed
+    ids, sup = training_example(0, pools, 1024, weights={"passkey": 1.0})
+    assert ids[sup].tolist() != make_sample("passkey", 0, pools, 1024).completion
+
+
+def test_too_short_or_unknown(pools):
+    with pytest.raises(ValueError, match="too short"):
+        make_sample("niah_multiquery", 0, pools, 64)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_sample("nope", 0, pools, 1024)
+
+
+def test_units_fill_exactly():
+    units = Units([[1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15]], cyclic=True)
+    rng = np.random.default_rng(0)
+    for n in range(0, 300):
+        tokens, bounds = units.fill(rng, n)
+        assert len(tokens) == n and bounds[0] == 0 and bounds[-1] == n and (np.diff(bounds) > 0).all()
+        if n >= 8:    # every count past a few tokens is whole pieces
+            pieces = [tuple(tokens[a:b]) for a, b in zip(bounds, bounds[1:])]
+            assert set(pieces) <= {(1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12, 13, 14, 15)}
+
+
+def test_tokenizer_corpus_is_deterministic_and_covers_the_tasks():
+    texts = list(tokenizer_corpus(400, seed=3))
+    assert texts == list(tokenizer_corpus(400, seed=3))
+    joined = "\n".join(texts)
+    for s in ("special magic numbers", "special magic uuids", "pass key", "VAR ", "secret string", "Document 1:",
+              "<｜Assistant｜>", "\n1. ", "\nUser: "):
+        assert s in joined
