@@ -41,7 +41,7 @@ def export_model(recipe: Recipe, run_dir: str | Path, out_dir: str | Path) -> Pa
     modules = dict(release.named_modules())
     state = {}
     for name, target in release.state_dict(keep_vars=True).items():
-        owner, leaf = name.rsplit(".", 1)
+        owner, _, leaf = name.rpartition(".")
         mod = modules.get(owner)
         if isinstance(mod, Linear) and mod.fmt == "fp4":
             if leaf == "weight":

@@ -116,8 +116,9 @@ def plot_log(log_path: Path, png: Path) -> None:
 
 
 def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes: float | None = None,
-          resume: bool = False, echo=print) -> dict:
-    """Run (or continue) `recipe` in run_dir; returns the progress dict."""
+          resume: bool = False, echo=print, stop_at_step: int | None = None) -> dict:
+    """Run (or continue) `recipe` in run_dir, until its last step, `max_minutes` or `stop_at_step`;
+    returns the progress dict."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -156,7 +157,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     progress["commands"] += 1
     model.train()
     data = TaskBatches(tok, recipe.seed, recipe.task_weights)
-    gen = torch.Generator(device=device).manual_seed(recipe.seed + progress["step"])
+    gen = torch.Generator(device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else None
     deadline = t_start + max_minutes * 60 if max_minutes else None
     n_params = sum(p.numel() for p in model.parameters())
@@ -167,6 +168,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     with open(log_path, "a") as log:
         while progress["step"] < recipe.steps:
             step = progress["step"]
+            gen.manual_seed(recipe.seed * 1_000_003 + step)   # per step, so a resumed run draws the same
             st = recipe.stage(step)
             nxt = recipe.stage(step + 1)
             ids, sup = data.get(step, st.batch, st.seq_len, (nxt.batch, nxt.seq_len))
@@ -174,7 +176,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             lr = lr_schedule(step, recipe.steps, recipe.warmup, recipe.lr, recipe.final_lr_frac)
             if step < rewarm_until:
                 lr *= (step + 1 - (rewarm_until - recipe.warmup // 5)) / (recipe.warmup // 5)
-            _set_lr(optimizers, lr / recipe.lr)
+            _set_lr(optimizers, lr)
             opts = TrainOptions(dense_indexer=st.dense_indexer, qat_experts=st.qat_experts, qat_indexer=True,
                                 kl_queries=recipe.kl_queries)
             if autocast is not None:
@@ -206,14 +208,15 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                      f"answer {logs['answer']:.3f}  exact {logs['answer_exact']:.2f}  "
                      f"kl {logs.get('indexer_kl', 0):.3f}  load {logs['expert_max_over_mean']:.2f}  "
                      f"lr {lr:.2e}  {logs['tok_per_s'] / 1e3:.0f}K tok/s")
-            out_of_time = deadline is not None and time.perf_counter() > deadline
+            out_of_time = ((deadline is not None and time.perf_counter() > deadline)
+                           or (stop_at_step is not None and progress["step"] >= stop_at_step))
             if out_of_time or time.perf_counter() - last_save > 300 or progress["step"] == recipe.steps:
                 progress["seconds"] += time.perf_counter() - t_start
                 t_start = time.perf_counter()
                 save_state(state_path, model, optimizers, progress)
                 last_save = time.perf_counter()
             if out_of_time:
-                echo(f"stopping at step {progress['step']} (time limit); continue with --resume")
+                echo(f"stopping at step {progress['step']}; continue with --resume")
                 break
     data.close()
     plot_log(log_path, run_dir / "loss.png")

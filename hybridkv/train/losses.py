@@ -45,7 +45,7 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
         hit = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | ~supervised[:, 1:]
         has = supervised[:, 1:].any(-1)
         exact = (hit.all(-1) & has).sum() / has.sum().clamp(min=1)
-    logs = {"lm": float(lm), "answer": float(answer), "answer_exact": float(exact)}
+    logs = {"lm": float(lm.detach()), "answer": float(answer.detach()), "answer_exact": float(exact)}
     for depth, h in enumerate(out.mtp_streams):
         ahead = 2 + depth
         if s <= ahead:
@@ -53,12 +53,12 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
         mlog = model.mtp_logits(h, depth).view(b, s, -1)[:, :-ahead]
         mtp = _ce_rows(mlog.reshape(-1, mlog.shape[-1]), ids[:, ahead:].reshape(-1)).mean()
         total = total + weights.mtp * mtp
-        logs[f"mtp{depth}"] = float(mtp)
+        logs[f"mtp{depth}"] = float(mtp.detach())
     if out.aux.indexer_kl:
         kl = torch.stack(list(out.aux.indexer_kl.values())).mean()
         total = total + weights.indexer_kl * kl
-        logs["indexer_kl"] = float(kl)
-    logs["loss"] = float(total)
+        logs["indexer_kl"] = float(kl.detach())
+    logs["loss"] = float(total.detach())
     return total, logs
 
 

@@ -75,12 +75,12 @@ TINY_V4_MODEL = {
 
 SMOKE_MODEL = {
     **_V4_BASE,
-    "hidden_size": 64, "num_hidden_layers": 3, "num_nextn_predict_layers": 1, "num_hash_layers": 1,
+    "hidden_size": 128, "num_hidden_layers": 3, "num_nextn_predict_layers": 1, "num_hash_layers": 1,
     "num_attention_heads": 2, "head_dim": 96, "qk_rope_head_dim": 32, "q_lora_rank": 32,
     "o_groups": 2, "o_lora_rank": 16, "compress_ratios": [0, 4, 128, 0],
     "index_n_heads": 2, "index_head_dim": 32, "index_topk": 8,
     "n_routed_experts": 4, "moe_intermediate_size": 128, "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
+    "torch_dtype": "float32", "expert_dtype": "fp4",
 }
 
 
@@ -102,9 +102,10 @@ def _tiny_v4() -> Recipe:
 def _smoke() -> Recipe:
     return Recipe(
         name="smoke", model=SMOKE_MODEL, vocab_size=512, tokenizer_texts=300, steps=30,
-        stages=[Stage(0.5, 256, 4, dense_indexer=True), Stage(0.9, 384, 2, dense_indexer=False),
-                Stage(1.0, 384, 2, dense_indexer=False, qat_experts=True)],
+        stages=[Stage(0.5, 512, 2, dense_indexer=True), Stage(0.9, 640, 2, dense_indexer=False),
+                Stage(1.0, 640, 2, dense_indexer=False, qat_experts=True)],
         lr=3e-3, warmup=5, log_every=5, kl_queries=32,
+        task_weights={"passkey": 1.0, "niah_single_2": 1.0, "copy": 1.0},
     )
 
 
