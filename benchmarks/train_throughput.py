@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the last stage's step")
     p.add_argument("--also", default="", help="extra sparse shapes, e.g. 32768x1,65536x1")
     a = p.parse_args()
     recipe = get_recipe(a.recipe)
@@ -72,6 +73,18 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+        if a.profile and st is [*recipe.stages, *extra][-1]:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                    out = train_forward(model, ids, to)
+                    loss, _ = compute_losses(model, ids, sup, out, recipe.loss)
+                loss.backward()
+                for o in opts:
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         dt = min(times[1:]) if len(times) > 1 else times[0]
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
         print(f"| {st.seq_len} | {st.batch} | {'dense' if st.dense_indexer else 'top-k'} | "

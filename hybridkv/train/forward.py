@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from hybridkv.config import KV_FP8_BLOCK
 from hybridkv.model.attention import Attention
 from hybridkv.model.compressor import Compressor
-from hybridkv.model.moe import Expert, MoE
+from hybridkv.model.moe import MoE
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.mhc import reference as mhc_ref
 from hybridkv.ops.quant import act_quant_sim, fp4_round_trip, fp8_round_trip
@@ -233,37 +233,40 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
 
 # ----- MoE and blocks -----
 
-def _expert(e: Expert, x: torch.Tensor, weights: torch.Tensor | None, qat: bool) -> torch.Tensor:
-    """`Expert.forward`, with FP4 fake-quantised weights and FP8-simulated inputs under QAT (the
-    numerics of an FP4 expert at inference)."""
-    if not qat:
-        return e(x, weights)
-    from hybridkv.train.qat import fp4_weight_fake
-    blk = e.w1.act_block
-
-    def lin(inp, layer):
-        a = act_quant_sim(inp.detach(), blk)
-        return F.linear(ste(inp, a).to(x.dtype), fp4_weight_fake(layer.weight).to(x.dtype))
-
-    gate, up = lin(x, e.w1).float(), lin(x, e.w3).float()
-    if e.limit > 0:
-        up = up.clamp(-e.limit, e.limit)
-        gate = gate.clamp(max=e.limit)
-    hid = F.silu(gate) * up
-    if weights is not None:
-        hid = weights * hid
-    return lin(hid.to(x.dtype), e.w2)
+def _stacked(moe: MoE, name: str, qat: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The routed experts' `name` weights as one [E, out, in] tensor (FP4 fake-quantised under QAT)."""
+    w = torch.stack([getattr(e, name).weight for e in moe.experts])
+    if qat:
+        from hybridkv.train.qat import fp4_weight_fake
+        w = fp4_weight_fake(w)
+    return w.to(dtype)
 
 
 def moe_train(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx, layer_id: int) -> torch.Tensor:
+    """`MoE.forward` computed densely: every expert on every token, combined with the routing weights
+    (zero for experts not selected). The same sum as the sparse dispatch, without per-expert host
+    syncs; the experts are small enough that the extra FLOPs are cheaper than the syncs."""
     weights, ids = moe.gate(x, input_ids)
-    counts = torch.bincount(ids.flatten(), minlength=moe.n_experts)
+    e_count = moe.n_experts
+    counts = torch.bincount(ids.flatten(), minlength=e_count)
     ctx.aux.expert_counts[layer_id] = counts.detach()
-    y = torch.zeros_like(x, dtype=torch.float32)
-    for e in range(moe.n_experts):
-        rows, slot = torch.where(ids == e)
-        if rows.numel():
-            y = y.index_add(0, rows, _expert(moe.experts[e], x[rows], weights[rows, slot, None], ctx.opts.qat_experts).float())
+    dense_w = torch.zeros(x.shape[0], e_count, dtype=torch.float32, device=x.device).scatter_add(1, ids, weights)
+    qat = ctx.opts.qat_experts
+    first = moe.experts[0]
+    cdt = x.dtype if x.dtype != torch.float32 or not torch.is_autocast_enabled() else torch.bfloat16
+    xin = x
+    if qat:
+        xin = ste(x, act_quant_sim(x.detach(), first.w1.act_block))
+    w1, w3, w2 = (_stacked(moe, n, qat, cdt) for n in ("w1", "w3", "w2"))
+    gate = torch.einsum("td,efd->tef", xin.to(cdt), w1).float()
+    up = torch.einsum("td,efd->tef", xin.to(cdt), w3).float()
+    if first.limit > 0:
+        up = up.clamp(-first.limit, first.limit)
+        gate = gate.clamp(max=first.limit)
+    hid = (F.silu(gate) * up * dense_w.unsqueeze(-1)).to(x.dtype)             # [T, E, inter]
+    if qat:
+        hid = ste(hid, act_quant_sim(hid.detach(), first.w2.act_block))
+    y = torch.einsum("tef,edf->td", hid.to(cdt), w2).float()
     y = y + moe.shared_experts(x).float()
     return y.to(x.dtype)
 
