@@ -145,8 +145,9 @@ def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, keys: torch.Ten
 
 def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.Tensor | None, ctx: _Ctx):
     """KL(head-summed main attention over compressed entries ‖ softmax of the indexer's scores) at
-    `kl_queries` random query positions that see at least two entries. main_p [B, S, H, K] are the
-    main attention's probabilities over the K compressed columns (all entries, or `sel`'s)."""
+    `kl_queries` random query positions that see at least two entries, over all visible entries
+    (dense warm-up) or the selected ones (`sel`). main_p [B, S, H, n]: the main attention's
+    probabilities of every entry (0 where not attended)."""
     b, s = ctx.b, ctx.s
     vis = (ctx.positions + 1) // attn.ratio
     cand = torch.nonzero(vis >= 2).flatten()
@@ -156,7 +157,9 @@ def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.
                               generator=ctx.gen)]
     q = iq.view(b, s, *iq.shape[1:])[:, pick].float()                        # [B, P, Hi, di]
     w = iw.view(b, s, -1)[:, pick].float()                                   # [B, P, Hi]
-    target = main_p[:, pick].detach().sum(2)                                 # [B, P, K]
+    target = main_p[:, pick].detach().sum(2)                                 # [B, P, n]
+    if sel is not None:                                                      # the selected entries' share
+        target = torch.gather(target, 2, sel[:, pick].clamp(min=0))          # [B, P, k]
     if sel is None:
         scores = (torch.einsum("bphd,bnd->bphn", q, keys.float()).relu() * w.unsqueeze(-1)).sum(2)
         cols = torch.arange(keys.shape[1], device=keys.device)
@@ -204,22 +207,24 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
             ikeys = compress_sequence(ind.compressor, xd, ctx, attn.inv_freq, "index")
             if not ctx.opts.dense_indexer and n > ind.topk:
                 sel = _select(attn, iq, iw, ikeys.detach(), ctx)
-        if sel is None:
-            cols = torch.arange(n, device=x.device)
-            logits_c = torch.einsum("bshd,bnd->bshn", qb, entries) * attn.scale
-            logits_c = logits_c.masked_fill((cols.view(1, -1) >= vis.view(-1, 1)).view(1, s, 1, n), float("-inf"))
-        else:
-            rows = torch.stack([entries[i][sel[i].clamp(min=0)] for i in range(b)])           # [B, S, k, D]
-            logits_c = torch.einsum("bshd,bskd->bshk", qb, rows) * attn.scale
-            logits_c = logits_c.masked_fill((sel < 0).unsqueeze(2), float("-inf"))
+        # dense logits over every entry, masked to the visible ones (and to the top-k when the indexer
+        # selects): the same softmax as gathering the selected rows, but all matmuls, whose backward
+        # avoids the slow scatter of an index gather
+        cols = torch.arange(n, device=x.device)
+        hidden = (cols.view(1, -1) >= vis.view(-1, 1)).view(1, s, n)
+        if sel is not None:
+            chosen = torch.zeros(b, s, n + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(2, torch.where(sel >= 0, sel, n), True)
+            hidden = hidden | ~chosen[..., :n]
+        logits_c = torch.einsum("bshd,bnd->bshn", qb, entries) * attn.scale
+        logits_c = logits_c.masked_fill(hidden.unsqueeze(2), float("-inf"))
         parts.append(logits_c)
     sink = attn.attn_sink.float().view(1, 1, h, 1).expand(b, s, h, 1)
     p = torch.cat([*parts, sink], -1).softmax(-1)
     o = _window_output(p[..., : 2 * attn.window], keys_w, attn.window)
     if attn.ratio:
         p_c = p[..., 2 * attn.window: -1]
-        o = o + (torch.einsum("bshn,bnd->bshd", p_c, entries) if sel is None
-                 else torch.einsum("bshk,bskd->bshd", p_c, rows))
+        o = o + torch.einsum("bshn,bnd->bshd", p_c, entries)
         if attn.indexer is not None and n:
             kl = _indexer_kl(attn, iq, iw, ikeys, p_c, sel, ctx)
             if kl is not None:

@@ -86,13 +86,14 @@ SMOKE_MODEL = {
 
 def _tiny_v4() -> Recipe:
     return Recipe(
-        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2400,
-        stages=[Stage(0.15, 2048, 16, dense_indexer=True),
-                Stage(0.35, 4096, 8, dense_indexer=False),
-                Stage(0.60, 8192, 4, dense_indexer=False),
-                Stage(0.90, 16384, 2, dense_indexer=False),
-                Stage(1.00, 16384, 2, dense_indexer=False, qat_experts=True)],
-        lr=3e-3, warmup=100,
+        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2700,
+        stages=[Stage(0.12, 2048, 16, dense_indexer=True),
+                Stage(0.30, 4096, 8, dense_indexer=False),
+                Stage(0.55, 8192, 4, dense_indexer=False),
+                Stage(0.80, 16384, 2, dense_indexer=False),
+                Stage(0.90, 32768, 1, dense_indexer=False),
+                Stage(1.00, 32768, 1, dense_indexer=False, qat_experts=True)],
+        lr=3e-3, warmup=100, log_every=20,
         task_weights={"passkey": 0.2, "niah_single_1": 0.05, "niah_single_2": 0.1, "niah_single_3": 0.05,
                       "niah_multikey_1": 0.1, "niah_multikey_2": 0.05, "niah_multikey_3": 0.05,
                       "niah_multivalue": 0.05, "niah_multiquery": 0.05, "vt": 0.1, "assoc": 0.1, "copy": 0.1},
