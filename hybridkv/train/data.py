@@ -12,29 +12,31 @@ from hybridkv.tasks.generators import Pools, training_example
 
 
 class TaskBatches:
-    def __init__(self, tok, seed: int, task_weights: dict[str, float] | None = None):
+    def __init__(self, tok, seed: int):
         self.pools = Pools(tok, seed=seed)
-        self.seed, self.weights = seed, task_weights
+        self.seed = seed
         self._pool = ThreadPoolExecutor(max_workers=1)
-        self._ahead: tuple[tuple[int, int, int], Future] | None = None
+        self._ahead: tuple[tuple, Future] | None = None
 
-    def _build(self, step: int, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build(self, step: int, batch: int, seq_len: int, mix) -> tuple[torch.Tensor, torch.Tensor]:
         ids = np.empty((batch, seq_len), dtype=np.int64)
         sup = np.empty((batch, seq_len), dtype=bool)
         for r in range(batch):
-            ids[r], sup[r] = training_example((self.seed * 1_000_003 + step) * 64 + r, self.pools, seq_len,
-                                              self.weights)
+            ids[r], sup[r] = training_example((self.seed * 1_000_003 + step) * 64 + r, self.pools, seq_len, mix)
         return torch.from_numpy(ids), torch.from_numpy(sup)
 
-    def get(self, step: int, batch: int, seq_len: int, next_shape: tuple[int, int] | None = None):
-        """The batch of `step`; starts building step + 1 (of `next_shape`) in the background."""
-        key = (step, batch, seq_len)
+    def get(self, step: int, batch: int, seq_len: int, mix: dict[str, float] | None = None,
+            following: tuple | None = None):
+        """The batch of `step` (task mix `mix`, None = uniform); starts building step + 1 with
+        `following` = (batch, seq_len, mix) in the background."""
+        key = (step, batch, seq_len, repr(mix))
         if self._ahead is not None and self._ahead[0] == key:
             out = self._ahead[1].result()
         else:
-            out = self._build(step, batch, seq_len)
-        if next_shape is not None:
-            self._ahead = ((step + 1, *next_shape), self._pool.submit(self._build, step + 1, *next_shape))
+            out = self._build(step, batch, seq_len, mix)
+        if following is not None:
+            self._ahead = ((step + 1, following[0], following[1], repr(following[2])),
+                           self._pool.submit(self._build, step + 1, *following))
         return out
 
     def close(self) -> None:

@@ -156,7 +156,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
         log_path.unlink()
     progress["commands"] += 1
     model.train()
-    data = TaskBatches(tok, recipe.seed, recipe.task_weights)
+    data = TaskBatches(tok, recipe.seed)
     gen = torch.Generator(device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else None
     deadline = t_start + max_minutes * 60 if max_minutes else None
@@ -171,7 +171,8 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             gen.manual_seed(recipe.seed * 1_000_003 + step)   # per step, so a resumed run draws the same
             st = recipe.stage(step)
             nxt = recipe.stage(step + 1)
-            ids, sup = data.get(step, st.batch, st.seq_len, (nxt.batch, nxt.seq_len))
+            ids, sup = data.get(step, st.batch, st.seq_len, recipe.task_mix(step),
+                                (nxt.batch, nxt.seq_len, recipe.task_mix(step + 1)))
             ids, sup = ids.to(device, non_blocking=True), sup.to(device, non_blocking=True)
             lr = lr_schedule(step, recipe.steps, recipe.warmup, recipe.lr, recipe.final_lr_frac)
             if step < rewarm_until:

@@ -15,11 +15,12 @@ from hybridkv.train.losses import LossWeights
 
 @dataclass(frozen=True)
 class Stage:
-    until: float             # fraction of the steps at which this stage ends
+    until: int               # the step at which this stage ends
     seq_len: int
     batch: int
     dense_indexer: bool      # DSA warm-up: CSA attends to all visible entries, the indexer learns by KL
     qat_experts: bool = False
+    tasks: dict[str, float] | None = None   # the task mix of this stage (default: the recipe's)
 
 
 @dataclass
@@ -43,9 +44,12 @@ class Recipe:
 
     def stage(self, step: int) -> Stage:
         for s in self.stages:
-            if step < s.until * self.steps:
+            if step < s.until:
                 return s
         return self.stages[-1]
+
+    def task_mix(self, step: int) -> dict[str, float] | None:
+        return self.stage(step).tasks or self.task_weights
 
     def tokens(self) -> int:
         """Tokens of the whole run."""
@@ -84,15 +88,26 @@ SMOKE_MODEL = {
 }
 
 
+_RETRIEVAL_MIX = {"passkey": 0.25, "niah_single_1": 0.1, "niah_single_2": 0.15, "niah_single_3": 0.05,
+                  "niah_multikey_1": 0.15, "niah_multikey_2": 0.05, "niah_multivalue": 0.05, "copy": 0.1,
+                  "assoc": 0.1}
+
+
 def _tiny_v4() -> Recipe:
+    """Phase 1 (steps 0-1541) ran the first length curriculum; its tasks were not yet retrieved
+    (answer digits at chance), so phase 2 returns to 1K-token contexts with every CSA entry visible
+    and a retrieval-heavy mix before growing the length again."""
     return Recipe(
-        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2700,
-        stages=[Stage(0.12, 2048, 16, dense_indexer=True),
-                Stage(0.30, 4096, 8, dense_indexer=False),
-                Stage(0.55, 8192, 4, dense_indexer=False),
-                Stage(0.80, 16384, 2, dense_indexer=False),
-                Stage(0.90, 32768, 1, dense_indexer=False),
-                Stage(1.00, 32768, 1, dense_indexer=False, qat_experts=True)],
+        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=3041,
+        stages=[Stage(324, 2048, 16, dense_indexer=True),
+                Stage(810, 4096, 8, dense_indexer=False),
+                Stage(1485, 8192, 4, dense_indexer=False),
+                Stage(1541, 16384, 2, dense_indexer=False),
+                # phase 2
+                Stage(2341, 1024, 32, dense_indexer=True, tasks=_RETRIEVAL_MIX),
+                Stage(2741, 4096, 8, dense_indexer=False, tasks=_RETRIEVAL_MIX),
+                Stage(2941, 16384, 2, dense_indexer=False),
+                Stage(3041, 32768, 1, dense_indexer=False, qat_experts=True)],
         lr=3e-3, warmup=100, log_every=20,
         task_weights={"passkey": 0.2, "niah_single_1": 0.05, "niah_single_2": 0.1, "niah_single_3": 0.05,
                       "niah_multikey_1": 0.1, "niah_multikey_2": 0.05, "niah_multikey_3": 0.05,
@@ -103,8 +118,8 @@ def _tiny_v4() -> Recipe:
 def _smoke() -> Recipe:
     return Recipe(
         name="smoke", model=SMOKE_MODEL, vocab_size=512, tokenizer_texts=300, steps=30,
-        stages=[Stage(0.5, 512, 2, dense_indexer=True), Stage(0.9, 640, 2, dense_indexer=False),
-                Stage(1.0, 640, 2, dense_indexer=False, qat_experts=True)],
+        stages=[Stage(15, 512, 2, dense_indexer=True), Stage(27, 640, 2, dense_indexer=False),
+                Stage(30, 640, 2, dense_indexer=False, qat_experts=True)],
         lr=3e-3, warmup=5, log_every=5, kl_queries=32,
         task_weights={"passkey": 1.0, "niah_single_2": 1.0, "copy": 1.0},
     )
