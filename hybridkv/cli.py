@@ -61,7 +61,7 @@ def cmd_kv_calc(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from hybridkv.demo import run_demo
 
-    return run_demo(a.model, a.max_tokens, a.chunk)
+    return run_demo(a.model, a.max_tokens, a.chunk, a.prompt_tokens)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")
     d.add_argument("--model", default=None, help="model directory (default: the shipped model)")
     d.add_argument("--max-tokens", type=int, default=16)
-    d.add_argument("--chunk", type=int, default=100, help="prefill chunk size")
+    d.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    d.add_argument("--prompt-tokens", type=int, default=2048, help="length of the passkey prompt")
     d.set_defaults(func=cmd_demo)
     return p
 

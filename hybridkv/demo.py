@@ -14,8 +14,8 @@ from hybridkv.model import ContiguousKV, ForwardBatch
 from hybridkv.weights import load_model
 
 _REPO = Path(__file__).resolve().parents[1]
-# Until a trained model ships, the demo runs the tiny reference checkpoint of the test fixtures.
-DEFAULT_MODEL = _REPO / "tests" / "fixtures" / "v4-tiny"
+# The shipped model (trained by `hybridkv train --recipe tiny-v4`; see its README for what it can do).
+DEFAULT_MODEL = _REPO / "models" / "tiny-v4"
 
 
 def greedy_generate(model, prompt: torch.Tensor, max_tokens: int, chunk: int) -> tuple[list[int], ContiguousKV, dict]:
@@ -76,20 +76,34 @@ def kv_accounting(kv: ContiguousKV, fmt: str | None = None) -> list[tuple[str, i
     return rows
 
 
-def run_demo(model_dir: str | None, max_tokens: int, chunk: int) -> int:
+def run_demo(model_dir: str | None, max_tokens: int, chunk: int, prompt_tokens: int = 2048) -> int:
     path = Path(model_dir) if model_dir else DEFAULT_MODEL
     if not path.exists():
         raise CheckpointError(f"model directory {path} does not exist; pass --model DIR")
     t = time.perf_counter()
     model, cfg = load_model(path)
     load_s = time.perf_counter() - t
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(2, cfg.vocab_size, (300,), generator=gen)
     print(f"model {path} ({cfg.family}, {cfg.num_hidden_layers} layers, ratios {list(cfg.compress_ratios)}), "
           f"loaded in {load_s:.2f}s")
-    print(f"prompt: {prompt.numel()} token ids (seeded), prefill in chunks of {chunk}, {max_tokens} greedy tokens")
+    tok, expected = None, None
+    if (path / "tokenizer.json").exists():  # a passkey prompt in the model's own tokenizer
+        from hybridkv.tasks.generators import Pools, make_sample
+        from hybridkv.tasks.tokenizer import TaskTokenizer
+        tok = TaskTokenizer.load(path)
+        sample = make_sample("passkey", 0, Pools(tok, seed=0), prompt_tokens, depth=0.5)
+        prompt, expected = torch.tensor(sample.prompt), sample.answers
+        print(f"prompt: a {prompt.numel()}-token passkey task (needle at half depth), prefill in chunks of {chunk}, "
+              f"{max_tokens} greedy tokens")
+    else:
+        prompt = torch.randint(2, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+        print(f"prompt: {prompt.numel()} token ids (seeded), prefill in chunks of {chunk}, {max_tokens} greedy tokens")
     out, kv, tm = greedy_generate(model, prompt, max_tokens, chunk)
-    print(f"generated ids: {out}")
+    if tok is not None:
+        text = tok.decode(out)
+        print(f"output: {text!r}   expected pass key: {expected[0]} "
+              f"({'retrieved' if expected[0] in text else 'not retrieved'})")
+    else:
+        print(f"generated ids: {out}")
     n_ctx = prompt.numel() + len(out) - 1
     print(f"prefill {prompt.numel() / tm['prefill_s']:.0f} tok/s, decode {(len(out) - 1) / max(tm['decode_s'], 1e-9):.1f} "
           f"tok/s; context {n_ctx} tokens\n")

@@ -89,7 +89,12 @@ def test_v32_is_accounting_only():
         Transformer(get_preset("v3.2"))
 
 
-def test_demo_runs():
-    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "demo", "--max-tokens", "4"],
+def test_demo_runs(fixtures):
+    """The shipped model on a passkey prompt in its tokenizer; a model directory without a
+    tokenizer on seeded ids."""
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "demo", "--max-tokens", "4", "--prompt-tokens", "600"],
                          capture_output=True, text=True, check=True).stdout
-    assert "generated ids: [" in out and "CSA indexer" in out and "B/token in fp8" in out
+    assert "passkey task" in out and "expected pass key:" in out and "CSA indexer" in out and "B/token in fp8" in out
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "demo", "--max-tokens", "4", "--model",
+                          str(fixtures / "v4-tiny")], capture_output=True, text=True, check=True).stdout
+    assert "generated ids: [" in out and "CSA indexer" in out

@@ -70,3 +70,15 @@ def test_gradients_reach_every_trained_parameter(tiny):
         assert set(counts) == set(range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
         assert all(int(c.sum()) == 260 * cfg.num_experts_per_tok for c in counts.values())
     model.eval()
+
+
+def test_dense_forward_reports_indexer_recall(tiny):
+    """The DSA warm-up view measures how much of the main attention's top-k the indexer finds."""
+    model, cfg = tiny
+    ids = torch.randint(2, cfg.vocab_size, (1, 400), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = train_forward(model, ids, TrainOptions(dense_indexer=True, qat_indexer=True, kl_queries=64),
+                            torch.Generator().manual_seed(0))
+    csa = [i for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i) == 4]
+    assert sorted(out.aux.indexer_recall) == csa
+    assert all(0.0 <= r <= 1.0 for r in out.aux.indexer_recall.values())

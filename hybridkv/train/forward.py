@@ -44,6 +44,9 @@ class Aux:
     """What a forward leaves besides the stream: indexer KL terms and expert loads, by layer."""
     indexer_kl: dict[int, torch.Tensor] = field(default_factory=dict)
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    # dense forwards only: recall of the indexer's top-k against the main attention's top-k (its
+    # head-summed probabilities) at the KL query positions that see more than k entries
+    indexer_recall: dict[int, float] = field(default_factory=dict)
 
 
 def ste(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
@@ -170,10 +173,26 @@ def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.
         scores = (torch.einsum("bphd,bpkd->bphk", q, rows.float()).relu() * w.unsqueeze(-1)).sum(2)
         valid = idx >= 0
     target = target.masked_fill(~valid, 0)
+    if sel is None:
+        _recall(attn, target, scores.detach(), vis[pick], ctx)
     target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
     logp = scores.masked_fill(~valid, float("-inf")).log_softmax(-1)
     kl = torch.where(target > 0, target * (target.clamp(min=1e-12).log() - logp), torch.zeros_like(target))
     return kl.sum(-1).mean()
+
+
+@torch.no_grad()
+def _recall(attn: Attention, target: torch.Tensor, scores: torch.Tensor, vis: torch.Tensor, ctx: _Ctx) -> None:
+    k = attn.indexer.topk
+    rows = vis > k
+    if not rows.any():
+        return
+    t, sc = target[:, rows], scores[:, rows]
+    cols = torch.arange(sc.shape[-1], device=sc.device)
+    sc = sc.masked_fill(cols.view(1, 1, -1) >= vis[rows].view(1, -1, 1), float("-inf"))
+    main_top = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, t.topk(k, dim=-1).indices, True)
+    idx_top = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, sc.topk(k, dim=-1).indices, True)
+    ctx.aux.indexer_recall[attn.layer_id] = float((main_top & idx_top).sum() / main_top.sum())
 
 
 def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:

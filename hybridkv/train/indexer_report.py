@@ -1,0 +1,79 @@
+"""Is the indexer doing its job? For long task prompts, with every CSA entry visible to the main
+attention (the DSA warm-up view), the recall of the indexer's top-k against the main attention's
+top-k (head-summed probabilities: the indexer's training target), per CSA layer.
+
+    python -m hybridkv.train.indexer_report MODEL_DIR [--length 16384] [--samples 4]
+
+MODEL_DIR is a release-format model (FP4/FP8 weights are dequantised into a float model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from hybridkv.config import ModelConfig
+from hybridkv.model import Transformer
+from hybridkv.model.linear import Linear
+from hybridkv.train.forward import TrainOptions, train_forward
+from hybridkv.weights import load_model
+
+
+def float_model(model_dir) -> Transformer:
+    """The release model as a float model the training forward can run (quantised linears dequantised)."""
+    release, cfg = load_model(model_dir)
+    d = cfg.to_dict()
+    d.pop("quantization_config", None)
+    d["expert_dtype"] = "bf16"
+    fcfg = ModelConfig.from_dict(d)
+    model = Transformer(fcfg, dtype=torch.float32)
+    mods = dict(release.named_modules())
+    state = {}
+    for name, t in model.state_dict().items():
+        owner, _, leaf = name.rpartition(".")
+        src = mods.get(owner)
+        if isinstance(src, Linear) and leaf == "weight":
+            state[name] = src.dense_weight().float()
+        else:
+            state[name] = release.state_dict()[name].to(t.dtype)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridkv.train.indexer_report")
+    p.add_argument("model_dir")
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--tasks", default="passkey,niah_single_2,niah_multikey_1")
+    p.add_argument("--queries", type=int, default=256, help="query positions per prompt")
+    a = p.parse_args(argv)
+    from hybridkv.tasks.generators import Pools, make_sample
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+
+    model = float_model(a.model_dir)
+    tok = TaskTokenizer.load(a.model_dir)
+    pools = Pools(tok, seed=0)
+    recall: dict[int, list[float]] = {}
+    for task in a.tasks.split(","):
+        for i in range(a.samples):
+            ids = torch.tensor([make_sample(task, 10_000 + i, pools, a.length).prompt])
+            with torch.no_grad():
+                out = train_forward(model, ids, TrainOptions(dense_indexer=True, qat_indexer=True,
+                                                             kl_queries=a.queries),
+                                    torch.Generator().manual_seed(i))
+            for layer, r in out.aux.indexer_recall.items():
+                recall.setdefault(layer, []).append(r)
+    k = model.config.index_topk
+    print(f"indexer top-{k} recall of the main attention's top-{k}, {a.length}-token prompts "
+          f"({a.tasks}, {a.samples} each, {a.queries} query positions per prompt)")
+    print("| CSA layer | recall | prompts |\n|---:|---:|---:|")
+    for layer in sorted(recall):
+        print(f"| {layer} | {statistics.fmean(recall[layer]):.3f} | {len(recall[layer])} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
