@@ -27,7 +27,7 @@ from hybridkv.model.compressor import Compressor
 from hybridkv.model.moe import MoE
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.mhc import reference as mhc_ref
-from hybridkv.ops.quant import act_quant_sim, fp4_round_trip, fp8_round_trip
+from hybridkv.train.qat import fp4_round_trip_ste, fp4_weight_fake, fp8_act_fake, fp8_round_trip_ste
 from hybridkv.ops.rope import apply_rope, rope_freqs
 
 @dataclass
@@ -47,11 +47,6 @@ class Aux:
     # dense forwards only: recall of the indexer's top-k against the main attention's top-k (its
     # head-summed probabilities) at the KL query positions that see more than k entries
     indexer_recall: dict[int, float] = field(default_factory=dict)
-
-
-def ste(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
-    """Forward: the quantised value; backward: identity."""
-    return x + (quantised - x).detach()
 
 
 class _Ctx:
@@ -94,10 +89,10 @@ def compress_sequence(comp: Compressor, x: torch.Tensor, ctx: _Ctx, inv_freq: to
     c = apply_rope(c.transpose(0, 1), freqs).transpose(0, 1)
     if kind == "index":
         h = hadamard_transform(c)
-        return ste(h, fp4_round_trip(h.detach(), 32)) if ctx.opts.qat_indexer else h
+        return fp4_round_trip_ste(h, 32) if ctx.opts.qat_indexer else h
     rd = 2 * freqs.shape[-1]
     nope = c[..., :-rd]
-    return torch.cat([ste(nope, fp8_round_trip(nope.detach(), KV_FP8_BLOCK, comp.kv_pow2)), c[..., -rd:]], -1)
+    return torch.cat([fp8_round_trip_ste(nope, KV_FP8_BLOCK, comp.kv_pow2), c[..., -rd:]], -1)
 
 
 # ----- attention -----
@@ -206,7 +201,7 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
     q = apply_rope(q, freqs)
     kv = apply_rope(attn.kv_norm(attn.wkv(x)), freqs)
     nope = kv[..., :-rd]
-    kv = torch.cat([ste(nope, fp8_round_trip(nope.detach(), KV_FP8_BLOCK, attn.kv_pow2)), kv[..., -rd:]], -1)
+    kv = torch.cat([fp8_round_trip_ste(nope, KV_FP8_BLOCK, attn.kv_pow2), kv[..., -rd:]], -1)
 
     qb = q.view(b, s, h, d)
     logits_w, keys_w = _window_logits(qb, kv.view(b, s, d), attn.window, attn.scale)
@@ -221,7 +216,7 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
             xd, qrd = x.detach(), qr.detach()
             iq = hadamard_transform(apply_rope(ind.wq_b(qrd).unflatten(-1, (ind.n_heads, ind.head_dim)), freqs))
             if ctx.opts.qat_indexer:
-                iq = ste(iq, fp4_round_trip(iq.detach(), 32))
+                iq = fp4_round_trip_ste(iq, 32)
             iw = ind.head_weights(xd)
             ikeys = compress_sequence(ind.compressor, xd, ctx, attn.inv_freq, "index")
             if not ctx.opts.dense_indexer and n > ind.topk:
@@ -261,7 +256,6 @@ def _stacked(moe: MoE, name: str, qat: bool, dtype: torch.dtype) -> torch.Tensor
     """The routed experts' `name` weights as one [E, out, in] tensor (FP4 fake-quantised under QAT)."""
     w = torch.stack([getattr(e, name).weight for e in moe.experts])
     if qat:
-        from hybridkv.train.qat import fp4_weight_fake
         w = fp4_weight_fake(w)
     return w.to(dtype)
 
@@ -280,7 +274,7 @@ def moe_train(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx, lay
     cdt = x.dtype if x.dtype != torch.float32 or not torch.is_autocast_enabled() else torch.bfloat16
     xin = x
     if qat:
-        xin = ste(x, act_quant_sim(x.detach(), first.w1.act_block))
+        xin = fp8_act_fake(x, first.w1.act_block)
     w1, w3, w2 = (_stacked(moe, n, qat, cdt) for n in ("w1", "w3", "w2"))
     gate = torch.einsum("td,efd->tef", xin.to(cdt), w1).float()
     up = torch.einsum("td,efd->tef", xin.to(cdt), w3).float()
@@ -289,7 +283,7 @@ def moe_train(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx, lay
         gate = gate.clamp(max=first.limit)
     hid = (F.silu(gate) * up * dense_w.unsqueeze(-1)).to(x.dtype)             # [T, E, inter]
     if qat:
-        hid = ste(hid, act_quant_sim(hid.detach(), first.w2.act_block))
+        hid = fp8_act_fake(hid, first.w2.act_block)
     y = torch.einsum("tef,edf->td", hid.to(cdt), w2).float()
     y = y + moe.shared_experts(x).float()
     return y.to(x.dtype)
