@@ -4,7 +4,6 @@ experts, which QAT trained them for; float32 where the release keeps float32), t
 
 from __future__ import annotations
 
-import io
 import shutil
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 
 from hybridkv.model import Transformer
 from hybridkv.model.linear import Linear
-from hybridkv.train.loop import PORTABLE, model_config, prepare_tokenizer
+from hybridkv.train.loop import PORTABLE, load_portable, model_config, prepare_tokenizer
 from hybridkv.train.qat import quantize_fp4_weight_for_export
 from hybridkv.train.recipes import Recipe
 from hybridkv.weights import save_checkpoint
@@ -24,11 +23,10 @@ def load_run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     state_path = run_dir / "state.pt"
     if state_path.exists():
         return torch.load(state_path, map_location="cpu", weights_only=False)["model"]
-    parts = sorted(run_dir.glob(f"{PORTABLE}.*"))
-    if not parts:
+    state = load_portable(run_dir)
+    if state is None:
         raise FileNotFoundError(f"no state.pt or {PORTABLE}.* in {run_dir}: nothing to export")
-    return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location="cpu",
-                      weights_only=False)["model"]
+    return state["model"]
 
 
 @torch.no_grad()

@@ -67,12 +67,18 @@ def save_portable(weights: dict[str, torch.Tensor], progress: dict, out_dir: Pat
     return paths
 
 
-def _load_portable(run_dir: Path, device: str) -> dict | None:
+def load_portable(run_dir: Path, device: str = "cpu") -> dict | None:
+    """What `save_portable` wrote into run_dir (None if nothing)."""
     import io
     parts = sorted(run_dir.glob(f"{PORTABLE}.*"))
     if not parts:
         return None
     return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location=device, weights_only=False)
+
+
+def _rewarm_steps(recipe: Recipe) -> int:
+    """Steps of the linear lr re-warm-up after resuming without optimizer moments."""
+    return max(1, recipe.warmup // 5)
 
 
 def _set_lr(optimizers, lr: float) -> None:
@@ -140,7 +146,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     state = None
     if resume:
         state = (torch.load(state_path, map_location=device, weights_only=False) if state_path.exists()
-                 else _load_portable(run_dir, device))
+                 else load_portable(run_dir, device))
         if state is None:
             raise FileNotFoundError(f"--resume: no {state_path.name} or {PORTABLE}.* in {run_dir}")
     if state is not None:
@@ -149,7 +155,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             opt.load_state_dict(sd)
         progress = state["progress"]
         if "optimizers" not in state:  # fresh moments: warm the learning rate up again
-            rewarm_until = progress["step"] + recipe.warmup // 5
+            rewarm_until = progress["step"] + _rewarm_steps(recipe)
         echo(f"resumed at step {progress['step']} ({progress['tokens'] / 1e6:.1f}M tokens"
              f"{'' if 'optimizers' in state else ', optimizer moments restarted'})")
     elif log_path.exists():
@@ -176,7 +182,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             ids, sup = ids.to(device, non_blocking=True), sup.to(device, non_blocking=True)
             lr = lr_schedule(step, recipe.steps, recipe.warmup, recipe.lr, recipe.final_lr_frac)
             if step < rewarm_until:
-                lr *= (step + 1 - (rewarm_until - recipe.warmup // 5)) / (recipe.warmup // 5)
+                lr *= (step + 1 - (rewarm_until - _rewarm_steps(recipe))) / _rewarm_steps(recipe)
             _set_lr(optimizers, lr)
             opts = TrainOptions(dense_indexer=st.dense_indexer, qat_experts=st.qat_experts, qat_indexer=True,
                                 kl_queries=recipe.kl_queries)
