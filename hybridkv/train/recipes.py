@@ -3,7 +3,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 
 - `smoke`: seconds on a CPU; the CI test asserts its loss drops.
 - `tiny-v4`: the shipped model (`models/tiny-v4`), trained on one H200 in two commands of ≤ 10
-  minutes (`--max-minutes` checkpoints and `--resume` continues).
+  minutes (`--max-minutes` checkpoints and `--resume` continues). It does not retrieve.
+- `tiny-v4-r2`: its successor with a task curriculum; not run yet.
 """
 
 from __future__ import annotations
@@ -115,6 +116,30 @@ def _tiny_v4() -> Recipe:
     )
 
 
+_NEEDLES = {"passkey": 0.4, "niah_single_1": 0.2, "niah_single_2": 0.2, "niah_single_3": 0.2}
+
+
+def _tiny_v4_r2() -> Recipe:
+    """The next tiny-v4 (not run yet): from scratch, a task curriculum before the length one. The
+    architecture learns passkey alone at 1K in ~200 steps (benchmarks/retrieval_probe.py), while the
+    twelve-family mix from step 0 of `tiny-v4` never left chance; so retrieval is learned on one
+    task first, then the needle families, then everything, then the lengths. Sized from the
+    measured H200 step times (BENCHMARKS.md) to ~16 minutes of training."""
+    full_mix = _tiny_v4().task_weights
+    return Recipe(
+        name="tiny-v4-r2", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2750,
+        stages=[Stage(300, 1024, 32, dense_indexer=True, tasks={"passkey": 1.0}),
+                Stage(700, 1024, 32, dense_indexer=True, tasks=_NEEDLES),
+                Stage(1200, 2048, 16, dense_indexer=True, tasks=full_mix),
+                Stage(1700, 4096, 8, dense_indexer=False),
+                Stage(2150, 8192, 4, dense_indexer=False),
+                Stage(2500, 16384, 2, dense_indexer=False),
+                Stage(2650, 32768, 1, dense_indexer=False),
+                Stage(2750, 32768, 1, dense_indexer=False, qat_experts=True)],
+        lr=3e-3, warmup=50, log_every=20, task_weights=full_mix,
+    )
+
+
 def _smoke() -> Recipe:
     return Recipe(
         name="smoke", model=SMOKE_MODEL, vocab_size=512, tokenizer_texts=300, steps=30,
@@ -125,7 +150,7 @@ def _smoke() -> Recipe:
     )
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "smoke": _smoke}
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-r2": _tiny_v4_r2, "smoke": _smoke}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -1,0 +1,37 @@
+"""Every recipe is well formed: stages end in increasing order at the last step, the task mixes
+name real tasks, and every task of every stage fits the stage's length with the recipe's
+tokenizer (a run must not die an hour in)."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridkv.tasks.generators import TASKS, Pools, training_example
+from hybridkv.tasks.tokenizer import TaskTokenizer
+from hybridkv.train.loop import model_config
+from hybridkv.train.recipes import RECIPES, get_recipe
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_is_well_formed(name):
+    r = get_recipe(name)
+    ends = [s.until for s in r.stages]
+    assert ends == sorted(set(ends)) and ends[-1] == r.steps
+    for s in r.stages:
+        assert set(s.tasks or r.task_weights or TASKS) <= set(TASKS)
+    cfg = model_config(r, r.vocab_size)
+    assert cfg.vocab_size == r.vocab_size
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(RECIPES) if n.startswith("tiny-v4")])
+def test_every_stage_task_fits_its_length(name):
+    r = get_recipe(name)
+    tok = TaskTokenizer.load(SHIPPED_TOKENIZER)
+    assert tok.vocab_size == r.vocab_size
+    pools = Pools(tok, seed=0)
+    for s in r.stages:
+        for task in s.tasks or r.task_weights:
+            ids, sup = training_example(7, pools, s.seq_len, {task: 1.0})
+            assert len(ids) == s.seq_len and sup.any()
