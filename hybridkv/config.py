@@ -180,9 +180,11 @@ class ModelConfig:
 
     @property
     def block_tokens(self) -> int:
-        """Native tokens per logical KV block: lcm of the compression ratios (128 for V4)."""
+        """Native tokens per logical KV block: the lcm of the compression ratios and 128 (128 for V4
+        and V4.1), so that a block holds whole entries of every layer and prefix-cache blocks stay
+        128 tokens when the ratios are small (V4.1's 1 and 2)."""
         ratios = [r for r in self.compress_ratios if r > 0]
-        return math.lcm(*ratios) if ratios else self.sliding_window
+        return math.lcm(*ratios, 128) if ratios else self.sliding_window
 
     @property
     def quantized(self) -> bool:

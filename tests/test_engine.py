@@ -1,5 +1,5 @@
-"""The engine on the fixture checkpoints: ragged batches, prefix hits under each window policy,
-preemption, rejection, sampling, allocator invariants."""
+"""The engine on the fixture checkpoints (V4 and V4.1): ragged batches, prefix hits under each
+window policy, preemption, rejection, sampling, allocator invariants."""
 
 import pytest
 import torch
@@ -17,9 +17,10 @@ def prompts_of(lengths, seed=0, vocab=512):
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(fixtures):
-    return fixtures / "v4-tiny"
+@pytest.fixture(scope="module", params=["v4-tiny", "v41-tiny"])
+def tiny_dir(fixtures, request):
+    """Every engine test runs on a V4 and a V4.1 checkpoint (V4.1: shared source-layer KV)."""
+    return fixtures / request.param
 
 
 def make(tiny_dir, **kw):
@@ -76,11 +77,15 @@ def test_ragged_batch_matches_requests_alone(tiny_dir):
         step += 1
     # prefill chunks really interleaved with decodes of other requests
     assert any(n > 1 for n in (c[1] for c in log[seqs[7].request_id])) and len(log[seqs[7].request_id]) > 10
+    # V4.1 rounds more (FP4 global KV with e4m3 scales, FP8 window over all dims in blocks of 32): a
+    # batch's different GEMM shapes move a value across a rounding boundary more often (worst measured
+    # 2.5e-4), as in its layerwise parity bounds
+    bound = 1e-3 if llm.config.family == "v4.1" else 1e-4
     for i, seq in seqs.items():
         ref = alone(llm.model, llm.config, seq, log[seq.request_id])
         assert len(seq.step_logits) == len(ref) == 10
         for step_i, (got, want) in enumerate(zip(seq.step_logits, ref)):
-            assert rel(got, want) <= 1e-4, (lengths[i], step_i, rel(got, want))
+            assert rel(got, want) <= bound, (lengths[i], step_i, rel(got, want))
             assert int(got.argmax()) == int(want.argmax())
     assert_idle(llm)
 
@@ -131,9 +136,12 @@ def test_zero_policy_bounded_replay(tiny_dir):
     # the replay recomputes 128 tokens of the 1024-token prefix: >= 90% of its prefill is skipped
     assert computed_prefill == 128 + (len(base) + len(extra) - 1024)
     assert 1 - 128 / 1024 >= 0.875
-    dev = max(rel(a, b) for a, b in zip(hit.step_logits, cold.step_logits))
-    print(f"zero-policy deviation from a cold run: max relative RMS {dev:.3e}")
-    assert dev < 0.5  # an approximation by design; measured, not required to match
+    # the first token's logits are the comparison with identical inputs; after a greedy token differs,
+    # later steps compare different continuations (v41-tiny: 0.135 at the first token, then its
+    # greedy path departs; v4-tiny: 0.10)
+    devs = [rel(a, b) for a, b in zip(hit.step_logits, cold.step_logits)]
+    print(f"zero-policy deviation from a cold run, relative RMS per step: {[f'{d:.3f}' for d in devs]}")
+    assert devs[0] < 0.5  # an approximation by design; measured, not required to match
     assert_idle(llm)
 
 
@@ -246,3 +254,23 @@ def test_eviction_takes_a_prefix_tail_before_its_head(tiny_dir):
     hit = run_and_logits(llm, old, max_tokens=2)
     assert hit.num_cached_tokens == 3 * 128                 # blocks 0-2 of the old prefix survived
     assert_idle(llm)
+
+
+def test_v41_store_bytes_match_kv_calc(fixtures):
+    """V4.1: only the Full (source) layers reserve compressed KV and indexer keys; with bf16 entries
+    the allocator's bytes per token are kv-calc's bf16 figures for the same config."""
+    from hybridkv.cache.layout import kv_layout
+    llm = LLM(fixtures / "v41-tiny", num_blocks=8, max_num_seqs=2, dtype=torch.bfloat16)
+    store, cfg = llm.engine.store, llm.config
+    per_token = {k: v / store.block_tokens for k, v in store.block_bytes().items()}
+    assert per_token == kv_layout(cfg, "bf16").per_token
+    owners = [i for i, ents in enumerate(store.entries) if ents]
+    assert owners == sorted(cfg.kv_source_layer_ids)
+
+
+def test_v41_refuses_what_it_cannot_serve(fixtures):
+    from hybridkv.errors import ConfigError
+    with pytest.raises(ConfigError, match="native"):
+        LLM(fixtures / "v41-tiny", num_blocks=8, max_num_seqs=2, kv_format="fp8")
+    with pytest.raises(ConfigError, match="V4.1"):
+        LLM(fixtures / "v41-tiny", num_blocks=8, max_num_seqs=2, memory_policy="recency-256")

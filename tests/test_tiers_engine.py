@@ -26,9 +26,10 @@ def prompts_of(lengths, seed=0, vocab=512):
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(fixtures):
-    return fixtures / "v4-tiny"
+@pytest.fixture(scope="module", params=["v4-tiny", "v41-tiny"])
+def tiny_dir(fixtures, request):
+    """The tier tests run on a V4 and a V4.1 checkpoint (V4.1 stores only its source layers' KV)."""
+    return fixtures / request.param
 
 
 @pytest.fixture(scope="module")

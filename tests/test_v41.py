@@ -189,11 +189,3 @@ def test_meta_instantiation_real_plan():
     assert not [k for k in sd if k.startswith("layers.21.attn.") and ("indexer" in k or "compressor" in k)]
     assert sd["layers.3.ffn.experts.0.w1.weight"].shape == (2304, 5120 // 2)
     assert sum(model.layers[i].attn.compressor is not None for i in range(40)) == 4
-
-
-def test_engine_refuses_v41_with_a_reason(fixtures):
-    from hybridkv.engine import LLM
-    from hybridkv.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="paged store"):
-        LLM(fixtures / "v41-tiny", num_blocks=8)

@@ -23,7 +23,7 @@ from hybridkv.cache.formats import (index_entry_bytes, main_entry_bytes, pack_in
                                     unpack_index_fp4, unpack_main_fp8)
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
-from hybridkv.model.state import CompressorState
+from hybridkv.model.state import CompressorState, layer_storage
 
 KV_FORMATS = ("native", "bf16", "fp8")
 
@@ -104,26 +104,27 @@ class PagedKVStore:
         self.page_pool = BlockPool(resident_pages) if self.offload else None
         self.pages: dict[int, torch.Tensor] = {}    # CSA layer -> device pages [pages, entries/block, E]
         self.entries: list[dict[str, torch.Tensor]] = []
+        self.overlap: list[bool] = []
         self.states: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         for layer_id in range(self.num_layers):
             ratio = config.layer_ratio(layer_id)
+            widths, state_widths, overlap = layer_storage(config, layer_id)   # what this layer owns
+            self.overlap.append(overlap)
             ents, sts = {}, {}
-            if ratio:
-                kinds = ("kv", "index") if ratio == 4 else ("kv",)
-                coff = 2 if ratio == 4 else 1
-                for kind in kinds:
-                    c = self.codec[kind]
-                    offloaded = self.offload and ratio == 4 and kind == "kv"
-                    ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
-                                             device=self.host if offloaded else self.device,
-                                             pin_memory=offloaded and self.device.type == "cuda")
-                    if offloaded:
-                        self.pages[layer_id] = torch.zeros(resident_pages, self.block_tokens // ratio, c.width,
-                                                           dtype=c.storage_dtype, device=self.device)
-                    rows, width = coff * ratio, coff * c.dim
-                    sts[kind] = (torch.zeros(max_slots, rows, width, dtype=torch.float32, device=self.device),
-                                 torch.full((max_slots, rows, width), float("-inf"), dtype=torch.float32,
-                                            device=self.device))
+            for kind in widths:
+                c = self.codec[kind]
+                offloaded = self.offload and ratio == 4 and kind == "kv"
+                ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
+                                         device=self.host if offloaded else self.device,
+                                         pin_memory=offloaded and self.device.type == "cuda")
+                if offloaded:
+                    self.pages[layer_id] = torch.zeros(resident_pages, self.block_tokens // ratio, c.width,
+                                                       dtype=c.storage_dtype, device=self.device)
+            for kind, width in state_widths.items():
+                rows = width // self.codec[kind].dim * ratio      # overlapping compressors: 2 blocks
+                sts[kind] = (torch.zeros(max_slots, rows, width, dtype=torch.float32, device=self.device),
+                             torch.full((max_slots, rows, width), float("-inf"), dtype=torch.float32,
+                                        device=self.device))
             self.entries.append(ents)
             self.states.append(sts)
 
@@ -220,17 +221,28 @@ class PagedKVStore:
             score[slot].copy_(tensors[2 + 2 * i])
 
     # ----- accounting -----
+    def entry_kinds(self) -> list[str]:
+        """The accounting names of the compressed entries this model stores (kv-calc's names)."""
+        if self.config.family == "v4.1":
+            return ["global KV", "indexer keys"]
+        return ["CSA main", "CSA indexer", "HCA"]
+
+    def _label(self, layer_id: int, kind: str) -> str:
+        layer = self.config.layer_kind(layer_id)
+        if layer == "full":
+            return "indexer keys" if kind == "index" else "global KV"
+        return "CSA indexer" if kind == "index" else ("CSA main" if layer == "csa" else "HCA")
+
     def nbytes_by_kind(self) -> dict[str, int]:
         """Bytes allocated on the device, by kind (whole pools, whatever is in use)."""
-        out = {"window": sum(r.nbytes for r in self.ring), "compressor state": 0, "CSA main": 0, "CSA indexer": 0,
-               "HCA": 0}
+        out = {"window": sum(r.nbytes for r in self.ring), "compressor state": 0}
+        out.update(dict.fromkeys(self.entry_kinds(), 0))
         for layer_id, ents in enumerate(self.entries):
-            kind = self.config.layer_kind(layer_id)
             for k, t in ents.items():
                 if layer_id in self.pages and k == "kv":
                     out["CSA main"] += self.pages[layer_id].nbytes   # the host mirror is not device memory
                     continue
-                out["CSA indexer" if k == "index" else ("CSA main" if kind == "csa" else "HCA")] += t.nbytes
+                out[self._label(layer_id, k)] += t.nbytes
             out["compressor state"] += sum(a.nbytes + b.nbytes for a, b in self.states[layer_id].values())
         return out
 
@@ -238,11 +250,10 @@ class PagedKVStore:
         """Bytes one block (block_tokens positions) holds in every layer, by kind (in offload mode the
         CSA main entries are counted where they are stored: host memory, plus a device page when
         resident)."""
-        out = {"CSA main": 0, "CSA indexer": 0, "HCA": 0}
+        out = dict.fromkeys(self.entry_kinds(), 0)
         for layer_id, ents in enumerate(self.entries):
-            kind = self.config.layer_kind(layer_id)
             for k, t in ents.items():
-                out["CSA indexer" if k == "index" else ("CSA main" if kind == "csa" else "HCA")] += t[0].nbytes
+                out[self._label(layer_id, k)] += t[0].nbytes
         return out
 
     def bytes_per_token(self) -> float:
@@ -263,8 +274,8 @@ class PagedKVStore:
 class _PagedCompressorState(CompressorState):
     """Views of one slot's rows in the store (the compressor updates them in place)."""
 
-    def __init__(self, kv: torch.Tensor, score: torch.Tensor, ratio: int):  # noqa: D107 - no allocation
-        self.ratio, self.overlap, self.kv, self.score = ratio, ratio == 4, kv, score
+    def __init__(self, kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool):  # noqa: D107
+        self.ratio, self.overlap, self.kv, self.score = ratio, overlap, kv, score
 
 
 class PagedLayerKV:
@@ -286,7 +297,8 @@ class PagedLayerKV:
 
     def compressor_state(self, kind: str) -> CompressorState:
         kv, score = self.store.states[self.layer_id][kind]
-        return _PagedCompressorState(kv[self.seq.slot], score[self.seq.slot], self.ratio)
+        return _PagedCompressorState(kv[self.seq.slot], score[self.seq.slot], self.ratio,
+                                     self.store.overlap[self.layer_id])
 
     def _locate(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         per_block = self.store.block_tokens // self.ratio

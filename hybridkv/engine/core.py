@@ -76,13 +76,18 @@ class EngineCore:
                  config: EngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config: ModelConfig = model.config
-        if self.config.family != "v4":
-            raise ConfigError(f"the engine serves DeepSeek-V4 checkpoints; {self.config.family} "
-                              f"(model_type {self.config.model_type!r}) runs through the model API and the parity "
-                              f"tool, but its paged store (shared source-layer KV) is not built yet")
         self.ec = config or EngineConfig()
+        # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it;
+        # decode steps run as one-token segments (the batched decode path is V4's)
+        self.v41 = self.config.family == "v4.1"
+        if self.v41 and self.ec.kv_format != "native":
+            raise ConfigError(f"kv_format {self.ec.kv_format!r}: V4.1 checkpoints are served with 'native' entries "
+                              f"(the packed V4.1 layout, FP4 global KV with e4m3 scales, is not built yet)")
         self.device = next(model.parameters()).device
         self.memory = parse_policy(self.ec.memory_policy)
+        if self.memory.offloads and self.v41:
+            raise ConfigError(f"memory policy {self.memory} moves CSA main entries off the device; V4.1 checkpoints "
+                              f"have none (shared global KV): use 'full'")
         if self.memory.offloads:
             if self.ec.enable_prefix_caching:
                 raise ConfigError(f"memory policy {self.memory} keeps part of each request's KV off the device; "
@@ -183,7 +188,7 @@ class EngineCore:
         known tokens."""
         snapshots = self.policy.snapshots and self.prefix.enabled
         items, ids, logit_rows, owners = [], [], [], []
-        decodes = [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
+        decodes = [] if self.v41 else [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
         decode_ids = {id(c) for c in decodes}
         row = 0
         for c in chunks:
