@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from hybridkv.engine.core import EngineCore
 
-PAGED_KINDS = ("CSA main", "CSA indexer", "HCA")
 SLOT_KINDS = ("window", "compressor state")
 SNAPSHOT_KIND = "window snapshots"
 
@@ -30,7 +29,7 @@ def device_tier(engine: EngineCore) -> dict[str, dict[str, int]]:
     used_slots = store.max_slots - store.num_free_slots
     cached_free = sum(1 for b in pool.blocks if b.ref_count == 0 and b.hash is not None)
     out = {}
-    for kind in PAGED_KINDS:
+    for kind in store.entry_kinds():   # V4: CSA main / CSA indexer / HCA; V4.1: global KV / indexer keys
         if capacity.get(kind):
             out[kind] = {"active": pool.num_used * per_block[kind], "cached": cached_free * per_block[kind],
                          "capacity": capacity[kind]}
