@@ -86,8 +86,9 @@ def test_page_streams_a_reply_and_shows_memory(live_server, browser, tmp_path):
     cached = wait_for(lambda: int(browser.find_element(By.ID, "kv-cached-total").get_attribute("data-bytes") or 0),
                       what="non-zero cached KV bytes in the panel")
     assert cached > 0
-    rows = browser.find_elements(By.CSS_SELECTOR, "#mem-table tbody tr")
-    assert any(r.text.startswith("device CSA main") for r in rows)
+    wait_for(lambda: any(r.text.startswith("device CSA main")
+                         for r in browser.find_elements(By.CSS_SELECTOR, "#mem-table tbody tr")),
+             what="the device CSA main row of the memory table")
     # the same conversation again: the panel's prefix hit rate goes above zero
     browser.find_element(By.ID, "clear").click()
     box = browser.find_element(By.ID, "input")
