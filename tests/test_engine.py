@@ -270,7 +270,36 @@ def test_v41_store_bytes_match_kv_calc(fixtures):
 
 def test_v41_refuses_what_it_cannot_serve(fixtures):
     from hybridkv.errors import ConfigError
-    with pytest.raises(ConfigError, match="native"):
+    with pytest.raises(ConfigError, match="packed layout"):
         LLM(fixtures / "v41-tiny", num_blocks=8, max_num_seqs=2, kv_format="fp8")
+    with pytest.raises(ConfigError, match="packed layout"):
+        LLM(fixtures / "v4-tiny-fp8", num_blocks=8, max_num_seqs=2, kv_format="v41")
     with pytest.raises(ConfigError, match="V4.1"):
         LLM(fixtures / "v41-tiny", num_blocks=8, max_num_seqs=2, memory_policy="recency-256")
+
+
+def test_v41_packed_layout_is_exact_and_priced_as_kv_calc(fixtures):
+    """The packed V4.1 layout (FP4 global KV with e4m3 scales per 16, FP4 indexer keys, FP8 window
+    rows with ue8m0 scales per 32) gives the native run's logits bit for bit, and reserves exactly
+    kv-calc's bytes per token: 108 + 51 for v41-tiny, 890 for the v4.1-flash plan."""
+    from hybridkv.cache.layout import kv_layout
+    from hybridkv.cache.paged import PagedKVStore
+    from hybridkv.presets import get_preset
+    prompts = prompts_of([300, 35, 700], seed=3)
+    runs = {}
+    for fmt in ("native", "v41"):
+        llm = make(fixtures / "v41-tiny-fp8", kv_format=fmt)
+        seqs = [llm.engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        runs[fmt] = seqs
+        assert_idle(llm)
+    for a, b in zip(runs["native"], runs["v41"]):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.step_logits, b.step_logits))
+    store = llm.engine.store
+    assert {k: v / store.block_tokens for k, v in store.block_bytes().items()} == kv_layout(llm.config, "v41").per_token
+    flash = get_preset("v4.1-flash")
+    assert PagedKVStore(flash, 1, 1, "v41").bytes_per_token() == kv_layout(flash, "v41").bytes_per_token == 890
+    with pytest.raises(Exception, match="packed layout"):
+        PagedKVStore(flash, 1, 1, "fp8")

@@ -27,3 +27,21 @@ def test_index_fp4_round_trip_exact():
     buf = pack_index_fp4(x)
     assert buf.shape == (40, 68)
     assert torch.equal(unpack_index_fp4(buf, 128), x)
+
+
+def test_v41_packed_entries_round_trip_exactly():
+    """Values the V4.1 model stores (global KV: FP4 per 16 with e4m3 scales; window: FP8 per 32 with
+    power-of-two scales) pack into 288 + 528 bytes at head_dim 512 and unpack bit for bit."""
+    from hybridkv.cache.formats import (pack_v41_global, pack_v41_window, unpack_v41_global, unpack_v41_window,
+                                        v41_global_bytes, v41_window_bytes)
+    from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 2, 64).unsqueeze(1)
+    x[3, :16] = 0                                       # an all-zero block
+    glob = fp4_round_trip(x, 16, "e4m3")
+    win = fp8_round_trip(x, 32, True)
+    assert v41_global_bytes(512) == 288 and v41_window_bytes(512) == 528
+    pg, pw = pack_v41_global(glob), pack_v41_window(win)
+    assert pg.shape == (64, 288) and pw.shape == (64, 528) and pg.dtype == pw.dtype == torch.uint8
+    assert torch.equal(unpack_v41_global(pg, 512), glob)
+    assert torch.equal(unpack_v41_window(pw, 512), win)

@@ -4,10 +4,14 @@ V4 main entry ("fp8", 584 B at head_dim 512 / rope 64), bytes in order:
     [nope e4m3: D−R][rope bf16: 2R][ue8m0 scale per 64 nope dims: (D−R)/64][zero pad to a multiple of 8]
 V4 indexer key ("fp4", 68 B at 128):
     [E2M1 pairs, low nibble = even element: d/2][ue8m0 scale per 32: d/32]
+V4.1 ("v41"): global KV (288 B at 512) [E2M1 pairs: d/2][e4m3 scale per 16: d/16]; window row
+(528 B at 512) [e4m3: d][ue8m0 scale per 32: d/32]; indexer keys as V4's.
 
-Packing is exact for values the model already round-tripped with power-of-two scales (the nope
-dims through FP8 in blocks of 64, the indexer keys through FP4 in blocks of 32): the scale of each
-block is re-derived from the block's largest value and every value is representable. The rope dims
+Packing is exact for values the model already round-tripped (the nope dims through FP8 in blocks of
+64 and the indexer keys through FP4 in blocks of 32, both with power-of-two scales; V4.1's window
+through FP8 in blocks of 32, power-of-two; its global KV through FP4 in blocks of 16 with e4m3
+scales): the scale of each block is re-derived from the block's largest value and every value is
+representable. (V4.1's e4m3 scales are recovered from the block's values, see `pack_v41_global`.) The rope dims
 are stored in bf16, as the reference keeps them.
 """
 
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.ops.quant import FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, pack_fp4, pow2_scale, unpack_fp4
+from hybridkv.ops.quant import (FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, e2m1_round, pack_fp4, pow2_scale, quant_fp4,
+                                unpack_fp4)
 
 FP8_TILE = 64
 FP4_TILE = 32
@@ -77,3 +82,70 @@ def unpack_index_fp4(buf: torch.Tensor, dim: int, dtype: torch.dtype = torch.flo
     vals = unpack_fp4(buf[:, : dim // 2].contiguous()).reshape(n, dim // FP4_TILE, FP4_TILE)
     scale = _from_e8m0(buf[:, dim // 2:])
     return (vals * scale.unsqueeze(-1)).reshape(n, dim).to(dtype)
+
+
+V41_GLOBAL_TILE = 16
+V41_WINDOW_TILE = 32
+
+
+def v41_global_bytes(dim: int) -> int:
+    return dim // 2 + dim // V41_GLOBAL_TILE
+
+
+def v41_window_bytes(dim: int) -> int:
+    return dim + dim // V41_WINDOW_TILE
+
+
+_E2M1_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
+
+
+def pack_v41_global(x: torch.Tensor) -> torch.Tensor:
+    """[N, d] global KV entries (on the FP4 grid with e4m3 scales per 16) -> uint8 [N, d/2 + d/16].
+
+    The scale of a block is recovered exactly: it is amax / m for the E2M1 magnitude m its largest
+    value was quantised to. Usually m = 6 (the scale quant_fp4 would pick again), but with e4m3
+    subnormal scales (tiny blocks) rounding can leave the largest value at 4 or less, so every
+    magnitude is tried and the first scale that reproduces the whole block is kept."""
+    n, d = x.shape
+    blocks = x.float().reshape(n, d // V41_GLOBAL_TILE, V41_GLOBAL_TILE)
+    amax = blocks.abs().amax(-1)
+    q, scale = quant_fp4(x.float(), V41_GLOBAL_TILE, "e4m3")       # the usual case, and all-zero blocks
+    q = q.reshape(blocks.shape)
+    ok = (q * scale.unsqueeze(-1) == blocks).all(-1)
+    for m in _E2M1_MAGNITUDES[1:]:
+        if bool(ok.all()):
+            break
+        s = (amax / m).to(torch.float8_e4m3fn).float()
+        qm = blocks / s.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        fits = ((e2m1_round(qm) == qm) & (qm.abs() <= 6)).all(-1) & ((e2m1_round(qm) * s.unsqueeze(-1)) == blocks).all(-1)
+        take = ~ok & fits
+        q = torch.where(take.unsqueeze(-1), e2m1_round(qm), q)
+        scale = torch.where(take, s, scale)
+        ok = ok | take
+    if not bool(ok.all()):
+        raise ValueError("global KV values are not on the FP4 grid with e4m3 scales per 16")
+    codes = pack_fp4(q.reshape(n, d)).view(torch.uint8)
+    return torch.cat([codes, scale.to(torch.float8_e4m3fn).view(torch.uint8)], dim=1)
+
+
+def unpack_v41_global(buf: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = buf.shape[0]
+    vals = unpack_fp4(buf[:, : dim // 2].contiguous()).reshape(n, dim // V41_GLOBAL_TILE, V41_GLOBAL_TILE)
+    scale = buf[:, dim // 2:].contiguous().view(torch.float8_e4m3fn).float()
+    return (vals * scale.unsqueeze(-1)).reshape(n, dim).to(dtype)
+
+
+def pack_v41_window(x: torch.Tensor) -> torch.Tensor:
+    """[N, d] window rows (on the FP8 grid with power-of-two scales per 32) -> uint8 [N, d + d/32]."""
+    n, d = x.shape
+    blocks = x.float().reshape(n, d // V41_WINDOW_TILE, V41_WINDOW_TILE)
+    scale = pow2_scale(blocks.abs().amax(-1).clamp(min=FP8_AMAX_FLOOR), 448.0)
+    q = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(n, d).view(torch.uint8)
+    return torch.cat([q, _e8m0_bytes(scale)], dim=1)
+
+
+def unpack_v41_window(buf: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = buf.shape[0]
+    q = buf[:, :dim].contiguous().view(torch.float8_e4m3fn).float().reshape(n, dim // V41_WINDOW_TILE, V41_WINDOW_TILE)
+    scale = _from_e8m0(buf[:, dim:])
+    return (q * scale.unsqueeze(-1)).reshape(n, dim).to(dtype)

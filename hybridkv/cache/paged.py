@@ -20,45 +20,58 @@ import torch
 
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.formats import (index_entry_bytes, main_entry_bytes, pack_index_fp4, pack_main_fp8,
-                                    unpack_index_fp4, unpack_main_fp8)
+                                    pack_v41_global, pack_v41_window, unpack_index_fp4, unpack_main_fp8,
+                                    unpack_v41_global, unpack_v41_window, v41_global_bytes, v41_window_bytes)
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
 
-KV_FORMATS = ("native", "bf16", "fp8")
+KV_FORMATS = ("native", "bf16", "fp8", "v41")
 
 
 class _Codec:
-    """How entries of one width are stored: a dtype, or packed bytes."""
+    """How entries of one kind are stored: a dtype, or packed bytes. Kinds: "kv" (V4 main / V4.1
+    global KV), "index" (indexer keys), "window" (window ring rows)."""
 
     def __init__(self, fmt: str, kind: str, config: ModelConfig, dtype: torch.dtype):
         self.fmt, self.kind, self.dtype = fmt, kind, dtype
         self.dim = config.index_head_dim if kind == "index" else config.head_dim
         self.rope = config.qk_rope_head_dim
+        self.packed = fmt in ("fp8", "v41")
         if fmt == "fp8":
             self.width = index_entry_bytes(self.dim) if kind == "index" else main_entry_bytes(self.dim, self.rope)
-            self.storage_dtype = torch.uint8
+        elif fmt == "v41":
+            self.width = {"index": index_entry_bytes, "kv": v41_global_bytes, "window": v41_window_bytes}[kind](self.dim)
         else:
             self.width = self.dim
-            self.storage_dtype = torch.bfloat16 if fmt == "bf16" else dtype
+        self.storage_dtype = torch.uint8 if self.packed else (torch.bfloat16 if fmt == "bf16" else dtype)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """[..., dim] entries -> [..., width] stored form."""
-        if self.fmt != "fp8":
+        if not self.packed:
             return rows.to(self.storage_dtype)
         flat = rows.reshape(-1, self.dim)
-        packed = pack_index_fp4(flat) if self.kind == "index" else pack_main_fp8(flat, self.rope)
+        if self.kind == "index":
+            packed = pack_index_fp4(flat)
+        elif self.fmt == "fp8":
+            packed = pack_main_fp8(flat, self.rope)
+        else:
+            packed = pack_v41_global(flat) if self.kind == "kv" else pack_v41_window(flat)
         return packed.reshape(*rows.shape[:-1], self.width)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """[..., width] stored form -> [..., dim] entries in the compute dtype."""
-        if self.fmt != "fp8":
+        if not self.packed:
             return stored.to(self.dtype)
         flat = stored.reshape(-1, self.width)
         if self.kind == "index":
             out = unpack_index_fp4(flat, self.dim, self.dtype)
-        else:
+        elif self.fmt == "fp8":
             out = unpack_main_fp8(flat, self.dim, self.rope, self.dtype)
+        elif self.kind == "kv":
+            out = unpack_v41_global(flat, self.dim, self.dtype)
+        else:
+            out = unpack_v41_window(flat, self.dim, self.dtype)
         return out.reshape(*stored.shape[:-1], self.dim)
 
     def row_bytes(self) -> int:
@@ -85,6 +98,11 @@ class PagedKVStore:
         pages (one page = one block's CSA main entries in every CSA layer)."""
         if kv_format not in KV_FORMATS:
             raise ConfigError(f"unknown KV format {kv_format!r}; choose one of {', '.join(KV_FORMATS)}")
+        v41 = config.family == "v4.1"
+        if (kv_format == "v41") != v41 and kv_format in ("fp8", "v41"):
+            want = "v41" if v41 else "fp8"
+            raise ConfigError(f"kv_format {kv_format!r} is the packed layout of "
+                              f"{'DeepSeek-V4.1' if kv_format == 'v41' else 'DeepSeek-V4'}; this checkpoint's is {want!r}")
         if kv_format == "fp8" and not config.kv_pow2_scales:
             raise ConfigError("the fp8 KV format stores ue8m0 (power-of-two) scales, but this checkpoint's KV round "
                               "trips use plain scales (no quantization_config with scale_fmt ue8m0); use 'native' or 'bf16'")
@@ -94,10 +112,10 @@ class PagedKVStore:
         self.pool = BlockPool(num_blocks)
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
-        self.codec = {k: _Codec(kv_format, k, config, dtype) for k in ("kv", "index")}
+        self.codec = {k: _Codec(kv_format, k, config, dtype) for k in ("kv", "index", "window")}
         W = config.sliding_window
-        main = self.codec["kv"]
-        self.ring = [torch.zeros(max_slots, W, main.width, dtype=main.storage_dtype, device=self.device)
+        win = self.codec["window"]
+        self.ring = [torch.zeros(max_slots, W, win.width, dtype=win.storage_dtype, device=self.device)
                      for _ in range(self.num_layers)]
         self.offload = resident_pages is not None
         self.host = torch.device("cpu")
@@ -287,13 +305,13 @@ class PagedLayerKV:
     def window_rows(self, start_pos: int) -> torch.Tensor:
         first = max(self.seq.window_start, start_pos - self.window, 0)
         slots = torch.arange(first, start_pos, device=self.store.device) % self.window
-        return self.store.codec["kv"].decode(self.store.ring[self.layer_id][self.seq.slot][slots])
+        return self.store.codec["window"].decode(self.store.ring[self.layer_id][self.seq.slot][slots])
 
     def write_window(self, start_pos: int, rows: torch.Tensor) -> None:
         n = rows.shape[0]
         keep = min(n, self.window)
         pos = torch.arange(start_pos + n - keep, start_pos + n, device=self.store.device)
-        self.store.ring[self.layer_id][self.seq.slot][pos % self.window] = self.store.codec["kv"].encode(rows[n - keep:])
+        self.store.ring[self.layer_id][self.seq.slot][pos % self.window] = self.store.codec["window"].encode(rows[n - keep:])
 
     def compressor_state(self, kind: str) -> CompressorState:
         kv, score = self.store.states[self.layer_id][kind]
@@ -384,7 +402,7 @@ class PagedDecodeKV:
     def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         W = self.store.config.sliding_window
         ring = self.store.ring[layer_id]
-        codec = self.store.codec["kv"]
+        codec = self.store.codec["window"]
         ring[self.slots, self.positions % W] = codec.encode(rows)
         window_pos = self.positions.unsqueeze(1) - W + 1 + torch.arange(W, device=rows.device)
         keys = codec.decode(ring[self.slots.unsqueeze(1), window_pos % W])

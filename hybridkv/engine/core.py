@@ -80,9 +80,6 @@ class EngineCore:
         # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it;
         # decode steps run as one-token segments (the batched decode path is V4's)
         self.v41 = self.config.family == "v4.1"
-        if self.v41 and self.ec.kv_format != "native":
-            raise ConfigError(f"kv_format {self.ec.kv_format!r}: V4.1 checkpoints are served with 'native' entries "
-                              f"(the packed V4.1 layout, FP4 global KV with e4m3 scales, is not built yet)")
         self.device = next(model.parameters()).device
         self.memory = parse_policy(self.ec.memory_policy)
         if self.memory.offloads and self.v41:
