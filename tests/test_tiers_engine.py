@@ -94,10 +94,11 @@ def test_restart_hits_and_matches_a_cold_run(tmp_path, tiny_dir, base_extra, col
 
 
 @pytest.mark.parametrize("policy,tier,fmt", [("full", "dram", "native"), ("checkpoint(256)", "disk", "native"),
-                                             ("zero", "disk", "native"), ("full", "disk", "fp8")])
+                                             ("zero", "disk", "native"), ("full", "disk", "fp8"),
+                                             ("full", "disk", "v41"), ("zero", "dram", "v41")])
 def test_lower_tier_hit_restores_exactly_a_device_hit(tmp_path, fixtures, base_extra, policy, tier, fmt):
     base, extra = base_extra
-    tiny_dir = fixtures / ("v4-tiny-fp8" if fmt == "fp8" else "v4-tiny")
+    tiny_dir = fixtures / {"fp8": "v4-tiny-fp8", "v41": "v41-tiny-fp8"}.get(fmt, "v4-tiny")
     device = make(tiny_dir, window_policy=policy, kv_format=fmt, tiers={"dram_bytes": 0})
     run(device, base)
     want = run(device, base + extra)                                  # a device hit
