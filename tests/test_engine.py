@@ -303,3 +303,19 @@ def test_v41_packed_layout_is_exact_and_priced_as_kv_calc(fixtures):
     assert PagedKVStore(flash, 1, 1, "v41").bytes_per_token() == kv_layout(flash, "v41").bytes_per_token == 890
     with pytest.raises(Exception, match="packed layout"):
         PagedKVStore(flash, 1, 1, "fp8")
+
+
+def test_random_indexer_ablation(fixtures):
+    """`indexer="random"` replaces the CSA top-k by a random set of the same size: outputs change once
+    more entries are visible than the top-k keeps (16 here), and not before."""
+    short, long_ = prompts_of([60, 400], seed=9)
+    outs = {}
+    for mode in ("native", "random"):
+        llm = make(fixtures / "v4-tiny", indexer=mode)
+        outs[mode] = [run_and_logits(llm, p, max_tokens=4) for p in (short, long_)]
+        assert_idle(llm)
+    # every visible entry selected either way (only the summation order differs)
+    assert max(rel(a, b) for a, b in zip(outs["native"][0].step_logits, outs["random"][0].step_logits)) < 1e-5
+    assert max(rel(a, b) for a, b in zip(outs["native"][1].step_logits, outs["random"][1].step_logits)) > 1e-3
+    with pytest.raises(Exception, match="indexer"):
+        make(fixtures / "v4-tiny", indexer="oracle")

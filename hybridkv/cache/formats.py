@@ -117,7 +117,8 @@ def pack_v41_global(x: torch.Tensor) -> torch.Tensor:
             break
         s = (amax / m).to(torch.float8_e4m3fn).float()
         qm = blocks / s.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
-        fits = ((e2m1_round(qm) == qm) & (qm.abs() <= 6)).all(-1) & ((e2m1_round(qm) * s.unsqueeze(-1)) == blocks).all(-1)
+        on_grid = (e2m1_round(qm) == qm) & (qm.abs() <= 6)
+        fits = on_grid.all(-1) & (e2m1_round(qm) * s.unsqueeze(-1) == blocks).all(-1)
         take = ~ok & fits
         q = torch.where(take.unsqueeze(-1), e2m1_round(qm), q)
         scale = torch.where(take, s, scale)

@@ -41,7 +41,8 @@ class _Codec:
         if fmt == "fp8":
             self.width = index_entry_bytes(self.dim) if kind == "index" else main_entry_bytes(self.dim, self.rope)
         elif fmt == "v41":
-            self.width = {"index": index_entry_bytes, "kv": v41_global_bytes, "window": v41_window_bytes}[kind](self.dim)
+            widths = {"index": index_entry_bytes, "kv": v41_global_bytes, "window": v41_window_bytes}
+            self.width = widths[kind](self.dim)
         else:
             self.width = self.dim
         self.storage_dtype = torch.uint8 if self.packed else (torch.bfloat16 if fmt == "bf16" else dtype)

@@ -38,6 +38,8 @@ class EngineConfig:
     memory_policy: str = "full"          # full | recency-N | random-p | oracle-K (CSA KV kept on the device)
     resident_pages: int | None = None    # device pages for resident CSA KV when the policy offloads
     oracle_query_tokens: int = 64        # prompt-end queries whose attention an oracle policy ranks by
+    indexer: str = "native"              # native | random (ablation: CSA top-k replaced by a random set)
+    indexer_seed: int = 0
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
 
     def __post_init__(self) -> None:
@@ -82,6 +84,7 @@ class EngineCore:
         self.v41 = self.config.family == "v4.1"
         self.device = next(model.parameters()).device
         self.memory = parse_policy(self.ec.memory_policy)
+        self._set_indexer(self.ec.indexer, self.ec.indexer_seed)
         if self.memory.offloads and self.v41:
             raise ConfigError(f"memory policy {self.memory} moves CSA main entries off the device; V4.1 checkpoints "
                               f"have none (shared global KV): use 'full'")
@@ -107,6 +110,16 @@ class EngineCore:
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
         self._ids = itertools.count()
+
+    def _set_indexer(self, mode: str, seed: int) -> None:
+        from hybridkv.model.indexer import Indexer
+        if mode not in ("native", "random"):
+            raise ConfigError(f"indexer {mode!r}: choose 'native' or 'random'")
+        indexers = [m for m in self.model.modules() if isinstance(m, Indexer)]
+        if mode == "random" and not indexers:
+            raise ConfigError("indexer 'random' replaces the V4 Lightning Indexer's top-k; this checkpoint has none")
+        for i, ind in enumerate(indexers):
+            ind.random_selection = torch.Generator().manual_seed(seed * 1000 + i) if mode == "random" else None
 
     # ----- requests -----
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,

@@ -40,6 +40,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--indexer", choices=["native", "random"], default="native",
+                   help="random: the CSA top-k is a random set of the same size (the indexer ablation)")
     a = p.parse_args(argv)
     from tqdm import tqdm
 
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> int:
     for policy in policies:
         with tqdm(total=len(samples), desc=f"policy {policy}", unit="req") as bar:
             runs.append(run_policy(a.model_dir, policy, samples, tok, tasks, lengths, a.samples, a.device,
-                                   a.max_num_seqs, progress=bar.update))
+                                   a.max_num_seqs, progress=bar.update, indexer=a.indexer))
     out = Path(a.out) if a.out else Path(a.model_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv),

@@ -98,7 +98,9 @@ def run_policy(model_dir: str | Path, policy: str, samples: list[tuple[int, Eval
     llm = LLM(model_dir, device=device, memory_policy=policy, num_blocks=blocks, max_num_seqs=max_num_seqs,
               max_model_len=max(longest + 1, 4096), max_num_batched_tokens=max(2048, min(longest, 16384)),
               tiers={"dram_bytes": 0}, **engine_options)
-    run = EvalRun(str(model_dir), policy, tasks, lengths, n)
+    indexer = engine_options.get("indexer", "native")
+    label = policy if indexer == "native" else f"{policy}+{indexer}-indexer"
+    run = EvalRun(str(model_dir), label, tasks, lengths, n)
     t0 = time.perf_counter()
     eng = llm.engine
     pending = {}

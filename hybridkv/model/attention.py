@@ -160,8 +160,9 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"])
                 index_keys = dkv.entries(lid, "index", n_entries)          # [B, N, di]
-                scores = (torch.einsum("bhd,bnd->bhn", rows["idx_q"].float(), index_keys.float()).relu_()
-                          * rows["idx_w"].float().unsqueeze(-1)).sum(1)
+                scores = self.indexer.ablate((torch.einsum("bhd,bnd->bhn", rows["idx_q"].float(),
+                                                           index_keys.float()).relu_()
+                                              * rows["idx_w"].float().unsqueeze(-1)).sum(1))
                 cols = torch.arange(scores.shape[1], device=kv.device)
                 hidden = cols >= n_entries.unsqueeze(1)
                 resident = dkv.resident(lid, scores.shape[1])

@@ -11,7 +11,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.linear import Linear
 from hybridkv.ops.hadamard import hadamard_transform
-from hybridkv.ops.indexer_topk import indexer_topk
+from hybridkv.ops.indexer_topk import causal_topk, index_scores, indexer_topk
 from hybridkv.ops.quant import fp4_round_trip
 from hybridkv.ops.rope import apply_rope
 
@@ -25,6 +25,15 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(config.hidden_size, self.n_heads, "float", dtype)
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self.compressor = Compressor(config, ratio, self.head_dim, rotate=True, dtype=dtype)
+        # An ablation, not a mode of the model: with a generator set, the indexer's scores are replaced
+        # by uniform noise, so its top-k is a random set of the same size among the visible entries.
+        self.random_selection: torch.Generator | None = None
+
+    def ablate(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores unchanged, or uniform noise of the same shape under the random-selection ablation."""
+        if self.random_selection is None:
+            return scores
+        return torch.rand(scores.shape, generator=self.random_selection).to(scores.device)
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim]: RoPE on the last dims of each head, Hadamard, FP4 round trip."""
@@ -38,4 +47,6 @@ class Indexer(nn.Module):
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Top-k entry ids [T, k] (−1 = unused) among entries visible to each query."""
         visible = (positions + 1) // self.ratio
+        if self.random_selection is not None:
+            return causal_topk(self.ablate(index_scores(q, w, keys)), visible, self.topk)
         return indexer_topk(q, w, keys, visible, self.topk)
