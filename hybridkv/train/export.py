@@ -30,24 +30,35 @@ def load_run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def release_state(float_state: dict[str, torch.Tensor], release: Transformer) -> dict[str, torch.Tensor]:
+    """The state dict of `release` (a model of the release config) from a float model's weights:
+    FP8 linears quantised with e8m0 block scales, FP4 experts packed (exactly what QAT simulated),
+    everything else cast to the release dtype."""
+    from hybridkv.ops.quant import quant_fp8_weight
+    modules = dict(release.named_modules())
+    state = {}
+    for name, target in release.state_dict(keep_vars=True).items():
+        owner, _, leaf = name.rpartition(".")
+        mod = modules.get(owner)
+        if isinstance(mod, Linear) and mod.fmt in ("fp4", "fp8"):
+            if leaf == "weight":
+                w = float_state[f"{owner}.weight"].float()
+                packed, scale = (quantize_fp4_weight_for_export(w) if mod.fmt == "fp4"
+                                 else quant_fp8_weight(w, mod.block))
+                state[f"{owner}.weight"], state[f"{owner}.scale"] = packed, scale
+            continue
+        state[name] = float_state[name].to(target.dtype)
+    return state
+
+
+@torch.no_grad()
 def export_model(recipe: Recipe, run_dir: str | Path, out_dir: str | Path) -> Path:
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     tok = prepare_tokenizer(recipe, run_dir)
     trained = load_run_weights(run_dir)
     config = model_config(recipe, tok.vocab_size, release=True)
     release = Transformer(config, dtype=torch.bfloat16)
-    modules = dict(release.named_modules())
-    state = {}
-    for name, target in release.state_dict(keep_vars=True).items():
-        owner, _, leaf = name.rpartition(".")
-        mod = modules.get(owner)
-        if isinstance(mod, Linear) and mod.fmt == "fp4":
-            if leaf == "weight":
-                packed, scale = quantize_fp4_weight_for_export(trained[f"{owner}.weight"].float())
-                state[f"{owner}.weight"], state[f"{owner}.scale"] = packed, scale
-            continue
-        state[name] = trained[name].to(target.dtype)
-    release.load_state_dict(state)
+    release.load_state_dict(release_state(trained, release))
     save_checkpoint(release, config, out_dir, max_shard_bytes=SHARD_BYTES)
     shutil.copy(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
     return out_dir
