@@ -16,10 +16,10 @@ from hybridkv.train.recipes import get_recipe
 from hybridkv.weights import load_model
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("smoke")
-    recipe = get_recipe("smoke")
+@pytest.fixture(scope="module", params=["smoke", "smoke-v41"])
+def smoke_run(tmp_path_factory, request):
+    run = tmp_path_factory.mktemp(request.param)
+    recipe = get_recipe(request.param)
     progress = train(recipe, run, echo=lambda *_: None)
     return recipe, run, progress
 
@@ -40,6 +40,8 @@ def test_smoke_loss_drops(smoke_run):
 def test_resume_continues_the_same_run(smoke_run, tmp_path):
     """Stopping after k steps and resuming gives the uninterrupted run's weights."""
     recipe, run, _ = smoke_run
+    if recipe.name != "smoke":
+        pytest.skip("the loop is the same for every model family; checked once")
     short = replace(recipe, steps=6)
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
@@ -78,5 +80,6 @@ def test_export_is_the_trained_model(smoke_run, tmp_path):
                                                                         qat_experts=True)).stream)
         got = model.logits(model(ids[0], ForwardBatch.build([(ContiguousKV(cfg), 0, 300)])))
     err = float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-    assert err < 2e-2, err     # bf16 export of float32 weights
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    # bf16 export of float32 weights (V4.1's FP4/FP8 round trips and top-k amplify it more)
+    assert err < (2e-2 if cfg.family == "v4" else 5e-2), err
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > (0.95 if cfg.family == "v4" else 0.9)

@@ -29,6 +29,28 @@ def load_run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def float_model(model_dir: str | Path) -> Transformer:
+    """A release-format model as a float model the training forward can run and train (FP8/FP4
+    linears dequantised, no activation quantisation): the inverse of `release_state`."""
+    from hybridkv.config import ModelConfig
+    from hybridkv.weights import load_model
+    release, cfg = load_model(model_dir)
+    d = cfg.to_dict()
+    d.pop("quantization_config", None)
+    d["expert_dtype"] = "bf16"
+    model = Transformer(ModelConfig.from_dict(d), dtype=torch.float32)
+    modules = dict(release.named_modules())
+    released = release.state_dict()
+    state = {}
+    for name, t in model.state_dict().items():
+        owner, _, leaf = name.rpartition(".")
+        src = modules.get(owner)
+        state[name] = (src.dense_weight().float() if isinstance(src, Linear) and leaf == "weight"
+                       else released[name].to(t.dtype))
+    model.load_state_dict(state)
+    return model.eval()
+
+
 @torch.no_grad()
 def release_state(float_state: dict[str, torch.Tensor], release: Transformer) -> dict[str, torch.Tensor]:
     """The state dict of `release` (a model of the release config) from a float model's weights:

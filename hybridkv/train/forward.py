@@ -56,6 +56,11 @@ class _Ctx:
         self.b, self.s, self.opts, self.aux, self.gen = batch, seq, opts, aux, gen
         self.positions = torch.arange(seq, device=device)
         self._freqs: dict = {}
+        # V4.1 hand-offs within one forward: each Full layer's (global KV, indexer keys), the last
+        # index source's top-k, and the candidate pool (one bool [S, n] per sequence)
+        self.v41_entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.v41_topk: torch.Tensor | None = None
+        self.v41_pool: list[torch.Tensor] | None = None
 
     def freqs(self, attn: Attention) -> torch.Tensor:
         """[B·S, rope/2] rotations of the flat batch for this layer's rope kind."""
@@ -93,6 +98,65 @@ def compress_sequence(comp: Compressor, x: torch.Tensor, ctx: _Ctx, inv_freq: to
     rd = 2 * freqs.shape[-1]
     nope = c[..., :-rd]
     return torch.cat([fp8_round_trip_ste(nope, KV_FP8_BLOCK, comp.kv_pow2), c[..., -rd:]], -1)
+
+
+def latent_sequence(comp: Compressor, x: torch.Tensor, ctx: "_Ctx") -> torch.Tensor:
+    """V4.1 Full layers: the pre-RoPE latent of every complete block [B, S // ratio, d] (ratio 1:
+    `norm(wkv(x))` per token; ratio r: per-channel softmax pooling of r tokens, then the norm)."""
+    b, s, r = ctx.b, ctx.s, comp.ratio
+    kv, score = comp.project(x, ctx.positions.repeat(b))
+    if score is None:
+        return kv.view(b, s, -1)
+    n = s // r
+    kv = kv.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
+    score = score.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
+    return comp.norm((kv * score.softmax(dim=2)).sum(2).to(comp.out_dtype))
+
+
+def v41_source_entries(attn: Attention, x: torch.Tensor, ctx: "_Ctx") -> None:
+    """A Full layer's global KV and indexer keys for the whole sequence, kept in ctx for the layers
+    that share them: RoPE at each block's first position; FP4 (e4m3 scales per 16) / FP4 (ue8m0 per
+    32) round trips as straight-through estimators."""
+    from hybridkv.config import FP4_BLOCK, V41_GLOBAL_FP4_BLOCK
+    latent = latent_sequence(attn.compressor, x, ctx)                        # [B, n, d]
+    n = latent.shape[1]
+    freqs = rope_freqs(torch.arange(n, device=x.device) * attn.ratio, attn.inv_freq)
+    gkv = apply_rope(latent.transpose(0, 1), freqs).transpose(0, 1)
+    gkv = fp4_round_trip_ste(gkv, V41_GLOBAL_FP4_BLOCK, "e4m3")
+    ind = attn.indexer
+    keys = apply_rope(ind.k_norm(ind.wk(latent.detach())).transpose(0, 1), freqs).transpose(0, 1)
+    keys = fp4_round_trip_ste(keys, FP4_BLOCK)
+    ctx.v41_entries[attn.layer_id] = (gkv.float(), keys)
+
+
+def _select_v41(attn: Attention, iq, iw, keys: torch.Tensor, ctx: "_Ctx") -> torch.Tensor:
+    """V4.1 top-k in position order [B, S, k] (−1 padded), through the candidate pool when this
+    layer uses it; the candidate source publishes the pool in ctx (no grad)."""
+    from hybridkv.ops.indexer_topk.reference import candidate_blocks, causal_topk, index_scores, mask_invisible
+    ind = attn.indexer
+    b, s, n = ctx.b, ctx.s, keys.shape[1]
+    k = min(ind.topk, n)
+    vis = torch.div(ctx.positions + 1, attn.ratio, rounding_mode="floor")
+    out = torch.empty(b, s, k, dtype=torch.long, device=keys.device)
+    with torch.no_grad():
+        iq, iw = iq.view(b, s, *iq.shape[1:]), iw.view(b, s, -1)
+        pools = ctx.v41_pool if ind.uses_candidates else None
+        publish = [] if ind.is_candidate_source else None
+        for i in range(b):
+            rows = []
+            for t0 in range(0, s, ctx.opts.query_tile):
+                t1 = min(s, t0 + ctx.opts.query_tile)
+                sc = mask_invisible(index_scores(iq[i, t0:t1], iw[i, t0:t1], keys[i]), vis[t0:t1])
+                if publish is not None:
+                    rows.append(candidate_blocks(sc, vis[t0:t1], ind.pool_blocks, ind.pool_block_size))
+                elif pools is not None:
+                    sc = sc.masked_fill(~pools[i][t0:t1], float("-inf"))
+                out[i, t0:t1] = causal_topk(sc, vis[t0:t1], k, by_position=True)
+            if publish is not None:
+                publish.append(torch.cat(rows))
+        if publish is not None:
+            ctx.v41_pool = publish
+    return out
 
 
 # ----- attention -----
@@ -197,17 +261,39 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
     freqs = ctx.freqs(attn)
     qr = attn.q_norm(attn.wq_a(x))
     q = attn.wq_b(qr).unflatten(-1, (h, d)).float()
-    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.eps)
+    if not attn.v41:  # V4 RMS-normalises each query head
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.eps)
     q = apply_rope(q, freqs)
     kv = apply_rope(attn.kv_norm(attn.wkv(x)), freqs)
-    nope = kv[..., :-rd]
-    kv = torch.cat([fp8_round_trip_ste(nope, KV_FP8_BLOCK, attn.kv_pow2), kv[..., -rd:]], -1)
+    if attn.v41:
+        from hybridkv.config import V41_WINDOW_FP8_BLOCK
+        kv = fp8_round_trip_ste(kv, V41_WINDOW_FP8_BLOCK, attn.kv_pow2)
+    else:
+        nope = kv[..., :-rd]
+        kv = torch.cat([fp8_round_trip_ste(nope, KV_FP8_BLOCK, attn.kv_pow2), kv[..., -rd:]], -1)
 
     qb = q.view(b, s, h, d)
     logits_w, keys_w = _window_logits(qb, kv.view(b, s, d), attn.window, attn.scale)
     parts = [logits_w]
     entries = sel = None
-    if attn.ratio:
+    if attn.ratio and attn.v41:
+        if attn.mode == "full":
+            v41_source_entries(attn, x, ctx)
+        entries, ikeys = ctx.v41_entries[attn.kv_source]
+        n = entries.shape[1]
+        vis = (ctx.positions + 1) // attn.ratio
+        if attn.indexer is not None:
+            ind = attn.indexer
+            from hybridkv.config import FP4_BLOCK
+            iq = apply_rope(ind.wq_b(qr.detach()).unflatten(-1, (ind.n_heads, ind.head_dim)), freqs)
+            if ctx.opts.qat_indexer:
+                iq = fp4_round_trip_ste(iq, FP4_BLOCK)
+            iw = ind.head_weights(x.detach())
+            if not ctx.opts.dense_indexer and n:
+                ctx.v41_topk = _select_v41(attn, iq, iw, ikeys.detach(), ctx)
+        if not ctx.opts.dense_indexer and n:
+            sel = ctx.v41_topk
+    elif attn.ratio:
         entries = compress_sequence(attn.compressor, x, ctx, attn.inv_freq, "main").float()   # [B, n, D]
         n = entries.shape[1]
         vis = (ctx.positions + 1) // attn.ratio
@@ -221,6 +307,7 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
             ikeys = compress_sequence(ind.compressor, xd, ctx, attn.inv_freq, "index")
             if not ctx.opts.dense_indexer and n > ind.topk:
                 sel = _select(attn, iq, iw, ikeys.detach(), ctx)
+    if attn.ratio:
         # dense logits over every entry, masked to the visible ones (and to the top-k when the indexer
         # selects): the same softmax as gathering the selected rows, but all matmuls, whose backward
         # avoids the slow scatter of an index gather
@@ -301,24 +388,41 @@ def block_train(block, h: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx) -> t
     return mhc_ref.mhc_post(moe_train(block.ffn, block.ffn_norm(y), input_ids, ctx, block.layer_id), h, post, comb)
 
 
+def block_train_single_pass(block, h: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, ctx: _Ctx):
+    """`Block.forward_single_pass` (V4.1): (h [B·S, hc, dim], the previous sub-block's pre mix) ->
+    (h', the FFN's pre mix)."""
+    from hybridkv.model.mhc import hc_collapse, hc_mixes
+    args = (block.hc_iters, block.hc_eps, block.norm_eps)
+    attn_pre, post, comb = hc_mixes(h, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, *args)
+    h = mhc_ref.mhc_post(attention_train(block.attn, block.attn_norm(hc_collapse(h, pre)), ctx), h, post, comb)
+    ffn_pre, post, comb = hc_mixes(h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, *args)
+    y = moe_train(block.ffn, block.ffn_norm(hc_collapse(h, attn_pre)), input_ids, ctx, block.layer_id)
+    return mhc_ref.mhc_post(y, h, post, comb), ffn_pre
+
+
 @dataclass
 class TrainOutput:
-    stream: torch.Tensor              # [B·S, hc, dim], what model.logits reads
+    stream: torch.Tensor              # what model.logits reads: [B·S, hc, dim] (V4), [B·S, dim] (V4.1)
     mtp_streams: list[torch.Tensor]   # per MTP depth, [B·S, hc, dim] (row t predicts token t + 2 + depth)
     aux: Aux
 
 
 def train_forward(model, ids: torch.Tensor, opts: TrainOptions | None = None,
                   gen: torch.Generator | None = None) -> TrainOutput:
-    """ids [B, S] (each row a sequence from position 0) -> streams for the LM and MTP heads."""
-    if model.config.family != "v4":
-        raise NotImplementedError("training is implemented for the V4 family")
+    """ids [B, S] (each row a sequence from position 0) -> streams for the LM and MTP heads (V4.1:
+    the collapsed hidden state, and no MTP)."""
     opts = opts or TrainOptions()
     b, s = ids.shape
     aux = Aux()
     ctx = _Ctx(b, s, ids.device, opts, aux, gen)
     flat = ids.reshape(-1)
     h = model.embed(flat).unsqueeze(1).repeat(1, model.config.hc_mult, 1)
+    if model.config.family == "v4.1":
+        from hybridkv.model.mhc import hc_collapse, identity_pre
+        pre = identity_pre(h)
+        for layer in model.layers:
+            h, pre = block_train_single_pass(layer, h, pre, flat, ctx)
+        return TrainOutput(hc_collapse(h, pre), [], aux)
     for layer in model.layers:
         h = block_train(layer, h, flat, ctx)
     mtp = []

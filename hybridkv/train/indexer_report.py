@@ -14,32 +14,8 @@ import statistics
 
 import torch
 
-from hybridkv.config import ModelConfig
-from hybridkv.model import Transformer
-from hybridkv.model.linear import Linear
+from hybridkv.train.export import float_model
 from hybridkv.train.forward import TrainOptions, train_forward
-from hybridkv.weights import load_model
-
-
-def float_model(model_dir) -> Transformer:
-    """The release model as a float model the training forward can run (quantised linears dequantised)."""
-    release, cfg = load_model(model_dir)
-    d = cfg.to_dict()
-    d.pop("quantization_config", None)
-    d["expert_dtype"] = "bf16"
-    fcfg = ModelConfig.from_dict(d)
-    model = Transformer(fcfg, dtype=torch.float32)
-    mods = dict(release.named_modules())
-    state = {}
-    for name, t in model.state_dict().items():
-        owner, _, leaf = name.rpartition(".")
-        src = mods.get(owner)
-        if isinstance(src, Linear) and leaf == "weight":
-            state[name] = src.dense_weight().float()
-        else:
-            state[name] = release.state_dict()[name].to(t.dtype)
-    model.load_state_dict(state)
-    return model.eval()
 
 
 def main(argv: list[str] | None = None) -> int:

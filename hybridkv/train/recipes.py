@@ -1,7 +1,7 @@
 """Training recipes: the model (a release-format config.json dict), the tokenizer, the data mix, the
 length curriculum with the DSA warm-up and the late FP4 QAT switch, and the optimisation settings.
 
-- `smoke`: seconds on a CPU; the CI test asserts its loss drops.
+- `smoke`, `smoke-v41`: seconds on a CPU (V4 and V4.1 models); the CI tests assert their loss drops.
 - `tiny-v4`: the shipped model (`models/tiny-v4`), trained on one H200 in two commands of ≤ 10
   minutes (`--max-minutes` checkpoints and `--resume` continues). It does not retrieve.
 - `tiny-v4-r2`: its successor with a task curriculum; not run yet.
@@ -94,6 +94,24 @@ _RETRIEVAL_MIX = {"passkey": 0.25, "niah_single_1": 0.1, "niah_single_2": 0.15, 
                   "assoc": 0.1}
 
 
+SMOKE_V41_MODEL = {
+    "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
+    "hidden_size": 128, "num_hidden_layers": 6, "num_hash_layers": 0, "num_nextn_predict_layers": 0,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 128, "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5, "norm_topk_prob": True, "topk_method": "noaux_tc", "swiglu_limit": 10.0,
+    "q_lora_rank": 32, "head_dim": 64, "qk_rope_head_dim": 32, "o_groups": 2, "o_lora_rank": 16,
+    "sliding_window": 128,
+    # Full (source) layers 2 and 4; 3 reuses 2; 5 re-indexes 4's keys inside its candidate pool
+    "compress_ratios": [0, 0, 2, 2, 1, 1], "kv_source_layer_ids": [2, 4], "index_source_layer_ids": [2, 4, 5],
+    "candidate_source_layer_id": 4, "candidate_topk_blocks": 4, "candidate_block_size": 8,
+    "compress_rope_theta": 160000.0, "rope_theta": 10000.0, "index_n_heads": 2, "index_head_dim": 32,
+    "index_topk": 16, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "expert_dtype": "fp4",
+}
+
+
 def _tiny_v4() -> Recipe:
     """Phase 1 (steps 0-1541) ran the first length curriculum; its tasks were not yet retrieved
     (answer digits at chance), so phase 2 returns to 1K-token contexts with every CSA entry visible
@@ -150,7 +168,13 @@ def _smoke() -> Recipe:
     )
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-r2": _tiny_v4_r2, "smoke": _smoke}
+def _smoke_v41() -> Recipe:
+    """The smoke recipe on a DeepSeek-V4.1 model (CSA2 layer sharing, single-pass mHC, no MTP)."""
+    from dataclasses import replace
+    return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
+
+
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-r2": _tiny_v4_r2, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
 
 def get_recipe(name: str) -> Recipe:
