@@ -5,6 +5,7 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 - `tiny-v4`: the shipped model (`models/tiny-v4`), trained on one H200 in two commands of ≤ 10
   minutes (`--max-minutes` checkpoints and `--resume` continues). It does not retrieve.
 - `tiny-v4-r2`: its successor with a task curriculum; not run yet.
+- `tiny-v41-r2`: the same on a DeepSeek-V4.1 model of about the same size; not run yet.
 """
 
 from __future__ import annotations
@@ -158,6 +159,30 @@ def _tiny_v4_r2() -> Recipe:
     )
 
 
+TINY_V41_MODEL = {
+    **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
+    "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
+    # seven blocks like tiny-v4's six + MTP: a window layer, then Full (ratio 2) / Reuse, Full (ratio 1) /
+    # Reuse / Reindex (inside the candidate pool of 64 blocks of 8) / Reuse
+    "num_hidden_layers": 7, "num_nextn_predict_layers": 0, "num_hash_layers": 0,
+    "compress_ratios": [0, 2, 2, 1, 1, 1, 1], "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 5],
+    "candidate_source_layer_id": 3, "candidate_topk_blocks": 64, "candidate_block_size": 8,
+}
+
+
+def _tiny_v41_r2() -> Recipe:
+    """tiny-v4-r2's data and curriculum on a DeepSeek-V4.1 model of about the same size (10.2M vs
+    11.0M parameters): the V4 vs V4.1 comparison. Not run yet. The training forward computes CSA
+    logits densely, and ratio-1 layers have an entry per token, so its longest stage is 16K×1."""
+    r = _tiny_v4_r2()
+    stages = [st for st in r.stages if st.seq_len <= 8192]
+    stages += [Stage(2650, 16384, 1, dense_indexer=False), Stage(2750, 16384, 1, dense_indexer=False,
+                                                                  qat_experts=True)]
+    return Recipe(name="tiny-v41-r2", model=TINY_V41_MODEL, vocab_size=r.vocab_size,
+                  tokenizer_texts=r.tokenizer_texts, steps=r.steps, stages=stages, lr=r.lr, warmup=r.warmup,
+                  log_every=r.log_every, task_weights=r.task_weights)
+
+
 def _smoke() -> Recipe:
     return Recipe(
         name="smoke", model=SMOKE_MODEL, vocab_size=512, tokenizer_texts=300, steps=30,
@@ -174,7 +199,8 @@ def _smoke_v41() -> Recipe:
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-r2": _tiny_v4_r2, "smoke": _smoke, "smoke-v41": _smoke_v41}
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-r2": _tiny_v4_r2, "tiny-v41-r2": _tiny_v41_r2, "smoke": _smoke,
+           "smoke-v41": _smoke_v41}
 
 
 def get_recipe(name: str) -> Recipe:
