@@ -53,9 +53,15 @@ def browser():
 
 
 def wait_for(fn, timeout=30.0, what="condition"):
+    """Poll fn until truthy. The page re-renders its memory table on every poll, so an element read
+    mid-render can go stale: that counts as not yet."""
+    from selenium.common.exceptions import StaleElementReferenceException
     deadline = time.time() + timeout
     while True:
-        value = fn()
+        try:
+            value = fn()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         if time.time() > deadline:
@@ -86,15 +92,9 @@ def test_page_streams_a_reply_and_shows_memory(live_server, browser, tmp_path):
     cached = wait_for(lambda: int(browser.find_element(By.ID, "kv-cached-total").get_attribute("data-bytes") or 0),
                       what="non-zero cached KV bytes in the panel")
     assert cached > 0
-    def csa_row_shown():
-        from selenium.common.exceptions import StaleElementReferenceException
-        try:    # the panel re-renders its table on every poll: rows read mid-render go stale
-            return any(r.text.startswith("device CSA main")
-                       for r in browser.find_elements(By.CSS_SELECTOR, "#mem-table tbody tr"))
-        except StaleElementReferenceException:
-            return False
-
-    wait_for(csa_row_shown, what="the device CSA main row of the memory table")
+    wait_for(lambda: any(r.text.startswith("device CSA main")
+                         for r in browser.find_elements(By.CSS_SELECTOR, "#mem-table tbody tr")),
+             what="the device CSA main row of the memory table")
     # the same conversation again: the panel's prefix hit rate goes above zero
     browser.find_element(By.ID, "clear").click()
     box = browser.find_element(By.ID, "input")
