@@ -58,8 +58,7 @@ def main() -> None:
                           kl_queries=recipe.kl_queries)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(a.steps):
+        def step() -> float:
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -72,18 +71,13 @@ def main() -> None:
                 o.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+            return time.perf_counter() - t
+
+        times = [step() for _ in range(a.steps)]
         if a.profile and st is [*recipe.stages, *extra][-1]:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                    out = train_forward(model, ids, to)
-                    loss, _ = compute_losses(model, ids, sup, out, recipe.loss)
-                loss.backward()
-                for o in opts:
-                    o.step()
-                    o.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
+                step()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         dt = min(times[1:]) if len(times) > 1 else times[0]
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
