@@ -207,3 +207,22 @@ def test_tokenizer_corpus_is_deterministic_and_covers_the_tasks():
     for s in ("special magic numbers", "special magic uuids", "pass key", "VAR ", "secret string", "Document 1:",
               "<｜Assistant｜>", "\n1. ", "\nUser: "):
         assert s in joined
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single_1", "niah_single_2", "niah_single_3"])
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_single_needle_appears_exactly_once(task, length, tok, pools):
+    """RULER's validity check: one needle, once, whatever the haystack length; its value is in the
+    prompt only inside that needle (the passkey needle states its key twice by design)."""
+    for seed in range(3):
+        s = make_sample(task, seed, pools, length, depth=0.5)
+        prompt = tok.decode(s.prompt)
+        value = s.answers[0]
+        if task == "passkey":
+            assert prompt.count("Remember it.") == 1
+            assert prompt.count(value) == 2
+        else:
+            key = s.meta["keys"][0]
+            assert prompt.count(f"for {key} is:") == 1
+            assert prompt.count(value) == 1
+        assert len(s.prompt) == length
