@@ -12,18 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import prompts_of, rel
+
 from hybridkv.engine import LLM, SamplingParams
 
 CHILD = Path(__file__).parent / "tiers_child.py"
-
-
-def rel(a, b):
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
-
-
-def prompts_of(lengths, seed=0, vocab=512):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["v4-tiny", "v41-tiny"])

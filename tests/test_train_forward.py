@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import rel
 
 from hybridkv.model import ContiguousKV, ForwardBatch
 from hybridkv.train.forward import TrainOptions, train_forward
@@ -23,10 +24,6 @@ def _inference_logits(model, ids):
                                                                                          0, ids.shape[0])])))
 
 
-def _rel(a, b):
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
-
-
 def test_sparse_training_forward_matches_inference(tiny):
     """With the indexer selecting top-k (16 of up to 75 entries here) and its FP4 round trips on,
     the training forward's logits and MTP logits equal the inference model's for each sequence of
@@ -40,10 +37,10 @@ def test_sparse_training_forward_matches_inference(tiny):
         mtp = model.mtp_logits(out.mtp_streams[0]).view(2, 300, -1)
     for i in range(2):
         ref, ref_mtp = _inference_logits(model, ids[i])
-        assert _rel(logits[i], ref) < 1e-3  # summation order, amplified by FP8 rounding flips
+        assert rel(logits[i], ref) < 1e-3  # summation order, amplified by FP8 rounding flips
         assert (logits[i].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.99  # random weights: near ties
         # the last row's next token is padding in both
-        assert _rel(mtp[i, :-1], ref_mtp[:-1]) < 1e-3  # FP8 rounding flips of tiny differences
+        assert rel(mtp[i, :-1], ref_mtp[:-1]) < 1e-3  # FP8 rounding flips of tiny differences
 
 
 def test_gradients_reach_every_trained_parameter(tiny):
@@ -107,7 +104,7 @@ def test_v41_training_forward_matches_inference_layer_by_layer(fixtures, name):
         pre = identity_pre(h)
         for i, layer in enumerate(model.layers):
             out, out_pre = block_train_single_pass(layer, h, pre, flat, ctx)
-            assert _rel(out, ref[i][0]) < 1e-5, (i, cfg.layer_kind(i), _rel(out, ref[i][0]))
+            assert rel(out, ref[i][0]) < 1e-5, (i, cfg.layer_kind(i), rel(out, ref[i][0]))
             h, pre = ref[i]
         free = model.logits(train_forward(model, ids, opts).stream)
         want = model.logits(final)
