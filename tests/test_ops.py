@@ -186,3 +186,14 @@ def test_candidate_blocks():
     assert candidate_blocks(few, torch.tensor([2]), 3, 2).tolist() == [[True, True, False, False, False]]
     # nothing visible yet: nothing is pinned
     assert not candidate_blocks(torch.full((1, 4), ninf), torch.tensor([0]), 2, 2).any()
+
+
+def test_hadamard_after_inference_mode_still_trains():
+    """The cached Hadamard matrix built under inference mode (serving) must not poison a later
+    training step in the same process."""
+    from hybridkv.ops.hadamard import hadamard_transform
+    with torch.inference_mode():
+        hadamard_transform(torch.randn(2, 64))
+    x = torch.randn(2, 64, requires_grad=True)
+    hadamard_transform(x).sum().backward()
+    assert x.grad is not None

@@ -9,6 +9,7 @@ import torch
 
 
 @lru_cache(maxsize=8)
+@torch.inference_mode(False)   # cached across calls: never an inference tensor, or training could not use it
 def _hadamard_matrix(n: int) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"Hadamard size {n} is not a power of two")
