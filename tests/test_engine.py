@@ -4,7 +4,7 @@ window policy, preemption, rejection, sampling, allocator invariants."""
 import pytest
 import torch
 
-from helpers import prompts_of, rel
+from engine_helpers import prompts_of, rel
 
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.model import ContiguousKV, ForwardBatch

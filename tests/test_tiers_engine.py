@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import prompts_of, rel
+from engine_helpers import prompts_of, rel
 
 from hybridkv.engine import LLM, SamplingParams
 

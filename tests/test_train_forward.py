@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import rel
+from engine_helpers import rel
 
 from hybridkv.model import ContiguousKV, ForwardBatch
 from hybridkv.train.forward import TrainOptions, train_forward
