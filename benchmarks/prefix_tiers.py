@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=_parse_count, default=16384)
     ap.add_argument("--policies", default="full,checkpoint(4096),zero")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8"])
+    ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8", "v41"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--redis-url", default=None, help="use this server (default: start a local redis-server)")
     ap.add_argument("--no-redis", action="store_true")
@@ -175,9 +175,11 @@ def main() -> int:
     for r in rows:
         disk = r["bytes_per_token"]["disk"]
         ratio = disk / full["bytes_per_token"]["disk"] if full else float("nan")
-        print(f"| {r['policy']} | {r['device_kv_bytes_per_token']:.1f} | "
+        compressed = r["device_kv_bytes_per_token"]
+        vs_compressed = f"{disk / compressed:.3f}" if compressed else "– (no compressing layer)"
+        print(f"| {r['policy']} | {compressed:.1f} | "
               + " | ".join(f"{r['bytes_per_token'][n]:.1f}" for n in names)
-              + f" | {ratio:.3f} | {disk / r['device_kv_bytes_per_token']:.3f} |")
+              + f" | {ratio:.3f} | {vs_compressed} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"tokens": a.tokens, "no_cache_ttft": cold_nocache, "rows": rows}, indent=1))
     return 0
