@@ -49,3 +49,23 @@ def test_eval_compare(eval_dir):
     out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "compare", str(eval_dir / "results.json"),
                           str(eval_dir / "results.json")], check=True, capture_output=True, text=True).stdout
     assert "passkey" in out
+
+
+def test_shipped_model_retrieves_and_the_policy_that_drops_the_needle_does_not(eval_dir):
+    """The shipped model answers 1K passkey prompts (needles at depths 25% and 75%) with every
+    CSA entry resident; recency-256 keeps only the last 256 tokens' CSA entries, which hold
+    neither needle, and the answers are lost."""
+    runs = {r["policy"]: r for r in json.loads((eval_dir / "results.json").read_text())["runs"]}
+
+    def passkey(run):
+        return [r["score"] for r in run["results"] if r["task"] == "passkey"]
+
+    assert passkey(runs["full"]) == [1.0, 1.0]
+    assert sum(passkey(runs["recency-256"])) < 2.0
+
+
+def test_eval_report_redraws_from_the_json(eval_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "report", str(eval_dir / "results.json"),
+                          "--out", str(tmp_path)], check=True, capture_output=True, text=True).stdout
+    assert "policy `full`" in out and "passkey" in out
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"accuracy_full.png", "needle_heatmap_full.png", "kv_bytes.png"}

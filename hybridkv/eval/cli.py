@@ -1,4 +1,4 @@
-"""`hybridkv eval MODEL_DIR ...` and `hybridkv eval compare A.json B.json`."""
+"""`hybridkv eval MODEL_DIR ...`, `hybridkv eval compare A.json B.json` and `hybridkv eval report R.json`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def main(argv: list[str]) -> int:
         p.add_argument("b")
         a = p.parse_args(argv[1:])
         print(compare(load(a.a), load(a.b), Path(a.a).parent.name or "A", Path(a.b).parent.name or "B"))
+        return 0
+    if argv and argv[0] == "report":
+        p = argparse.ArgumentParser(prog="hybridkv eval report",
+                                    description="the table and plots of a results.json again (after a plot changed)")
+        p.add_argument("results")
+        p.add_argument("--out", default=None, help="directory for the plots (default: the JSON's)")
+        a = p.parse_args(argv[1:])
+        runs = load(a.results)
+        written = plots(runs, Path(a.out) if a.out else Path(a.results).parent)
+        print(markdown(runs))
+        print(f"wrote {len(written)} plots", file=sys.stderr)
         return 0
     p = argparse.ArgumentParser(prog="hybridkv eval", description="long-context evaluation through the engine")
     p.add_argument("model_dir")

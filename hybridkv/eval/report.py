@@ -90,24 +90,26 @@ def plots(runs: list[EvalRun], out_dir: Path) -> list[Path]:
 
 
 def _heatmap(run: EvalRun, tasks: list[str], out_dir: Path, plt) -> Path:
-    depths = sorted({round(r.depth, 3) for r in run.results if r.task in tasks and r.depth is not None})
-    grid = []
-    for d in depths:
-        row = []
-        for n in run.lengths:
-            rs = [r.score for r in run.results if r.task in tasks and r.length == n and round(r.depth or -1, 3) == d]
-            row.append(100 * sum(rs) / len(rs) if rs else float("nan"))
-        grid.append(row)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    im = ax.imshow(grid, aspect="auto", cmap="RdYlGn", vmin=0, vmax=100, origin="lower")
-    ax.set_xticks(range(len(run.lengths)), [_fmt_len(n) for n in run.lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_xlabel("context length")
-    ax.set_ylabel("needle depth")
-    ax.set_title(f"needle tasks ({', '.join(tasks)[:60]}) — {run.policy}", fontsize=9)
-    fig.colorbar(im, label="accuracy (%)")
+    """One depth × length panel per needle task (a mean over tasks would hide which one fails)."""
+    fig, axes = plt.subplots(1, len(tasks), figsize=(2.2 + 2.3 * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        depths = sorted({round(r.depth, 3) for r in run.results if r.task == task and r.depth is not None})
+        grid = []
+        for d in depths:
+            row = []
+            for n in run.lengths:
+                rs = [r.score for r in run.results if r.task == task and r.length == n and round(r.depth or -1, 3) == d]
+                row.append(100 * sum(rs) / len(rs) if rs else float("nan"))
+            grid.append(row)
+        im = ax.imshow(grid, aspect="auto", cmap="RdYlGn", vmin=0, vmax=100, origin="lower")
+        ax.set_xticks(range(len(run.lengths)), [_fmt_len(n) for n in run.lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
+        ax.set_xlabel("context length", fontsize=8)
+        ax.set_title(task, fontsize=9)
+    axes[0][0].set_ylabel("needle depth")
+    fig.suptitle(f"needle tasks, depth × length — policy {run.policy}", fontsize=10)
+    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy (%)")
     path = out_dir / f"needle_heatmap_{_safe(run.policy)}.png"
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

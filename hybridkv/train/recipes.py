@@ -2,10 +2,13 @@
 length curriculum with the DSA warm-up and the late FP4 QAT switch, and the optimisation settings.
 
 - `smoke`, `smoke-v41`: seconds on a CPU (V4 and V4.1 models); the CI tests assert their loss drops.
-- `tiny-v4`: the shipped model (`models/tiny-v4`), trained on one H200 in two commands of ≤ 10
-  minutes (`--max-minutes` checkpoints and `--resume` continues). It does not retrieve.
-- `tiny-v4-r2`: its successor with a task curriculum; not run yet.
-- `tiny-v41-r2`: the same on a DeepSeek-V4.1 model of about the same size; not run yet.
+- `tiny-v4`: the shipped model (`models/tiny-v4`): a task curriculum (passkey alone, then the
+  needle families, then every family) before the length curriculum (1K to 32K), trained on one H200
+  in two commands of ≤ 10 minutes (`--max-minutes` checkpoints and `--resume` continues).
+- `tiny-v41`: the same data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
+  V4.1 comparison, docs/v4-vs-v41.md).
+- `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
+  the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
 
 from __future__ import annotations
@@ -113,12 +116,12 @@ SMOKE_V41_MODEL = {
 }
 
 
-def _tiny_v4() -> Recipe:
-    """Phase 1 (steps 0-1541) ran the first length curriculum; its tasks were not yet retrieved
+def _tiny_v4_r1() -> Recipe:
+    """The first tiny-v4 recipe; its model never retrieved (answers at chance). Phase 1 (steps 0-1541) ran the first length curriculum; its tasks were not yet retrieved
     (answer digits at chance), so phase 2 returns to 1K-token contexts with every CSA entry visible
     and a retrieval-heavy mix before growing the length again."""
     return Recipe(
-        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=3041,
+        name="tiny-v4-r1", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=3041,
         stages=[Stage(324, 2048, 16, dense_indexer=True),
                 Stage(810, 4096, 8, dense_indexer=False),
                 Stage(1485, 8192, 4, dense_indexer=False),
@@ -138,15 +141,14 @@ def _tiny_v4() -> Recipe:
 _NEEDLES = {"passkey": 0.4, "niah_single_1": 0.2, "niah_single_2": 0.2, "niah_single_3": 0.2}
 
 
-def _tiny_v4_r2() -> Recipe:
-    """The next tiny-v4 (not run yet): from scratch, a task curriculum before the length one. The
-    architecture learns passkey alone at 1K in ~200 steps (benchmarks/retrieval_probe.py), while the
-    twelve-family mix from step 0 of `tiny-v4` never left chance; so retrieval is learned on one
-    task first, then the needle families, then everything, then the lengths. Sized from the
-    measured H200 step times (BENCHMARKS.md) to ~16 minutes of training."""
-    full_mix = _tiny_v4().task_weights
+def _tiny_v4() -> Recipe:
+    """The shipped model: from scratch, a task curriculum before the length one. The architecture
+    learns passkey alone at 1K in ~200 steps (benchmarks/retrieval_probe.py), while the twelve-family
+    mix from step 0 of `tiny-v4-r1` never left chance; so retrieval is learned on one task first,
+    then the needle families, then everything, then the lengths. 16 minutes on one H200."""
+    full_mix = _tiny_v4_r1().task_weights
     return Recipe(
-        name="tiny-v4-r2", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2750,
+        name="tiny-v4", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=2750,
         stages=[Stage(300, 1024, 32, dense_indexer=True, tasks={"passkey": 1.0}),
                 Stage(700, 1024, 32, dense_indexer=True, tasks=_NEEDLES),
                 Stage(1200, 2048, 16, dense_indexer=True, tasks=full_mix),
@@ -170,15 +172,15 @@ TINY_V41_MODEL = {
 }
 
 
-def _tiny_v41_r2() -> Recipe:
-    """tiny-v4-r2's data and curriculum on a DeepSeek-V4.1 model of about the same size (10.2M vs
-    11.0M parameters): the V4 vs V4.1 comparison. Not run yet. The training forward computes CSA
-    logits densely, and ratio-1 layers have an entry per token, so its longest stage is 16K×1."""
-    r = _tiny_v4_r2()
+def _tiny_v41() -> Recipe:
+    """tiny-v4's data and curriculum on a DeepSeek-V4.1 model of about the same size (10.2M vs
+    11.0M parameters): the V4 vs V4.1 comparison. The training forward computes CSA logits densely,
+    and ratio-1 layers have an entry per token, so its longest stage is 16K×1."""
+    r = _tiny_v4()
     stages = [st for st in r.stages if st.seq_len <= 8192]
     stages += [Stage(2650, 16384, 1, dense_indexer=False), Stage(2750, 16384, 1, dense_indexer=False,
                                                                   qat_experts=True)]
-    return Recipe(name="tiny-v41-r2", model=TINY_V41_MODEL, vocab_size=r.vocab_size,
+    return Recipe(name="tiny-v41", model=TINY_V41_MODEL, vocab_size=r.vocab_size,
                   tokenizer_texts=r.tokenizer_texts, steps=r.steps, stages=stages, lr=r.lr, warmup=r.warmup,
                   log_every=r.log_every, task_weights=r.task_weights)
 
@@ -199,7 +201,7 @@ def _smoke_v41() -> Recipe:
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-r2": _tiny_v4_r2, "tiny-v41-r2": _tiny_v41_r2, "smoke": _smoke,
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke,
            "smoke-v41": _smoke_v41}
 
 
