@@ -34,6 +34,16 @@ def markdown(runs: list[EvalRun]) -> str:
         out.append("| **mean** | " + " | ".join(
             f"**{sum(x for x in m if x is not None) / max(1, sum(x is not None for x in m)):.1f}**" for m in means) + " |")
         out.append("")
+        needles = [t for t in run.tasks if t in NEEDLE_TASKS]
+        if needles:
+            out.append(f"whole-word match (`word_match_all`: the value itself, not the start of a longer one), "
+                       f"policy `{run.policy}`\n")
+            out.append("| task | " + " | ".join(_fmt_len(n) for n in lengths) + " |")
+            out.append("|---|" + "---|" * len(lengths))
+            for task in needles:
+                cells = [run.word_accuracy(task, n) for n in lengths]
+                out.append(f"| {task} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
+            out.append("")
     out.append("### device-resident KV per request (KiB, from the allocator)\n")
     lengths = runs[0].lengths
     out.append("| policy | " + " | ".join(_fmt_len(n) for n in lengths) + " |")

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybridkv.engine import LLM, SamplingParams
-from hybridkv.eval.scoring import mrcr_score, string_match_all, string_match_part
+from hybridkv.eval.scoring import mrcr_score, string_match_all, string_match_part, word_match_all
 from hybridkv.eval.tasks import NEEDLE_TASKS, EvalSample, make_eval_sample
 from hybridkv.tasks.generators import Pools
 from hybridkv.tasks.tokenizer import TaskTokenizer
@@ -57,6 +57,11 @@ class EvalRun:
     def accuracy(self, task: str, length: int) -> float | None:
         rs = self.cell(task, length)
         return 100 * statistics.fmean(r.score for r in rs) if rs else None
+
+    def word_accuracy(self, task: str, length: int) -> float | None:
+        """The strict score (whole-word match of every reference), from the stored outputs."""
+        rs = self.cell(task, length)
+        return 100 * statistics.fmean(word_match_all(r.output, r.references) for r in rs) if rs else None
 
     def device_kv(self, length: int, kind: str | None = None) -> float | None:
         """Mean device-resident KV bytes per request at this length (all kinds, or one)."""
