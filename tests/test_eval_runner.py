@@ -49,6 +49,10 @@ def test_eval_compare(eval_dir):
     out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "compare", str(eval_dir / "results.json"),
                           str(eval_dir / "results.json")], check=True, capture_output=True, text=True).stdout
     assert "passkey" in out
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "compare", str(eval_dir / "results.json"),
+                          str(eval_dir / "results.json"), "--labels", "v4,v41"], check=True, capture_output=True,
+                         text=True).stdout
+    assert "| v4 | v41 | Δ |" in out
 
 
 def test_shipped_model_retrieves_and_the_policy_that_drops_the_needle_does_not(eval_dir):
