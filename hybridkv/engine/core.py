@@ -79,7 +79,8 @@ class EngineCore:
         self.model, self.tokenizer = model, tokenizer
         self.config: ModelConfig = model.config
         self.ec = config or EngineConfig()
-        # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it
+        # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it;
+        # decode steps run as one-token segments (the batched decode path is V4's)
         self.v41 = self.config.family == "v4.1"
         self.device = next(model.parameters()).device
         self.memory = parse_policy(self.ec.memory_policy)
@@ -197,7 +198,7 @@ class EngineCore:
         known tokens."""
         snapshots = self.policy.snapshots and self.prefix.enabled
         items, ids, logit_rows, owners = [], [], [], []
-        decodes = [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
+        decodes = [] if self.v41 else [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
         decode_ids = {id(c) for c in decodes}
         row = 0
         for c in chunks:

@@ -27,9 +27,6 @@ from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.sparse_attn import sparse_attn
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
-# the CrossLayerShare key of a forward's batched decode group (segments use their index)
-DECODE_GROUP = -1
-
 
 def layer_inv_freq(config: ModelConfig, ratio: int) -> torch.Tensor:
     """Compressing layers use compress_rope_theta with YaRN; pure-window layers plain rope_theta."""
@@ -98,9 +95,10 @@ class Attention(nn.Module):
             o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
                                         {k: v[r] for k, v in rows.items()}, share)
         if batch.decode is not None:
+            if self.v41:
+                raise NotImplementedError("batched decode over a paged store is not implemented for V4.1 layers")
             r = batch.decode.rows
-            attend = self._attend_decode_v41 if self.v41 else self._attend_decode
-            o[r] = attend(batch.decode.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}, share)
+            o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -152,7 +150,7 @@ class Attention(nn.Module):
         entry_ids = (idx[rows] - (keys.shape[0] - n_entries))[comp]
         capture.add(self.layer_id, entry_ids, probs[comp], n_entries)
 
-    def _attend_decode(self, dkv: DecodeKV, q, kv, rows, share=None) -> torch.Tensor:
+    def _attend_decode(self, dkv: DecodeKV, q, kv, rows) -> torch.Tensor:
         """One token for each of B requests at once (V4; the same math as _attend_segment)."""
         lid, pos = self.layer_id, dkv.positions
         keys, valid = dkv.window(lid, kv)                                  # [B, W, D], [B, W]
@@ -180,51 +178,12 @@ class Attention(nn.Module):
                 sel_ok = torch.arange(comp.shape[1], device=kv.device) < n_entries.unsqueeze(1)
             keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
             valid = torch.cat([valid, sel_ok], dim=1)
-        return self._decode_attention(dkv, q, keys, valid)
-
-    def _decode_attention(self, dkv: DecodeKV, q, keys, valid) -> torch.Tensor:
-        """q [B, H, D] over each request's own keys [B, L, D] where `valid` [B, L]."""
         b, length, _ = keys.shape
-        flat_idx = torch.arange(b * length, device=keys.device).view(b, length)
+        flat_idx = torch.arange(b * length, device=kv.device).view(b, length)
         out = sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
                           self.scale)
-        dkv.done(self.layer_id)
+        dkv.done(lid)
         return out
-
-    def _attend_decode_v41(self, dkv: DecodeKV, q, kv, rows, share: CrossLayerShare) -> torch.Tensor:
-        """V4.1, one token for each of B requests at once (the same math as _compressed_v41): a Full
-        layer appends the entries its token completes; then the source's entries are selected by this
-        layer's indexer (Full, Reindex) or by the last indexer's top-k of this decode group (Reuse)."""
-        lid, pos = self.layer_id, dkv.positions
-        keys, valid = dkv.window(lid, kv)                                  # [B, W, D], [B, W]
-        if self.ratio:
-            if self.mode == "full":
-                if self.compressor.stateless:
-                    which, latent = torch.arange(pos.shape[0], device=pos.device), rows["comp_kv"]
-                else:
-                    st_kv, st_score = dkv.compressor_state(lid, "kv")
-                    which, latent = self.compressor.update_decode(st_kv, st_score, rows["comp_kv"],
-                                                                  rows["comp_score"], pos, self.inv_freq)
-                    dkv.store_compressor_state(lid, "kv", st_kv, st_score)
-                if which.numel():
-                    entry_ids = pos[which] // self.ratio
-                    freqs = rope_freqs(entry_ids * self.ratio, self.inv_freq)
-                    dkv.append_entries(lid, "index", which, entry_ids, self.indexer.keys(latent, freqs))
-                    dkv.append_entries(lid, "kv", which, entry_ids, global_kv(latent, freqs))
-            n_entries = (pos + 1) // self.ratio
-            if self.indexer is None:
-                sel = share.topk[DECODE_GROUP]
-            else:
-                index_keys = dkv.entries(self.kv_source, "index", n_entries)        # [B, N, di]
-                pool = share.candidates.get(DECODE_GROUP) if self.indexer.uses_candidates else None
-                sel, published = self.indexer.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
-                if published is not None:
-                    share.candidates[DECODE_GROUP] = published
-                share.topk[DECODE_GROUP] = sel
-            comp = dkv.gather_entries(self.kv_source, "kv", sel.clamp(min=0))
-            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
-            valid = torch.cat([valid, sel >= 0], dim=1)
-        return self._decode_attention(dkv, q, keys, valid)
 
     def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score) -> None:
         st_kv, st_score = dkv.compressor_state(self.layer_id, kind)
