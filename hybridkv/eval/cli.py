@@ -27,10 +27,14 @@ def main(argv: list[str]) -> int:
         p.add_argument("b")
         p.add_argument("--labels", default=None, help="column names, comma separated (default: the JSONs' folders)")
         a = p.parse_args(argv[1:])
-        labels = (a.labels.split(",", 1) if a.labels
-                  else [Path(a.a).parent.name or "A", Path(a.b).parent.name or "B"])
-        if len(labels) != 2 or labels[0] == labels[1]:
-            p.error("--labels needs two different names, e.g. --labels v4,v41")
+        if a.labels:
+            labels = a.labels.split(",", 1)
+            if len(labels) != 2 or labels[0] == labels[1]:
+                p.error("--labels needs two different names, e.g. --labels v4,v41")
+        else:
+            labels = [Path(a.a).parent.name or "A", Path(a.b).parent.name or "B"]
+            if labels[0] == labels[1]:
+                labels = [Path(a.a).stem + " (A)", Path(a.b).stem + " (B)"]
         print(compare(load(a.a), load(a.b), *labels))
         return 0
     if argv and argv[0] == "report":
