@@ -73,3 +73,11 @@ def test_eval_report_redraws_from_the_json(eval_dir, tmp_path):
                           "--out", str(tmp_path)], check=True, capture_output=True, text=True).stdout
     assert "policy `full`" in out and "passkey" in out
     assert {p.name for p in tmp_path.glob("*.png")} >= {"accuracy_full.png", "needle_heatmap_full.png", "kv_bytes.png"}
+
+
+def test_eval_report_names_a_bad_results_file(tmp_path):
+    bad = tmp_path / "results.json"
+    bad.write_text('{"runs": [{"policy": "full"}]}')
+    for args in (["report", str(bad)], ["report", str(tmp_path / "missing.json")], ["compare", str(bad), str(bad)]):
+        r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and "cannot read evaluation results from" in r.stderr and "Traceback" not in r.stderr

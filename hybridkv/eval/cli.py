@@ -20,6 +20,14 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
+def _load(parser: argparse.ArgumentParser, path: str):
+    """The runs of a results.json, or a usage error that names the file and what is wrong with it."""
+    try:
+        return load(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"cannot read evaluation results from {path}: {type(e).__name__}: {e}")
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "compare":
         p = argparse.ArgumentParser(prog="hybridkv eval compare")
@@ -35,7 +43,7 @@ def main(argv: list[str]) -> int:
             labels = [Path(a.a).parent.name or "A", Path(a.b).parent.name or "B"]
             if labels[0] == labels[1]:
                 labels = [Path(a.a).stem + " (A)", Path(a.b).stem + " (B)"]
-        print(compare(load(a.a), load(a.b), *labels))
+        print(compare(_load(p, a.a), _load(p, a.b), *labels))
         return 0
     if argv and argv[0] == "report":
         p = argparse.ArgumentParser(prog="hybridkv eval report",
@@ -43,7 +51,7 @@ def main(argv: list[str]) -> int:
         p.add_argument("results")
         p.add_argument("--out", default=None, help="directory for the plots (default: the JSON's)")
         a = p.parse_args(argv[1:])
-        runs = load(a.results)
+        runs = _load(p, a.results)
         written = plots(runs, Path(a.out) if a.out else Path(a.results).parent)
         print(markdown(runs))
         print(f"wrote {len(written)} plots", file=sys.stderr)
