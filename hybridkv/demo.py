@@ -10,6 +10,7 @@ import torch
 
 from hybridkv.cache.layout import default_format, entry_bytes, kv_layout
 from hybridkv.errors import CheckpointError
+from hybridkv.eval.scoring import string_match_all, word_match_all
 from hybridkv.model import ContiguousKV, ForwardBatch
 from hybridkv.weights import load_model
 
@@ -100,8 +101,9 @@ def run_demo(model_dir: str | None, max_tokens: int, chunk: int, prompt_tokens: 
     out, kv, tm = greedy_generate(model, prompt, max_tokens, chunk)
     if tok is not None:
         text = tok.decode(out)
-        print(f"output: {text!r}   expected pass key: {expected[0]} "
-              f"({'retrieved' if expected[0] in text else 'not retrieved'})")
+        verdict = ("retrieved" if word_match_all(text, expected) else
+                   "found, but inside a longer string" if string_match_all(text, expected) else "not retrieved")
+        print(f"output: {text!r}   expected pass key: {expected[0]} ({verdict})")
     else:
         print(f"generated ids: {out}")
     n_ctx = prompt.numel() + len(out) - 1
