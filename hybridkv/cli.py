@@ -148,11 +148,13 @@ def cmd_train(a: argparse.Namespace) -> int:
     recipe = get_recipe(a.recipe)
     if a.steps:
         recipe = replace(recipe, steps=a.steps)
+    if a.lr:
+        recipe = replace(recipe, lr=a.lr)
     run_dir = Path(a.out or f"runs/{recipe.name}")
     if not a.export_only:
         from hybridkv.train.loop import save_portable, train
 
-        progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume)
+        progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume, init_from=a.init_from)
         print(f"step {progress['step']}/{recipe.steps}, {progress['tokens'] / 1e6:.1f}M tokens, "
               f"{progress['seconds'] / 60:.1f} min over {progress['commands']} command(s)", file=sys.stderr)
         if a.portable_state:
@@ -232,12 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("train", help="train a small V4-architecture model from a recipe (smoke, tiny-v4)")
-    t.add_argument("--recipe", required=True, help="smoke | tiny-v4")
+    t.add_argument("--recipe", required=True, help="smoke | tiny-v4 | tiny-v4-needles | ...")
     t.add_argument("--out", default=None, help="run directory (default: runs/RECIPE)")
     t.add_argument("--device", default="cpu")
     t.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
+    t.add_argument("--init-from", default=None,
+                   help="start from this exported model (recipes that continue another, e.g. tiny-v4-needles)")
     t.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    t.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     t.add_argument("--portable-state", default=None,
                    help="also write the weights and progress in files of <= 15 MiB to this directory")
     t.add_argument("--export", default=None, help="write the trained model in the release format here")

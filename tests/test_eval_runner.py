@@ -81,3 +81,29 @@ def test_eval_report_names_a_bad_results_file(tmp_path):
     for args in (["report", str(bad)], ["report", str(tmp_path / "missing.json")], ["compare", str(bad), str(bad)]):
         r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", *args], capture_output=True, text=True)
         assert r.returncode == 2 and "cannot read evaluation results from" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_merge_joins_an_evaluation_split_by_task(eval_dir, tmp_path):
+    """Parts of one evaluation (split by task, as parallel processes run it) merge into the table the
+    whole run gives; a cell present in two parts is refused."""
+    whole = json.loads((eval_dir / "results.json").read_text())
+    parts = []
+    for i, tasks in enumerate((["passkey"], ["niah_single_2", "qa"])):
+        part = {"command": f"part {i}", "runs": [{**r, "tasks": [t for t in r["tasks"] if t in tasks],
+                                                  "results": [x for x in r["results"] if x["task"] in tasks]}
+                                                 for r in whole["runs"]]}
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "merge", *map(str, parts), "--out", str(out)],
+                       capture_output=True, text=True, check=True)
+    assert "policy `full`" in r.stdout
+    merged = {m["policy"]: m for m in json.loads((out / "results.json").read_text())["runs"]}
+    for run in whole["runs"]:
+        key = sorted((x["task"], x["length"], x["depth"], x["output"]) for x in run["results"])
+        assert sorted((x["task"], x["length"], x["depth"], x["output"]) for x in merged[run["policy"]]["results"]) == key
+        assert set(merged[run["policy"]]["tasks"]) == set(run["tasks"])
+    assert (out / "results.md").read_text().count("|") == (eval_dir / "results.md").read_text().count("|")
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "merge", str(parts[0]), str(parts[0]),
+                        "--out", str(tmp_path / "twice")], capture_output=True, text=True)
+    assert r.returncode == 2 and "in two results files" in r.stderr

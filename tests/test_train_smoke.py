@@ -83,3 +83,32 @@ def test_export_is_the_trained_model(smoke_run, tmp_path):
     # bf16 export of float32 weights (V4.1's FP4/FP8 round trips and top-k amplify it more)
     assert err < (2e-2 if cfg.family == "v4" else 5e-2), err
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > (0.95 if cfg.family == "v4" else 0.9)
+
+
+def test_continuing_a_model_starts_from_its_weights(smoke_run, tmp_path):
+    """A recipe with a `base` starts from an exported model (--init-from): step 0 of the new run is
+    the exported model (its loss on the first batch is the trained one's, not an untrained one's),
+    it keeps the base's tokenizer, records where it started, and refuses a model of another shape."""
+    recipe, run, _ = smoke_run
+    if recipe.name != "smoke":
+        pytest.skip("the loop is the same for every model family; checked once")
+    base = export_model(recipe, run, tmp_path / "base")
+    cont = replace(recipe, name="smoke-continued", base="smoke", steps=2, warmup=1)
+    with pytest.raises(ValueError, match="--init-from"):
+        train(cont, tmp_path / "none", echo=lambda *_: None)
+    with pytest.raises(ValueError, match="trains from scratch"):
+        train(recipe, tmp_path / "scratch", init_from=base, echo=lambda *_: None)
+    progress = train(cont, tmp_path / "cont", init_from=base, echo=lambda *_: None)
+    assert progress["step"] == 2 and progress["init_from"]["path"] == "base"
+    assert (tmp_path / "cont" / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+    scratch = replace(recipe, steps=1, log_every=1)
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
+    train(scratch, tmp_path / "fresh", echo=lambda *_: None)
+    untrained_lm = _log(tmp_path / "fresh")[0]["lm"]
+    trained_lm = _log(run)[-1]["lm"]
+    cont_lm = _log(tmp_path / "cont")[0]["lm"]
+    assert abs(cont_lm - trained_lm) < abs(untrained_lm - trained_lm) / 2, (untrained_lm, trained_lm, cont_lm)
+    other = replace(cont, model={**recipe.model, "sliding_window": 64})
+    with pytest.raises(ValueError, match="sliding_window"):
+        train(other, tmp_path / "other", init_from=base, echo=lambda *_: None)

@@ -1,4 +1,5 @@
-"""`hybridkv eval MODEL_DIR ...`, `hybridkv eval compare A.json B.json` and `hybridkv eval report R.json`."""
+"""`hybridkv eval MODEL_DIR ...`, `hybridkv eval compare A.json B.json`, `hybridkv eval report R.json`
+and `hybridkv eval merge A.json B.json ... --out DIR`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridkv.eval.report import compare, load, markdown, plots
+from hybridkv.eval.report import compare, load, markdown, merge, plots
 from hybridkv.eval.runner import build_samples, run_policy
 from hybridkv.eval.tasks import expand_tasks
 
@@ -55,6 +56,28 @@ def main(argv: list[str]) -> int:
         written = plots(runs, Path(a.out) if a.out else Path(a.results).parent)
         print(markdown(runs))
         print(f"wrote {len(written)} plots", file=sys.stderr)
+        return 0
+    if argv and argv[0] == "merge":
+        p = argparse.ArgumentParser(prog="hybridkv eval merge",
+                                    description="one results.json from evaluations of one model split by task "
+                                                "or length (several processes or machines)")
+        p.add_argument("results", nargs="+")
+        p.add_argument("--out", required=True, help="directory for results.json, results.md and the plots")
+        a = p.parse_args(argv[1:])
+        try:
+            runs = merge([_load(p, r) for r in a.results])
+        except ValueError as e:
+            p.error(str(e))
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        commands = [json.loads(Path(r).read_text()).get("command", "") for r in a.results]
+        (out / "results.json").write_text(json.dumps({"command": " ; ".join(commands) + " ; hybridkv eval "
+                                                      + " ".join(argv), "runs": [r.to_json() for r in runs]},
+                                                     indent=1))
+        (out / "results.md").write_text("\n".join(f"`{c}`" for c in commands) + "\n\n" + markdown(runs))
+        written = plots(runs, out)
+        print(markdown(runs))
+        print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(written)} plots", file=sys.stderr)
         return 0
     p = argparse.ArgumentParser(prog="hybridkv eval", description="long-context evaluation through the engine")
     p.add_argument("model_dir")

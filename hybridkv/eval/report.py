@@ -134,6 +134,33 @@ def load(path: str | Path) -> list[EvalRun]:
     return [EvalRun.from_json(r) for r in data["runs"]]
 
 
+def merge(parts: list[list[EvalRun]]) -> list[EvalRun]:
+    """One run per policy from runs of the same model that each covered some tasks and lengths
+    (an evaluation split over processes or machines). A (policy, task, length) cell evaluated in
+    two parts, or parts of different models or sample counts, is an error, not a silent union."""
+    merged: dict[str, EvalRun] = {}
+    seen: set[tuple[str, str, int]] = set()
+    for runs in parts:
+        for r in runs:
+            cells = {(r.policy, x.task, x.length) for x in r.results}
+            if cells & seen:
+                raise ValueError(f"policy {r.policy}: {sorted(cells & seen)[0][1:]} is in two results files")
+            seen |= cells
+            m = merged.get(r.policy)
+            if m is None:
+                merged[r.policy] = EvalRun(r.model, r.policy, list(r.tasks), list(r.lengths), r.samples,
+                                           r.seconds, list(r.results))
+                continue
+            if (Path(m.model).name, m.samples) != (Path(r.model).name, r.samples):
+                raise ValueError(f"policy {r.policy}: {m.model} with {m.samples} samples vs "
+                                 f"{r.model} with {r.samples}: not parts of one evaluation")
+            m.tasks += [t for t in r.tasks if t not in m.tasks]
+            m.lengths = sorted(set(m.lengths) | set(r.lengths))
+            m.seconds += r.seconds
+            m.results += r.results
+    return list(merged.values())
+
+
 def compare(a: list[EvalRun], b: list[EvalRun], label_a: str = "A", label_b: str = "B") -> str:
     """Side by side: for every policy/task/length present in both, accuracy A, B and the difference;
     then device KV."""

@@ -121,12 +121,52 @@ def plot_log(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def _comparable(config: ModelConfig) -> dict:
+    d = config.to_dict()
+    for k in ("expert_dtype", "quantization_config", "torch_dtype"):
+        d.pop(k, None)
+    return d
+
+
+def load_base_model(model, config: ModelConfig, init_from: Path) -> str:
+    """Load a release-format model directory (what `--export` wrote) into the training model;
+    its architecture must be the recipe's. Returns the checkpoint's identity."""
+    from hybridkv.train.export import float_model
+    from hybridkv.weights import checkpoint_identity
+    base = float_model(init_from)
+    if _comparable(base.config) != _comparable(config):
+        diff = sorted(k for k in {**_comparable(base.config), **_comparable(config)}
+                      if _comparable(base.config).get(k) != _comparable(config).get(k))
+        raise ValueError(f"--init-from {init_from}: its config differs from the recipe's model in {', '.join(diff)}")
+    model.load_state_dict(base.state_dict())
+    return checkpoint_identity(init_from)
+
+
+def _take_base_tokenizer(init_from: Path, run_dir: Path) -> None:
+    """A continued model keeps its tokenizer: copy it into the run (or check the run's is the same)."""
+    src, dst = init_from / "tokenizer.json", run_dir / "tokenizer.json"
+    if not src.exists():
+        raise FileNotFoundError(f"--init-from {init_from}: no tokenizer.json")
+    if not dst.exists():
+        dst.write_bytes(src.read_bytes())
+    elif dst.read_bytes() != src.read_bytes():
+        raise ValueError(f"{dst} differs from {src}: a continued model must keep its tokenizer")
+
+
 def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes: float | None = None,
-          resume: bool = False, echo=print, stop_at_step: int | None = None) -> dict:
+          resume: bool = False, echo=print, stop_at_step: int | None = None,
+          init_from: str | Path | None = None) -> dict:
     """Run (or continue) `recipe` in run_dir, until its last step, `max_minutes` or `stop_at_step`;
-    returns the progress dict."""
+    returns the progress dict. A fresh run of a recipe with a `base` starts from `init_from`, a model
+    directory exported from a run of that base recipe."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.base and not resume and init_from is None:
+        raise ValueError(f"recipe {recipe.name!r} continues a {recipe.base!r} model: pass --init-from MODEL_DIR")
+    if init_from is not None and not recipe.base:
+        raise ValueError(f"recipe {recipe.name!r} trains from scratch; --init-from is for recipes that continue one")
+    if init_from is not None and not resume:
+        _take_base_tokenizer(Path(init_from), run_dir)
     t_start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     tok = prepare_tokenizer(recipe, run_dir)
@@ -135,11 +175,16 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     with torch.device(device):
         model = Transformer(config, dtype=torch.float32)
     init_weights(model, recipe.seed)
+    base_identity = None
+    if init_from is not None and not resume:
+        base_identity = load_base_model(model, config, Path(init_from))
     for layer in [*model.layers, *model.mtp]:      # the selection bias moves by the balance rule only
         if layer.ffn.gate.bias is not None:
             layer.ffn.gate.bias.requires_grad_(False)
     optimizers = build_optimizers(model, recipe.lr)
     progress = {"step": 0, "tokens": 0, "seconds": 0.0, "commands": 0}
+    if base_identity is not None:
+        progress["init_from"] = {"path": Path(init_from).name, "identity": base_identity}
     state_path = run_dir / "state.pt"
     log_path = run_dir / "log.jsonl"
     rewarm_until = 0

@@ -7,6 +7,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   in two commands of ≤ 10 minutes (`--max-minutes` checkpoints and `--resume` continues).
 - `tiny-v41`: the same data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md).
+- `tiny-v4-needles`: continues a `tiny-v4` model (`--init-from`) on the needle families at 4K-32K,
+  where the task curriculum left it short of the NIAH bars (one H200 command).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -46,6 +48,7 @@ class Recipe:
     kl_queries: int = 256
     log_every: int = 10
     seed: int = 0
+    base: str | None = None   # the recipe whose exported model this one continues (`--init-from`)
 
     def stage(self, step: int) -> Stage:
         for s in self.stages:
@@ -163,6 +166,27 @@ def _tiny_v4() -> Recipe:
     )
 
 
+# what the shipped model still missed after `tiny-v4`: exact 7-digit and UUID copies, and the right
+# key among distractor needles
+_NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "niah_single_3": 0.2,
+                 "niah_multikey_1": 0.2, "niah_multikey_2": 0.05, "niah_multikey_3": 0.05,
+                 "niah_multivalue": 0.05, "niah_multiquery": 0.05}
+
+
+def _tiny_v4_needles() -> Recipe:
+    """Continues a `tiny-v4` model: the needle families at 4K-32K with the indexer's top-k and the
+    experts' FP4 QAT throughout (the weights start on the FP4 grid they ship on), at a third of
+    tiny-v4's peak learning rate."""
+    return Recipe(
+        name="tiny-v4-needles", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1400,
+        stages=[Stage(500, 4096, 8, dense_indexer=False, qat_experts=True),
+                Stage(1000, 8192, 4, dense_indexer=False, qat_experts=True),
+                Stage(1300, 16384, 2, dense_indexer=False, qat_experts=True),
+                Stage(1400, 32768, 1, dense_indexer=False, qat_experts=True)],
+        lr=1e-3, warmup=30, log_every=20, task_weights=_NEEDLE_FOCUS, base="tiny-v4", seed=1,
+    )
+
+
 TINY_V41_MODEL = {
     **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
     "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
@@ -203,7 +227,7 @@ def _smoke_v41() -> Recipe:
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke,
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke,
            "smoke-v41": _smoke_v41}
 
 
