@@ -40,6 +40,11 @@ from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.engine import LLM, SamplingParams  # noqa: E402
 
 
+def say(msg: str) -> None:
+    """Each measurement as it lands (stderr): a run stopped by a time limit still reports what it had."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     out = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
     if out.error:
@@ -91,9 +96,11 @@ def bench_policy(a, policy: str, prompt: list[int], turn: list[int], disk_dir: P
     eng_a = LLM(a.model, tiers=tiers, **common)
     row = {"policy": policy}
     row["cold"], _ = ttft(eng_a, prompt)
+    say(f"{policy}: cold TTFT {row['cold']:.3f} s ({len(prompt)} tokens)")
     t = time.perf_counter()
     eng_a.engine.tiers.flush()
     row["flush_s"] = time.perf_counter() - t
+    say(f"{policy}: tiers flushed in {row['flush_s']:.3f} s")
     stats = eng_a.engine.cache_stats()
     row["bytes_per_token"] = {name: stats[name]["stored_bytes"] / len(prompt)
                               for name in ("dram", "disk", "redis") if name in stats}
@@ -106,6 +113,7 @@ def bench_policy(a, policy: str, prompt: list[int], turn: list[int], disk_dir: P
             t, c = ttft(llm, turn)
             times.append(t)
             cached.add(c)
+            say(f"{policy}: hit TTFT {t:.3f} s, {c} cached tokens")
         return statistics.median(times), sorted(cached)
 
     row["device"], row["device_cached"] = repeat(eng_a, lambda: None)
@@ -146,6 +154,7 @@ def main() -> int:
         nocache = LLM(a.model, device=a.device, num_blocks=len(turn) // 128 + 8, max_num_seqs=1,
                       max_model_len=len(turn) + 64, kv_format=a.kv_format, enable_prefix_caching=False)
         cold_nocache, _ = ttft(nocache, turn)
+        say(f"no prefix cache: TTFT {cold_nocache:.3f} s ({len(turn)} tokens)")
         del nocache
         rows = []
         for policy in a.policies.split(","):

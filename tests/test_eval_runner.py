@@ -2,6 +2,7 @@
 memory policies, scores, device KV bytes, the JSON/markdown/PNG outputs and `eval compare`."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ def eval_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
     subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--tasks", "passkey,niah_single_2,qa",
                     "--lengths", "1024", "--samples", "2", "--policy", "full,recency-256", "--out", str(out)],
-                   check=True, capture_output=True, text=True)
+                   check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     return out
 
 
@@ -107,3 +108,24 @@ def test_eval_merge_joins_an_evaluation_split_by_task(eval_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "merge", str(parts[0]), str(parts[0]),
                         "--out", str(tmp_path / "twice")], capture_output=True, text=True)
     assert r.returncode == 2 and "in two results files" in r.stderr
+
+
+def test_eval_workers_give_the_single_process_results(eval_dir, tmp_path):
+    """--workers runs each (task, length) cell as its own process and merges them: the same prompts
+    and, at the same thread count, the same greedy outputs as one process."""
+    out = tmp_path / "workers"
+    subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--tasks", "passkey,niah_single_2",
+                    "--lengths", "1024,512", "--samples", "2", "--policy", "full,recency-256", "--workers", "2",
+                    "--threads-per-worker", "2", "--out", str(out)], check=True, capture_output=True, text=True)
+    got = {r["policy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    whole = {r["policy"]: r for r in json.loads((eval_dir / "results.json").read_text())["runs"]}
+    assert list(got) == ["full", "recency-256"]
+    for policy, run in got.items():
+        assert run["tasks"] == ["passkey", "niah_single_2"] and run["lengths"] == [512, 1024]
+        assert len(run["results"]) == 2 * 2 * 2
+
+        def cells(r, length):
+            return sorted((x["task"], x["depth"], tuple(x["references"]), x["output"]) for x in r["results"]
+                          if x["length"] == length and x["task"] in ("passkey", "niah_single_2"))
+
+        assert cells(run, 1024) == cells(whole[policy], 1024)

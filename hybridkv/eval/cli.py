@@ -29,6 +29,54 @@ def _load(parser: argparse.ArgumentParser, path: str):
         parser.error(f"cannot read evaluation results from {path}: {type(e).__name__}: {e}")
 
 
+def _run_cells_in_workers(a, tasks: list[str], lengths: list[int]) -> list:
+    """Every (task, length) cell as its own `hybridkv eval` process, `a.workers` at a time (longest
+    prompts first), each with `a.threads_per_worker` threads; the parts merged. A cell's prompts
+    depend only on (task, length, sample, seed), so the result is the one a single process gives."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    threads = a.threads_per_worker or max(1, (os.cpu_count() or 1) // a.workers)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    cells = sorted(((t, n) for t in tasks for n in lengths), key=lambda c: -c[1])
+    common = ["--samples", str(a.samples), "--policy", a.policy, "--device", a.device, "--max-num-seqs",
+              str(a.max_num_seqs), "--seed", str(a.seed), "--indexer", a.indexer]
+    if a.tokenizer:
+        common += ["--tokenizer", a.tokenizer]
+    with tempfile.TemporaryDirectory(prefix="hybridkv-eval-") as tmp:
+        pending, running, done, failed = list(enumerate(cells)), {}, [], []
+        while pending or running:
+            while pending and len(running) < a.workers:
+                i, (task, length) = pending.pop(0)
+                out = Path(tmp) / f"cell{i}"
+                cmd = [sys.executable, "-m", "hybridkv.cli", "eval", a.model_dir, "--tasks", task, "--lengths",
+                       str(length), *common, "--out", str(out)]
+                log = open(Path(tmp) / f"cell{i}.log", "w")
+                running[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out, log,
+                              (task, length))
+            time.sleep(0.2)
+            for i, (proc, out, log, cell) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[i]
+                if proc.returncode == 0:
+                    done.append(load(out / "results.json"))
+                    print(f"cell {cell[0]} at {cell[1]} done ({len(done)}/{len(cells)})", file=sys.stderr)
+                else:
+                    tail = (Path(tmp) / f"cell{i}.log").read_text()[-2000:]
+                    failed.append(f"{cell[0]} at {cell[1]} (exit {proc.returncode}):\n{tail}")
+        if failed:
+            raise RuntimeError("evaluation cells failed: " + "\n".join(failed))
+    runs = merge(done)
+    for r in runs:   # the order asked for, not the order the cells finished in
+        r.tasks = [t for t in tasks if t in r.tasks]
+        r.lengths = sorted(r.lengths)
+    return runs
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "compare":
         p = argparse.ArgumentParser(prog="hybridkv eval compare")
@@ -93,7 +141,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--indexer", choices=["native", "random"], default="native",
                    help="random: the CSA top-k is a random set of the same size (the indexer ablation)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="run each (task, length) cell as its own process, this many at a time")
+    p.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads of each worker (default: the CPU count / workers)")
     a = p.parse_args(argv)
+    if a.workers < 1:
+        p.error("--workers must be at least 1")
     from tqdm import tqdm
 
     from hybridkv.tasks.tokenizer import TaskTokenizer
@@ -101,14 +155,17 @@ def main(argv: list[str]) -> int:
     tok = TaskTokenizer.load(a.tokenizer or a.model_dir)
     tasks, lengths = expand_tasks(a.tasks), _lengths(a.lengths)
     policies = [x.strip() for x in a.policy.split(",") if x.strip()]
-    total = len(tasks) * len(lengths) * a.samples
-    with tqdm(total=total, desc="generating prompts", unit="prompt") as bar:
-        samples = build_samples(tok, tasks, lengths, a.samples, a.seed, progress=bar.update)
-    runs = []
-    for policy in policies:
-        with tqdm(total=len(samples), desc=f"policy {policy}", unit="req") as bar:
-            runs.append(run_policy(a.model_dir, policy, samples, tok, tasks, lengths, a.samples, a.device,
-                                   a.max_num_seqs, progress=bar.update, indexer=a.indexer))
+    if a.workers > 1:
+        runs = _run_cells_in_workers(a, tasks, lengths)
+    else:
+        total = len(tasks) * len(lengths) * a.samples
+        with tqdm(total=total, desc="generating prompts", unit="prompt") as bar:
+            samples = build_samples(tok, tasks, lengths, a.samples, a.seed, progress=bar.update)
+        runs = []
+        for policy in policies:
+            with tqdm(total=len(samples), desc=f"policy {policy}", unit="req") as bar:
+                runs.append(run_policy(a.model_dir, policy, samples, tok, tasks, lengths, a.samples, a.device,
+                                       a.max_num_seqs, progress=bar.update, indexer=a.indexer))
     out = Path(a.out) if a.out else Path(a.model_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv),
