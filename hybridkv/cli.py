@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--init-from", default=None,
-                   help="start from this exported model (recipes that continue another, e.g. tiny-v4-needles)")
+                   help="start from this exported model (recipes that continue another, e.g. tiny-v4-needles); "
+                        "a --resume continues the run's own state instead")
     t.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
     t.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     t.add_argument("--portable-state", default=None,

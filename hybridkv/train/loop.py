@@ -134,9 +134,9 @@ def load_base_model(model, config: ModelConfig, init_from: Path) -> str:
     from hybridkv.train.export import float_model
     from hybridkv.weights import checkpoint_identity
     base = float_model(init_from)
-    if _comparable(base.config) != _comparable(config):
-        diff = sorted(k for k in {**_comparable(base.config), **_comparable(config)}
-                      if _comparable(base.config).get(k) != _comparable(config).get(k))
+    theirs, ours = _comparable(base.config), _comparable(config)
+    if theirs != ours:
+        diff = sorted(k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k))
         raise ValueError(f"--init-from {init_from}: its config differs from the recipe's model in {', '.join(diff)}")
     model.load_state_dict(base.state_dict())
     return checkpoint_identity(init_from)
