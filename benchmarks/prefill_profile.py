@@ -62,10 +62,9 @@ def main() -> int:
     syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                      "cudaMemcpyAsync", "cudaMemcpy"))
     if a.device.startswith("cuda"):
-        busy = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-                   for e in events) / 1e6
+        busy = sum(e.self_device_time_total for e in events) / 1e6
         print(f"device busy {busy:.2f} s of {profiled:.2f} s; {syncs} memcpy/synchronize calls")
-    key = "self_cuda_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
+    key = "self_device_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=a.top))
     if a.trace:
         prof.export_chrome_trace(a.trace)
