@@ -100,9 +100,11 @@ def test_eval_merge_joins_an_evaluation_split_by_task(eval_dir, tmp_path):
                        capture_output=True, text=True, check=True)
     assert "policy `full`" in r.stdout
     merged = {m["policy"]: m for m in json.loads((out / "results.json").read_text())["runs"]}
+    def outputs(run):
+        return sorted((x["task"], x["length"], x["depth"], x["output"]) for x in run["results"])
+
     for run in whole["runs"]:
-        key = sorted((x["task"], x["length"], x["depth"], x["output"]) for x in run["results"])
-        assert sorted((x["task"], x["length"], x["depth"], x["output"]) for x in merged[run["policy"]]["results"]) == key
+        assert outputs(merged[run["policy"]]) == outputs(run)
         assert set(merged[run["policy"]]["tasks"]) == set(run["tasks"])
     assert (out / "results.md").read_text().count("|") == (eval_dir / "results.md").read_text().count("|")
     r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "merge", str(parts[0]), str(parts[0]),

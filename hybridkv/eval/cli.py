@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridkv.eval.report import compare, load, markdown, merge, plots
+from hybridkv.eval.report import compare, load, load_with_command, markdown, merge, plots
 from hybridkv.eval.runner import build_samples, run_policy
 from hybridkv.eval.tasks import expand_tasks
 
@@ -21,10 +21,11 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
-def _load(parser: argparse.ArgumentParser, path: str):
-    """The runs of a results.json, or a usage error that names the file and what is wrong with it."""
+def _load(parser: argparse.ArgumentParser, path: str, with_command: bool = False):
+    """The runs of a results.json (and, `with_command`, the command that wrote it), or a usage error
+    that names the file and what is wrong with it."""
     try:
-        return load(path)
+        return load_with_command(path) if with_command else load(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         parser.error(f"cannot read evaluation results from {path}: {type(e).__name__}: {e}")
 
@@ -112,13 +113,14 @@ def main(argv: list[str]) -> int:
         p.add_argument("results", nargs="+")
         p.add_argument("--out", required=True, help="directory for results.json, results.md and the plots")
         a = p.parse_args(argv[1:])
+        parts = [_load(p, r, with_command=True) for r in a.results]
         try:
-            runs = merge([_load(p, r) for r in a.results])
+            runs = merge([runs for runs, _ in parts])
         except ValueError as e:
             p.error(str(e))
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        commands = [json.loads(Path(r).read_text()).get("command", "") for r in a.results]
+        commands = [command for _, command in parts]
         (out / "results.json").write_text(json.dumps({"command": " ; ".join(commands) + " ; hybridkv eval "
                                                       + " ".join(argv), "runs": [r.to_json() for r in runs]},
                                                      indent=1))

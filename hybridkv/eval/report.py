@@ -129,15 +129,21 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
-def load(path: str | Path) -> list[EvalRun]:
+def load_with_command(path: str | Path) -> tuple[list[EvalRun], str]:
+    """The runs of a results.json and the command that wrote it."""
     data = json.loads(Path(path).read_text())
-    return [EvalRun.from_json(r) for r in data["runs"]]
+    return [EvalRun.from_json(r) for r in data["runs"]], data.get("command", "")
+
+
+def load(path: str | Path) -> list[EvalRun]:
+    return load_with_command(path)[0]
 
 
 def merge(parts: list[list[EvalRun]]) -> list[EvalRun]:
     """One run per policy from runs of the same model that each covered some tasks and lengths
     (an evaluation split over processes or machines). A (policy, task, length) cell evaluated in
-    two parts, or parts of different models or sample counts, is an error, not a silent union."""
+    two parts, or parts of different models or sample counts, is an error, not a silent union.
+    `seconds` becomes the parts' sum (process time; parallel parts took less wall time)."""
     merged: dict[str, EvalRun] = {}
     seen: set[tuple[str, str, int]] = set()
     for runs in parts:

@@ -2,9 +2,10 @@
 length curriculum with the DSA warm-up and the late FP4 QAT switch, and the optimisation settings.
 
 - `smoke`, `smoke-v41`: seconds on a CPU (V4 and V4.1 models); the CI tests assert their loss drops.
-- `tiny-v4`: the shipped model (`models/tiny-v4`): a task curriculum (passkey alone, then the
-  needle families, then every family) before the length curriculum (1K to 32K), trained on one H200
-  in two commands of ≤ 10 minutes (`--max-minutes` checkpoints and `--resume` continues).
+- `tiny-v4`: from scratch, a task curriculum (passkey alone, then the needle families, then every
+  family) before the length curriculum (1K to 32K), trained on one H200 in two commands of ≤ 10
+  minutes (`--max-minutes` checkpoints and `--resume` continues). The shipped model
+  (`models/tiny-v4`) is its export continued by `tiny-v4-needles`.
 - `tiny-v41`: the same data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md).
 - `tiny-v4-needles`: continues a `tiny-v4` model (`--init-from`) on the needle families at 4K-32K,
@@ -125,9 +126,10 @@ SMOKE_V41_MODEL = {
 
 
 def _tiny_v4_r1() -> Recipe:
-    """The first tiny-v4 recipe; its model never retrieved (answers at chance). Phase 1 (steps 0-1541) ran the first length curriculum; its tasks were not yet retrieved
-    (answer digits at chance), so phase 2 returns to 1K-token contexts with every CSA entry visible
-    and a retrieval-heavy mix before growing the length again."""
+    """The first tiny-v4 recipe; its model never retrieved (answers at chance). Phase 1 (steps
+    0-1541) ran the first length curriculum; its tasks were not yet retrieved, so phase 2 returns to
+    1K-token contexts with every CSA entry visible and a retrieval-heavy mix before growing the
+    length again."""
     return Recipe(
         name="tiny-v4-r1", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=3041,
         stages=[Stage(324, 2048, 16, dense_indexer=True),
@@ -148,7 +150,7 @@ _NEEDLES = {"passkey": 0.4, "niah_single_1": 0.2, "niah_single_2": 0.2, "niah_si
 
 
 def _tiny_v4() -> Recipe:
-    """The shipped model: from scratch, a task curriculum before the length one. The architecture
+    """The shipped model's base: from scratch, a task curriculum before the length one. The architecture
     learns passkey alone at 1K in ~200 steps (benchmarks/retrieval_probe.py), while the twelve-family
     mix from step 0 of `tiny-v4-r1` never left chance; so retrieval is learned on one task first,
     then the needle families, then everything, then the lengths. 16 minutes on one H200."""
@@ -166,7 +168,7 @@ def _tiny_v4() -> Recipe:
     )
 
 
-# what the shipped model still missed after `tiny-v4`: exact 7-digit and UUID copies, and the right
+# what the `tiny-v4` model still missed: exact 7-digit and UUID copies, and the right
 # key among distractor needles
 _NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "niah_single_3": 0.2,
                  "niah_multikey_1": 0.2, "niah_multikey_2": 0.05, "niah_multikey_3": 0.05,
@@ -227,8 +229,8 @@ def _smoke_v41() -> Recipe:
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke,
-           "smoke-v41": _smoke_v41}
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v41": _tiny_v41,
+           "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
 
 def get_recipe(name: str) -> Recipe:
