@@ -4,7 +4,7 @@ the operators that took the most device time (CUDA) or CPU time under `torch.pro
 number of host-device synchronisations the profiler saw.
 
     python benchmarks/prefill_profile.py --model DIR [--tokens 16k] [--device cuda] [--kv-format fp8]
-        [--chunk 2048] [--top 25] [--trace OUT.json]
+        [--dtype bfloat16] [--chunk 2048] [--prefix-caching] [--top 25] [--trace OUT.json]
 """
 
 from __future__ import annotations
@@ -40,17 +40,22 @@ def main() -> int:
     ap.add_argument("--tokens", type=_parse_count, default=16384)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8", "v41"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's compute dtype")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per engine step")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="prefix caching on (full window policy: a state snapshot at every block boundary)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
     a = ap.parse_args()
-    llm = LLM(a.model, device=a.device, num_blocks=a.tokens // 128 + 8, max_num_seqs=1, max_model_len=a.tokens + 64,
-              kv_format=a.kv_format, max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
+    llm = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), num_blocks=a.tokens // 128 + 8, max_num_seqs=1,
+              max_model_len=a.tokens + 64, kv_format=a.kv_format, max_num_batched_tokens=a.chunk,
+              enable_prefix_caching=a.prefix_caching)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, llm.config.vocab_size, (a.tokens,), generator=g).tolist()
     warm = prefill(llm, prompt[:min(a.tokens, 2 * a.chunk)], a.device)
     cold = prefill(llm, prompt, a.device)
-    print(f"# {Path(a.model).name}, {a.tokens} tokens, chunk {a.chunk}, kv {a.kv_format}, device {a.device} "
+    print(f"# {Path(a.model).name}, {a.tokens} tokens, chunk {a.chunk}, kv {a.kv_format}, {a.dtype}, "
+          f"prefix caching {'on' if a.prefix_caching else 'off'}, device {a.device} "
           f"({torch.cuda.get_device_name() if a.device.startswith('cuda') else 'CPU'}), torch {torch.__version__}")
     print(f"warm-up prefill of {min(a.tokens, 2 * a.chunk)} tokens: {warm:.2f} s; "
           f"prefill of {a.tokens}: {cold:.2f} s = {a.tokens / cold:,.0f} tok/s")

@@ -10,10 +10,11 @@ next turn of an agent) is served as
 - a Redis hit (engine C: Redis only).
 A hit at H recomputes the tokens after H (and, under `zero`, replays the 128 before H). TTFT is
 the engine's own (request arrival to first token), median of --repeats. "no cache" is a cold run
-with prefix caching off. Bytes/token = bytes each tier stored for the prompt / prompt tokens.
+with prefix caching off (on CUDA after a 4,096-token warm-up prefill that compiles the kernels;
+nothing else is warmed up). Bytes/token = bytes each tier stored for the prompt / prompt tokens.
 
     python benchmarks/prefix_tiers.py [--model DIR] [--tokens 16k] [--policies full,checkpoint(4096),zero]
-        [--device cpu] [--kv-format native] [--redis-url URL | --no-redis] [--json OUT]
+        [--device cpu] [--kv-format native] [--dtype float32] [--redis-url URL | --no-redis] [--json OUT]
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def start_redis(workdir: str):
 
 
 def bench_policy(a, policy: str, prompt: list[int], turn: list[int], disk_dir: Path, redis_url: str | None) -> dict:
-    common = dict(device=a.device, num_blocks=len(turn) // 128 + 8, max_num_seqs=2, window_policy=policy,
-                  max_model_len=len(turn) + 64, kv_format=a.kv_format, snapshot_bytes=8 << 30)
+    common = dict(device=a.device, dtype=getattr(torch, a.dtype), num_blocks=len(turn) // 128 + 8, max_num_seqs=2,
+                  window_policy=policy, max_model_len=len(turn) + 64, kv_format=a.kv_format, snapshot_bytes=8 << 30)
     tiers = {"dram_bytes": 16 << 30, "disk_dir": str(disk_dir), "max_pending_bytes": 16 << 30}
     if redis_url:
         tiers.update(redis_url=redis_url, redis_prefix=f"bench-{policy}")
@@ -138,6 +139,7 @@ def main() -> int:
     ap.add_argument("--policies", default="full,checkpoint(4096),zero")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8", "v41"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's compute dtype")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--redis-url", default=None, help="use this server (default: start a local redis-server)")
     ap.add_argument("--no-redis", action="store_true")
@@ -146,13 +148,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="prefix-tiers-"))
     proc, redis_url = (None, a.redis_url) if a.redis_url or a.no_redis else start_redis(str(work))
     try:
-        probe = LLM(a.model, device=a.device, num_blocks=8, max_num_seqs=1)
+        probe = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), num_blocks=8, max_num_seqs=1)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(2, probe.config.vocab_size, (a.tokens + 64,), generator=g).tolist()
         prompt, turn = prompt[:a.tokens], prompt
         del probe
-        nocache = LLM(a.model, device=a.device, num_blocks=len(turn) // 128 + 8, max_num_seqs=1,
-                      max_model_len=len(turn) + 64, kv_format=a.kv_format, enable_prefix_caching=False)
+        nocache = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), num_blocks=len(turn) // 128 + 8,
+                      max_num_seqs=1, max_model_len=len(turn) + 64, kv_format=a.kv_format, enable_prefix_caching=False)
+        if a.device.startswith("cuda"):   # compile the kernels for the chunk shapes before anything is timed
+            ttft(nocache, turn[:4096])
         cold_nocache, _ = ttft(nocache, turn)
         say(f"no prefix cache: TTFT {cold_nocache:.3f} s ({len(turn)} tokens)")
         del nocache
@@ -165,8 +169,9 @@ def main() -> int:
             proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     tiers = ["device", "dram", "disk"] + (["redis"] if redis_url else [])
-    print(f"# prefix tiers: {a.tokens} tokens, model {Path(a.model).name}, kv format {a.kv_format}, device {a.device}, "
-          f"{date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    print(f"# prefix tiers: {a.tokens} tokens, model {Path(a.model).name}, kv format {a.kv_format}, {a.dtype}, "
+          f"device {a.device}, {date.today()}, {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     base = min([cold_nocache] + [r["cold"] for r in rows])
     print(f"# no prefix cache: TTFT of prompt + turn ({len(turn)} tokens) {cold_nocache:.3f} s; × = speed-up against "

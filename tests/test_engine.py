@@ -106,6 +106,18 @@ def test_prefix_hit_equals_cold_run(tiny_dir, policy):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("caching, policy, segments", [
+    (True, "full", [(0, 128), (128, 128)]),          # a state snapshot at every block boundary
+    (True, "zero", [(0, 256)]),                      # no snapshots: the chunk whole
+    (False, "full", [(0, 256)]),                     # prefix caching off: nothing is captured
+])
+def test_chunks_are_cut_only_where_snapshots_are_taken(fixtures, caching, policy, segments):
+    llm = make(fixtures / "v4-tiny", enable_prefix_caching=caching, window_policy=policy)
+    llm.engine.add_request(prompts_of([600])[0], SamplingParams(max_tokens=1))
+    (chunk,) = llm.engine.scheduler.schedule()
+    assert chunk.segments == segments
+
+
 def test_checkpoint_keeps_fewer_snapshots(tiny_dir):
     prompt = prompts_of([1200], seed=4)[0]
     counts = {}

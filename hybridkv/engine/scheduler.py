@@ -71,7 +71,7 @@ class Scheduler:
 
     # ----- chunks -----
     def _segments(self, start: int, n: int) -> list[tuple[int, int]]:
-        if not self.prefix.policy.snapshots:
+        if not (self.prefix.enabled and self.prefix.policy.snapshots):   # no snapshots are taken
             return [(start, n)]
         bt = self.store.block_tokens
         cuts = list(range((start // bt + 1) * bt, start + n, bt))
