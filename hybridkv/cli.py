@@ -150,6 +150,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         recipe = replace(recipe, steps=a.steps)
     if a.lr:
         recipe = replace(recipe, lr=a.lr)
+    if a.seed is not None:
+        recipe = replace(recipe, seed=a.seed)
     run_dir = Path(a.out or f"runs/{recipe.name}")
     if not a.export_only:
         from hybridkv.train.loop import save_portable, train
@@ -244,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a --resume continues the run's own state instead")
     t.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
     t.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
+    t.add_argument("--seed", type=int, default=None,
+                   help="override the recipe's data seed (a second pass of a continuation sees new examples)")
     t.add_argument("--portable-state", default=None,
                    help="also write the weights and progress in files of <= 15 MiB to this directory")
     t.add_argument("--export", default=None, help="write the trained model in the release format here")

@@ -49,6 +49,8 @@ def test_resume_continues_the_same_run(smoke_run, tmp_path):
         (d / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
     train(short, a, echo=lambda *_: None)
     train(short, b, echo=lambda *_: None, stop_at_step=3)
+    with pytest.raises(ValueError, match=f"--seed {short.seed}"):   # another data stream is refused
+        train(replace(short, seed=short.seed + 1), b, resume=True, echo=lambda *_: None)
     train(short, b, resume=True, echo=lambda *_: None)
     wa = torch.load(a / "state.pt", weights_only=False)["model"]
     wb = torch.load(b / "state.pt", weights_only=False)["model"]

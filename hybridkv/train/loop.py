@@ -182,7 +182,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
         if layer.ffn.gate.bias is not None:
             layer.ffn.gate.bias.requires_grad_(False)
     optimizers = build_optimizers(model, recipe.lr)
-    progress = {"step": 0, "tokens": 0, "seconds": 0.0, "commands": 0}
+    progress = {"step": 0, "tokens": 0, "seconds": 0.0, "commands": 0, "seed": recipe.seed}
     if base_identity is not None:
         progress["init_from"] = {"path": Path(init_from).name, "identity": base_identity}
     state_path = run_dir / "state.pt"
@@ -199,6 +199,9 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
         for opt, sd in zip(optimizers, state.get("optimizers", [])):
             opt.load_state_dict(sd)
         progress = state["progress"]
+        if progress.get("seed", recipe.seed) != recipe.seed:   # a resumed run must draw the same stream
+            raise ValueError(f"this run draws its data with seed {progress['seed']}, not {recipe.seed}: "
+                             f"resume it with --seed {progress['seed']}")
         if "optimizers" not in state:  # fresh moments: warm the learning rate up again
             rewarm_until = progress["step"] + _rewarm_steps(recipe)
         echo(f"resumed at step {progress['step']} ({progress['tokens'] / 1e6:.1f}M tokens"
