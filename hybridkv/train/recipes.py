@@ -205,7 +205,7 @@ def _tiny_v4_keys() -> Recipe:
         stages=[Stage(500, 4096, 8, dense_indexer=False, qat_experts=True),
                 Stage(1000, 8192, 4, dense_indexer=False, qat_experts=True),
                 Stage(1250, 16384, 2, dense_indexer=False, qat_experts=True)],
-        lr=1e-3, warmup=30, log_every=20, task_weights=_KEY_FOCUS, base="tiny-v4", seed=2,
+        lr=1e-3, warmup=30, log_every=20, task_weights=_KEY_FOCUS, base="tiny-v4-needles", seed=2,
     )
 
 
