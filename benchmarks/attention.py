@@ -15,6 +15,8 @@ Timings use triton's do_bench (median, L2 flushed before every run). Writes atte
 attention.md (and sweep.*) to $OUT if set.
 
     python benchmarks/attention.py [--contexts 8192,131072,1048576] [--batches 1,8] [--sweep] [--budget 420]
+    ncu --clock-control none -k regex:'score|select|sparse_attn|combine' --launch-skip 8 -c 6 \
+        python benchmarks/attention.py --profile-step 1048576,8      # the kernels of one step, profiled
 """
 
 from __future__ import annotations
@@ -341,8 +343,19 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--sweep", action="store_true", help="time launch shapes against each other afterwards")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which the sweep stops")
+    ap.add_argument("--profile-step", default=None, metavar="CTX,B",
+                    help="only run the CSA and HCA decode steps at this context and batch (3 times each, eager), "
+                         "for a kernel profiler such as ncu; times nothing")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.profile_step:
+        ctx, b = (int(v) for v in args.profile_step.split(","))
+        x = Decode(ctx, b)
+        for _ in range(3):
+            x.csa_step()
+            x.hca()
+        torch.cuda.synchronize()
+        return
     out_dir = os.environ.get("OUT")
     head = (f"{torch.cuda.get_device_name()} · torch {torch.__version__} · triton {triton.__version__} · "
             f"{datetime.date.today().isoformat()} · python benchmarks/attention.py")

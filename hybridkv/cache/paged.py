@@ -25,6 +25,8 @@ from hybridkv.cache.formats import (index_entry_bytes, main_entry_bytes, pack_in
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.paged import PagedBatch
 
 KV_FORMATS = ("native", "bf16", "fp8", "v41")
 
@@ -146,6 +148,24 @@ class PagedKVStore:
                                         device=self.device))
             self.entries.append(ents)
             self.states.append(sts)
+        self.kernel_formats = self._kernel_formats()
+
+    def _kernel_formats(self) -> tuple[str, str] | None:
+        """(main, index) entry formats in which the paged Triton kernels read this store, or None when
+        attention runs the reference path over gathered rows: off CUDA (unless forced, see
+        `hybridkv.ops.backend`), for V4.1 stores, in offload mode (CSA entries live in host memory and
+        device pages) and for packed shapes the kernels do not take (fp8: 64 rope dims, head_dim 2^k)."""
+        c = self.config
+        probe = torch.empty(0, device=self.device)
+        if c.family == "v4.1" or self.offload or not use_triton(probe):
+            return None
+        if c.index_head_dim & (c.index_head_dim - 1):
+            return None
+        if self.fmt == "fp8":
+            if c.qk_rope_head_dim != 64 or c.head_dim < 128 or c.head_dim & (c.head_dim - 1):
+                return None
+            return "fp8", "fp4"
+        return "bf16", "bf16"     # float elements, read in their own dtype
 
     # ----- slots -----
     def new_seq(self) -> SeqCache:
@@ -308,11 +328,15 @@ class PagedLayerKV:
         slots = torch.arange(first, start_pos, device=self.store.device) % self.window
         return self.store.codec["window"].decode(self.store.ring[self.layer_id][self.seq.slot][slots])
 
-    def write_window(self, start_pos: int, rows: torch.Tensor) -> None:
+    def write_window(self, start_pos: int, rows: torch.Tensor, stored: bool = False) -> None:
+        """The last `window` of these rows (positions from start_pos on) into the ring; `stored`: the
+        rows are already in stored form."""
         n = rows.shape[0]
         keep = min(n, self.window)
         pos = torch.arange(start_pos + n - keep, start_pos + n, device=self.store.device)
-        self.store.ring[self.layer_id][self.seq.slot][pos % self.window] = self.store.codec["window"].encode(rows[n - keep:])
+        tail = rows[n - keep:]
+        self.store.ring[self.layer_id][self.seq.slot][pos % self.window] = (
+            tail if stored else self.store.codec["window"].encode(tail))
 
     def compressor_state(self, kind: str) -> CompressorState:
         kv, score = self.store.states[self.layer_id][kind]
@@ -376,9 +400,59 @@ class PagedSeqKV:
         self.store, self.seq = store, seq
         self.capture = None   # an AttentionCapture when the engine wants attention mass recorded
         self._layers = [PagedLayerKV(store, seq, i, on_layer_done) for i in range(store.num_layers)]
+        self._kernel_args: dict[tuple[int, int], KernelArgs] = {}
+
+    def kernel_args(self, start_pos: int, length: int) -> KernelArgs | None:
+        """The layout of this request's tokens [start_pos, start_pos + length) for the paged kernels
+        (built once per segment and step, shared by the layers), or None when attention takes the
+        reference path."""
+        if self.store.kernel_formats is None or not _window_complete(self.seq, start_pos,
+                                                                     self.store.config.sliding_window):
+            return None
+        key = (start_pos, length)
+        if key not in self._kernel_args:
+            batch = PagedBatch.build([(self.seq.slot, start_pos, length, self.seq.block_table)],
+                                     self.store.block_tokens, self.store.device)
+            self._kernel_args[key] = KernelArgs(self.store, batch, start_pos + length - 1)
+        return self._kernel_args[key]
 
     def layer(self, layer_id: int) -> PagedLayerKV:
         return self._layers[layer_id]
+
+
+@dataclass
+class KernelArgs:
+    """What the paged attention and indexer kernels read for one group of query tokens: where its
+    rows live (`batch`), the store's pools and their formats, and the group's largest position
+    (known on the host, so that no launch waits for the device)."""
+
+    store: PagedKVStore
+    batch: PagedBatch
+    max_pos: int
+
+    @property
+    def main_format(self) -> str:
+        return self.store.kernel_formats[0]
+
+    @property
+    def index_format(self) -> str:
+        return self.store.kernel_formats[1]
+
+    def ring(self, layer_id: int) -> torch.Tensor:
+        return self.store.ring[layer_id]
+
+    def pool(self, layer_id: int, kind: str) -> torch.Tensor:
+        return self.store.entries[layer_id][kind]
+
+    def encode_window(self, rows: torch.Tensor) -> torch.Tensor:
+        """Window rows in their stored form (the kernels read a token's own row as it will be stored)."""
+        return self.store.codec["window"].encode(rows)
+
+
+def _window_complete(seq: SeqCache, first_pos: int, window: int) -> bool:
+    """Whether every window row a token at first_pos (or later) reads is valid: the kernels take the
+    ring rows of all positions ≥ 0; a bounded replay or state-less prefix hit starts them later."""
+    return seq.window_start <= max(0, first_pos - window + 1)
 
 
 class PagedDecodeKV:
@@ -387,7 +461,9 @@ class PagedDecodeKV:
     def __init__(self, store: PagedKVStore, seqs: list[SeqCache], positions: torch.Tensor, on_layer_done=None):
         self.store, self.seqs, self.on_layer_done = store, seqs, on_layer_done
         dev = store.device
+        self.host_positions = positions.cpu().tolist()
         self.positions = positions.to(dev)
+        self._kernel_args: KernelArgs | None | bool = False     # False: not decided yet
         self.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         width = max(len(s.block_table) for s in seqs)
         self.tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
@@ -408,6 +484,26 @@ class PagedDecodeKV:
         window_pos = self.positions.unsqueeze(1) - W + 1 + torch.arange(W, device=rows.device)
         keys = codec.decode(ring[self.slots.unsqueeze(1), window_pos % W])
         return keys, window_pos >= self.window_start.clamp(min=0).unsqueeze(1)
+
+    def kernel_args(self) -> KernelArgs | None:
+        """The group's layout for the paged kernels, or None when attention takes the reference path."""
+        if self._kernel_args is False:
+            W = self.store.config.sliding_window
+            ok = self.store.kernel_formats is not None and all(
+                _window_complete(s, p, W) for s, p in zip(self.seqs, self.host_positions))
+            self._kernel_args = None
+            if ok:
+                rows = torch.arange(len(self.seqs), dtype=torch.int32, device=self.positions.device)
+                pos = self.positions.to(torch.int32)
+                batch = PagedBatch(rows, pos, self.slots.to(torch.int32), self.tables.to(torch.int32), pos, rows,
+                                   self.store.block_tokens)
+                self._kernel_args = KernelArgs(self.store, batch, max(self.host_positions))
+        return self._kernel_args
+
+    def write_window(self, layer_id: int, stored_rows: torch.Tensor) -> None:
+        """Each request's new row (already in stored form) into its ring."""
+        W = self.store.config.sliding_window
+        self.store.ring[layer_id][self.slots, self.positions % W] = stored_rows
 
     def compressor_state(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         kv, score = self.store.states[layer_id][kind]

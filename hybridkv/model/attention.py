@@ -8,6 +8,12 @@ Which compressed entries, by family:
 - V4.1: the CSA2 modes of `csa2.py` (Full / Reindex / Reuse), sharing one source layer's entries.
 The families also differ in the query (V4 RMS-normalises each head) and in the window KV's storage
 round trip (V4: FP8 nope dims in blocks of 64; V4.1: FP8 over all dims in blocks of 32).
+
+Two ways to the same math. Where the request's store offers the paged kernels (V4 on CUDA: see
+`PagedKVStore.kernel_formats`), the indexer scores the stored keys and attention reads the window
+ring, the token's own row and the selected entries where they live, in their stored format. The
+reference path gathers and decodes the rows first (CPU, V4.1, memory policies that keep entries
+off the device, the random-indexer ablation, attention-mass capture).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
-from hybridkv.ops.sparse_attn import sparse_attn
+from hybridkv.ops.indexer_topk import indexer_topk_paged
+from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
 
@@ -119,8 +126,40 @@ class Attention(nn.Module):
                 rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(x, batch.positions)
         return rows
 
+    def _kernel_args(self, view, *where):
+        """The paged kernels' inputs for these tokens, or None where this layer takes the reference path."""
+        get = getattr(view, "kernel_args", None)
+        if get is None or self.v41 or getattr(view, "capture", None) is not None:
+            return None
+        if self.indexer is not None and self.indexer.random_selection is not None:
+            return None
+        return get(*where)
+
+    def _attend_kernels(self, kargs, q, stored_rows, rows) -> torch.Tensor:
+        """Indexer top-k and sparse attention over the paged store; the tokens' own rows are
+        `stored_rows`, earlier window rows come from the ring. [T, H, D] float32."""
+        lid, pool, idx = self.layer_id, None, None
+        if self.ratio:
+            pool = kargs.pool(lid, "kv")
+            if self.indexer is not None:
+                idx = indexer_topk_paged(rows["idx_q"], rows["idx_w"], kargs.batch, kargs.pool(lid, "index"),
+                                         self.indexer.topk, self.ratio, kargs.index_format, self.indexer.head_dim,
+                                         max_visible=(kargs.max_pos + 1) // self.ratio)
+        return sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored_rows, kargs.ring(lid), pool, idx,
+                                 self.ratio, kargs.main_format, self.head_dim, self.rope_dim, self.window,
+                                 max_pos=kargs.max_pos)
+
     def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share) -> torch.Tensor:
         layer_kv = seg.kv.layer(self.layer_id)
+        kargs = self._kernel_args(seg.kv, seg.start_pos, seg.length)
+        if kargs is not None:
+            if self.ratio:
+                self._append_compressed_v4(seg.start_pos, layer_kv, rows)
+            stored = kargs.encode_window(kv)
+            out = self._attend_kernels(kargs, q, stored, rows)
+            layer_kv.write_window(seg.start_pos, stored, stored=True)   # after: the kernels read earlier rows there
+            layer_kv.done(seg.end_pos)
+            return out
         prev = layer_kv.window_rows(seg.start_pos)
         layer_kv.write_window(seg.start_pos, kv)
         keys = torch.cat([prev.to(kv.dtype), kv])
@@ -153,6 +192,17 @@ class Attention(nn.Module):
     def _attend_decode(self, dkv: DecodeKV, q, kv, rows) -> torch.Tensor:
         """One token for each of B requests at once (V4; the same math as _attend_segment)."""
         lid, pos = self.layer_id, dkv.positions
+        kargs = self._kernel_args(dkv)
+        if kargs is not None:
+            if self.compressor is not None:
+                self._compress_decode(dkv, "kv", self.compressor, rows["comp_kv"], rows["comp_score"])
+                if self.indexer is not None:
+                    self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"])
+            stored = kargs.encode_window(kv)
+            dkv.write_window(lid, stored)    # ring row pos % W held pos − W, which no window reads any more
+            out = self._attend_kernels(kargs, q, stored, rows)
+            dkv.done(lid)
+            return out
         keys, valid = dkv.window(lid, kv)                                  # [B, W, D], [B, W]
         if self.compressor is not None:
             n_entries = (pos + 1) // self.ratio
@@ -192,19 +242,24 @@ class Attention(nn.Module):
         if which.numel():
             dkv.append_entries(self.layer_id, kind, which, dkv.positions[which] // self.ratio, entries)
 
-    def _compressed_v4(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows, share):
-        """This layer's own entries; CSA: the indexer's top-k of them, HCA: all visible ones."""
+    def _append_compressed_v4(self, start_pos: int, layer_kv: LayerKV, rows) -> None:
+        """Run this layer's compressors over the segment's rows and store the entries they complete."""
         first, new = self.compressor.update(layer_kv.compressor_state("kv"), rows["comp_kv"], rows["comp_score"],
-                                            seg.start_pos, self.inv_freq)
+                                            start_pos, self.inv_freq)
         if new.shape[0]:
             layer_kv.append_entries("kv", first, new)
+        if self.indexer is not None:
+            first, new = self.indexer.compressor.update(layer_kv.compressor_state("index"), rows["idx_kv"],
+                                                        rows["idx_score"], start_pos, self.inv_freq)
+            if new.shape[0]:
+                layer_kv.append_entries("index", first, new)
+
+    def _compressed_v4(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows, share):
+        """This layer's own entries; CSA: the indexer's top-k of them, HCA: all visible ones."""
+        self._append_compressed_v4(seg.start_pos, layer_kv, rows)
         n_entries = seg.end_pos // self.ratio
         entries = layer_kv.entries("kv", n_entries)
         if self.indexer is not None:
-            first, new = self.indexer.compressor.update(layer_kv.compressor_state("index"), rows["idx_kv"],
-                                                        rows["idx_score"], seg.start_pos, self.inv_freq)
-            if new.shape[0]:
-                layer_kv.append_entries("index", first, new)
             comp_idx = self.indexer.select(rows["idx_q"], rows["idx_w"], layer_kv.entries("index", n_entries),
                                            positions)
         else:

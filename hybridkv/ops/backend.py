@@ -1,9 +1,11 @@
 """Which implementation an op runs, and the deterministic (batch-invariant) mode.
 
 The public function of every op calls `use_triton(tensor)`: Triton kernels run on CUDA tensors
-when Triton imports, the plain-torch reference everywhere else. `HYBRIDKV_KERNELS=reference`
-forces the reference on CUDA too (for A/B runs). Tests of the kernels call the `triton` modules
-directly (on CPU under `TRITON_INTERPRET=1`).
+when Triton imports, the plain-torch reference everywhere else. `HYBRIDKV_KERNELS` overrides that:
+`reference` forces the reference on CUDA too (for A/B runs); `triton` forces the kernels on CPU
+tensors as well, which only works under Triton's interpreter (`TRITON_INTERPRET=1`, set before
+triton is imported): the tests run the engine's kernel path that way. Tests of single kernels call
+the `triton` modules directly.
 
 Deterministic mode (`set_deterministic(True)` or `with deterministic():`) makes a token's result
 independent of the batch it runs in: kernels use fixed split sizes and fixed reduction orders
@@ -35,9 +37,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def kernel_mode() -> str:
+    mode = os.environ.get("HYBRIDKV_KERNELS", "auto")
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"HYBRIDKV_KERNELS={mode!r}: choose auto, reference or triton")
+    return mode
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    if os.environ.get("HYBRIDKV_KERNELS", "auto") == "reference":
+    mode = kernel_mode()
+    if mode == "reference":
         return False
+    if mode == "triton" and not x.is_cuda:
+        if not (interpreting() and triton_available()):
+            raise RuntimeError("HYBRIDKV_KERNELS=triton on CPU tensors needs Triton with TRITON_INTERPRET=1 "
+                               "(set before triton is imported)")
+        return True
     return x.is_cuda and triton_available()
 
 

@@ -1,0 +1,150 @@
+"""Decode speed against context length, through the engine: one request (or a batch) prefilled to
+each context, then timed decode steps. Prints a row per context as it lands:
+
+    context, prefill s, decode ms/step (median), tokens/s, drop against the shortest context,
+    device busy per step (CUDA, under torch.profiler) and the top operators by device time.
+
+With --reference, the same requests are also decoded through the reference path (rows gathered and
+decoded from the store before attention; what the engine does where the paged kernels do not
+apply), on the same cache.
+
+    python benchmarks/decode_context.py --model DIR [--contexts 4k,128k,1m] [--batch 1] [--steps 64]
+        [--device cuda] [--kv-format fp8] [--dtype bfloat16] [--chunk 8192] [--reference] [--top 12]
+        [--host-profile N] [--json OUT]
+
+A context of "1m" is clamped to the checkpoint's max_position_embeddings minus the decoded tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridkv.cli import _parse_count  # noqa: E402
+from hybridkv.engine import LLM, SamplingParams  # noqa: E402
+
+WARM_STEPS = 4
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_steps(engine, steps: int, device: str) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        sync(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def profiled_steps(engine, steps: int, device: str, top: int) -> tuple[float, str]:
+    """Device time per step and the top operators by device time (CUDA only)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_steps(engine, steps, device)
+    events = prof.key_averages()
+    # kernels (and copies) only: an operator's own device time repeats its kernels' time
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
+    return busy, events.table(sort_by="self_device_time_total", row_limit=top)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "tests" / "fixtures" / "v4-tiny"))
+    ap.add_argument("--contexts", default="4k,128k,1m")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per context")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
+    ap.add_argument("--reference", action="store_true", help="also time the reference attention path")
+    ap.add_argument("--top", type=int, default=12, help="operators listed per profile (CUDA)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also print where the host's time goes (cProfile of N steps, by own time)")
+    a = ap.parse_args()
+    contexts = [_parse_count(c) for c in a.contexts.split(",")]
+    budget = WARM_STEPS + 2 * (a.steps + 4 + a.host_profile) + 16
+    llm = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), kv_format=a.kv_format,
+              num_blocks=a.batch * (max(contexts) // 128 + 4) + 8, max_num_seqs=a.batch,
+              max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
+    eng = llm.engine
+    limit = eng.max_model_len - budget
+    contexts = [min(c, limit) for c in contexts]
+    cuda = a.device.startswith("cuda")
+    print(f"# {Path(a.model).name}: {eng.config.num_hidden_layers} layers, ratios {list(eng.config.compress_ratios)}, "
+          f"kv {a.kv_format}, {a.dtype}, batch {a.batch}, device "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}; "
+          f"attention path: {'paged kernels ' + str(eng.store.kernel_formats) if eng.store.kernel_formats else 'reference'}",
+          flush=True)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    base = None
+    for ctx in contexts:
+        seqs = [eng.add_request(torch.randint(2, eng.config.vocab_size, (ctx,), generator=g).tolist(),
+                                SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(a.batch)]
+        t = time.perf_counter()
+        while any(s.first_token_time is None for s in seqs):
+            eng.step()
+        sync(a.device)
+        prefill_s = time.perf_counter() - t
+        timed_steps(eng, WARM_STEPS, a.device)
+        paths = [("kernels" if eng.store.kernel_formats else "reference", eng.store.kernel_formats)]
+        if a.reference and eng.store.kernel_formats:
+            paths.append(("reference", None))
+        saved = eng.store.kernel_formats
+        for name, formats in paths:
+            eng.store.kernel_formats = formats          # the same cache, read one way or the other
+            step_s = statistics.median(timed_steps(eng, a.steps, a.device))
+            row = dict(context=ctx, batch=a.batch, path=name, prefill_s=prefill_s, step_ms=1e3 * step_s,
+                       tok_s=a.batch / step_s)
+            if name == paths[0][0]:
+                base = base or row["tok_s"]
+                row["drop_pct"] = 100 * (1 - row["tok_s"] / base)
+            if cuda:
+                row["device_ms_per_step"], table = profiled_steps(eng, 4, a.device, a.top)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if cuda:
+                print(table, flush=True)
+            if a.host_profile:
+                prof = cProfile.Profile()
+                prof.runcall(timed_steps, eng, a.host_profile, a.device)
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(a.top * 2)
+                print(text.getvalue()[-6000:], flush=True)
+        eng.store.kernel_formats = saved
+        for s in seqs:
+            eng.abort(s.request_id)
+    print("\n| context | path | prefill s | decode ms/step | tok/s | drop vs shortest | device ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        drop = f"{r['drop_pct']:.1f}%" if "drop_pct" in r else "—"
+        dev = f"{r['device_ms_per_step']:.2f}" if "device_ms_per_step" in r else "—"
+        print(f"| {r['context']:,} | {r['path']} | {r['prefill_s']:.1f} | {r['step_ms']:.2f} | {r['tok_s']:.1f} | "
+              f"{drop} | {dev} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
