@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,8 @@ def main() -> int:
     syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                      "cudaMemcpyAsync", "cudaMemcpy"))
     if a.device.startswith("cuda"):
-        busy = sum(e.self_device_time_total for e in events) / 1e6
+        # kernel rows only: an operator row's own device time repeats the kernels it launched
+        busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
         print(f"device busy {busy:.2f} s of {profiled:.2f} s; {syncs} memcpy/synchronize calls")
     key = "self_device_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=a.top))

@@ -95,7 +95,7 @@ def test_deterministic_token_does_not_depend_on_batch(kernels, device):
 
 def test_paged_prefill_configuration(kernels, device, monkeypatch):
     """The many-token configuration (one piece per token, 64-head blocks) computes the same thing."""
-    monkeypatch.setattr(kernels, "_config", lambda t, rows, h, dev: (16, 32, max(32, -(-rows // 32) * 32), 4, 1))
+    monkeypatch.setattr(kernels, "_config", lambda t, rows, h, dev, fp8=False: (16, 32, max(32, -(-rows // 32) * 32), 4, 1))
     batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("hca", "fp8", device, [(100, 3), (5, 2)], seed=3)
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, **kw)
     ref = reference.sparse_attn(q, rows, index, sink, 0.1)

@@ -1,16 +1,35 @@
+"""FP8/FP4 quantisation as the V4 references simulate it (`reference`); the FP8 round trip with
+power-of-two scales runs as one Triton kernel on CUDA tensors that need no gradient."""
+
+import torch
+
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.quant import reference
 from hybridkv.ops.quant.reference import (  # noqa: F401
     E2M1_VALUES,
     FP4_AMAX_FLOOR,
     FP8_AMAX_FLOOR,
-    act_quant_sim,
     dequant_fp4_weight,
     dequant_fp8_weight,
     e2m1_round,
     fp4_round_trip,
-    fp8_round_trip,
     pack_fp4,
     pow2_scale,
     quant_fp4,
     quant_fp8_weight,
     unpack_fp4,
 )
+
+
+def fp8_round_trip(x: torch.Tensor, block: int, pow2: bool = True) -> torch.Tensor:
+    """Quantise blocks of the last dim to e4m3 and back; returns x's dtype (see `reference`)."""
+    if (pow2 and use_triton(x) and not x.requires_grad and block & (block - 1) == 0 and x.numel()
+            and x.shape[-1] % block == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        from hybridkv.ops.quant import triton as kernels
+        return kernels.fp8_round_trip(x, block)
+    return reference.fp8_round_trip(x, block, pow2)
+
+
+def act_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The activation quantisation before an FP8/FP4 GEMM (per `block` inputs, power-of-two scales)."""
+    return fp8_round_trip(x, block, pow2=True)

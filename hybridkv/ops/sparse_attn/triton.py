@@ -232,18 +232,21 @@ import torch  # noqa: E402
 
 from hybridkv.ops.backend import is_deterministic  # noqa: E402
 
-# Launch shapes (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages), chosen so that nothing spills at
-# D = 512 with packed fp8 rows (ptxas, sm_90): a BLOCK_N × 512 tile is dequantised in registers.
-# Deterministic mode: one fixed shape for every token. Prefill: all 64 heads of a token per program
-# (wgmma, M = 64), one piece per token. Decode: 16-head programs ("narrow", each row tile re-read per
-# head block from L2) while there are few tokens, whole-head programs ("wide", no re-reads, 128 KB of
-# partial output per piece) once tokens × pieces of ≥ WIDE_MIN_SPLIT rows fill the GPU.
+# Launch shapes (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages), from a sweep of shapes on the
+# H200 at V4-Flash dims (BENCHMARKS.md). Deterministic mode: one fixed shape for every token.
+# Prefill: all 64 heads of a token per program (wgmma, M = 64), one piece per token, 64-row tiles;
+# packed fp8 rows without software pipelining (their dequantisation already fills the registers:
+# 1.4-2.1x faster than two stages). Decode: 16-head programs ("narrow", each row tile re-read per
+# head block from L2) for little work; whole-head programs ("wide", no re-reads) once tokens × rows
+# reach WIDE_ROWS_PER_SM per SM, each piece ≥ MIN_SPLIT rows and about one piece per SM (CSA at 1M,
+# B=8: 39 µs against 71 µs narrow; HCA at 1M, B=1: 50 against 85 µs).
 DETERMINISTIC_CFG = (16, 32, 256, 8, 2)
-PREFILL_CFG = (64, 32, 8, 2)                     # BLOCK_H, BLOCK_N, num_warps, num_stages
+PREFILL_CFG = {False: (64, 64, 8, 2), True: (64, 64, 8, 1)}    # by fp8: BLOCK_H, BLOCK_N, warps, stages
 NARROW_CFG = (16, 32, 8, 2)
 WIDE_CFG = (64, 32, 8, 2)
-PIECES_PER_SM = 2                                # decode programs per SM to aim for
-MIN_SPLIT, WIDE_MIN_SPLIT = 64, 256
+PIECES_PER_SM = 2                                # narrow decode programs per SM to aim for
+MIN_SPLIT = 64
+WIDE_ROWS_PER_SM = 32
 COMBINE_CFG = dict(BLOCK_H=4, BLOCK_D=64, BLOCK_S=16, num_warps=4)
 
 
@@ -258,19 +261,19 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _config(num_tokens: int, rows_max: int, heads: int, device) -> tuple[int, int, int, int, int]:
+def _config(num_tokens: int, rows_max: int, heads: int, device, fp8: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_H, BLOCK_N, split_rows, num_warps, num_stages) for a launch of num_tokens tokens whose
     longest row list has rows_max rows."""
     if is_deterministic():
         return DETERMINISTIC_CFG
     if num_tokens > 64:
-        bh, bn, warps, stages = PREFILL_CFG
+        bh, bn, warps, stages = PREFILL_CFG[fp8]
         return min(bh, max(16, triton.next_power_of_2(heads))), bn, triton.cdiv(rows_max, bn) * bn, warps, stages
     sms = _sms(device)
-    wide = heads >= WIDE_CFG[0] and num_tokens * (rows_max // WIDE_MIN_SPLIT) >= sms
+    wide = heads >= WIDE_CFG[0] and num_tokens * rows_max >= WIDE_ROWS_PER_SM * sms
     bh, bn, warps, stages = WIDE_CFG if wide else NARROW_CFG
     want = max(1, (sms if wide else PIECES_PER_SM * sms) // (num_tokens * triton.cdiv(heads, bh)))
-    split = max(WIDE_MIN_SPLIT if wide else MIN_SPLIT, triton.cdiv(triton.cdiv(rows_max, want), bn) * bn)
+    split = max(MIN_SPLIT, triton.cdiv(triton.cdiv(rows_max, want), bn) * bn)
     return bh, bn, split, warps, stages
 
 
@@ -299,7 +302,7 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     else:
         n_comp_max = 0
     rows_max = window + n_comp_max
-    bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev)
+    bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev, fp8)
     n_split = max(1, triton.cdiv(rows_max, split))
     out = torch.empty(t, h, head_dim, dtype=torch.float32, device=dev)
     if t == 0:

@@ -1,0 +1,63 @@
+"""One Triton kernel for the FP8 (e4m3) round trip with power-of-two block scales, the activation
+quantisation in front of every FP8 linear and the window KV's storage round trip. The plain-torch
+definition (`reference.fp8_round_trip`) takes a dozen launches per call; on a decode step, where
+every call is a few thousand elements, those launches were the host's largest cost.
+
+Bit-exact with the reference: the scale 2^ceil(log2(amax/448)) comes from the float32 bits
+(adding 0x7FFFFF to a normal float's bits and keeping the exponent rounds it up to a power of
+two, leaving powers of two alone), x · 2^-k is exact, and the rounding to e4m3 is to nearest,
+ties to even, as torch's conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
+
+ROWS = 16   # quantisation blocks per program
+
+
+@triton.jit
+def _e4m3_round(q):
+    """|q| ≤ 448 rounded to the nearest e4m3 value, ties to even, as float32. Done in float32
+    arithmetic rather than by a conversion to float8 (Triton's interpreter drops the carry into the
+    exponent when a mantissa rounds up): adding and subtracting c = 1.5·2^23·quantum rounds to a
+    multiple of the quantum 2^(e−3) of q's binade (e ≥ −6: e4m3's subnormals share the quantum 2^−9)."""
+    a = tl.abs(q)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
+    c = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(q < 0, -r, r)
+
+
+@triton.jit
+def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+                          R: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_blocks)[:, None]
+    offs = rows.to(tl.int64)[:, None] * BLOCK + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), FLOOR)
+    t = amax * (1.0 / QMAX)
+    s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    s = s_bits.to(tl.float32, bitcast=True)
+    inv = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)          # 1/s, exact for a power of two
+    q = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
+    y = _e4m3_round(q) * s[:, None]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`reference.fp8_round_trip(x, block, pow2=True)` in one launch (x's last dim a multiple of
+    block, block a power of two)."""
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n_blocks = xc.numel() // block
+    if n_blocks:
+        fp8_round_trip_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
+                                                               BLOCK=block, R=ROWS, num_warps=4)
+    return y.view(x.shape)
