@@ -4,6 +4,7 @@ definitions, so these tests check the wiring: which rows each token reads, the r
 the segment's attention, entries appended before it. tests/gpu compares the kernels themselves."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,3 +89,38 @@ def test_kernel_mode_variable(monkeypatch, mode):
             use_triton(torch.zeros(1))
     else:
         assert not use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize("start,length,frozen", [(0, 300, 0), (256, 200, 256), (100, 300, 256)])
+def test_fused_compressor_write_stores_the_bytes_of_the_unfused_path(start, length, frozen):
+    """Pooling, norm, RoPE, quantisation and packing straight into the pool (what the paged path does
+    for packed stores) leaves every byte the compressor's entries + the store's encoder would, over
+    two chunks; the entries of a prefix hit (below `frozen`) keep their bytes."""
+    from hybridkv.ops.rope import rope_freqs
+    from hybridkv.weights import load_model
+    model, cfg = load_model(FP8_FIXTURE, dtype=torch.bfloat16)
+    attn = model.layers[1].attn
+    assert attn.ratio == 4 and attn.indexer is not None
+    g = torch.Generator().manual_seed(start + length)
+    x = torch.randn(start + length, cfg.hidden_size, generator=g).bfloat16()
+    positions = torch.arange(start + length)
+    with torch.no_grad():
+        rows = attn._token_rows(x, attn.q_norm(attn.wq_a(x)), rope_freqs(positions, attn.inv_freq),
+                                SimpleNamespace(positions=positions))
+    pools = []
+    for fused in (False, True):
+        store = PagedKVStore(cfg, 8, 1, "fp8", torch.bfloat16)
+        store.kernel_formats = ("fp8", "fp4")
+        for kind in ("kv", "index"):
+            store.entries[1][kind].fill_(0x11)          # stands for bytes a prefix hit provides
+        view = PagedSeqKV(store, SeqCache(0, [5, 2, 7, 0], frozen_until=frozen))
+        with torch.no_grad():
+            for a, b in ((0, start), (start, start + length)):
+                if b > a:
+                    chunk = {k: v[a:b] for k, v in rows.items()}
+                    attn._append_compressed_v4(a, view.layer(1), chunk, view.kernel_args(a, b - a) if fused else None)
+        pools.append({k: store.entries[1][k].clone() for k in ("kv", "index")})
+    for kind in ("kv", "index"):
+        assert torch.equal(pools[0][kind], pools[1][kind]), kind
+        first_block = pools[1][kind][5]                   # block 0 of the request: entries 0..31
+        assert bool((first_block == 0x11).all()) == (frozen >= 128)

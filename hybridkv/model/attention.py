@@ -30,6 +30,7 @@ from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
+from hybridkv.ops.compress import compress_paged
 from hybridkv.ops.indexer_topk import indexer_topk_paged
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
 from hybridkv.ops.sparse_attn.reference import attention_probs
@@ -154,7 +155,7 @@ class Attention(nn.Module):
         kargs = self._kernel_args(seg.kv, seg.start_pos, seg.length)
         if kargs is not None:
             if self.ratio:
-                self._append_compressed_v4(seg.start_pos, layer_kv, rows)
+                self._append_compressed_v4(seg.start_pos, layer_kv, rows, kargs)
             stored = kargs.encode_window(kv)
             out = self._attend_kernels(kargs, q, stored, rows)
             layer_kv.write_window(seg.start_pos, stored, stored=True)   # after: the kernels read earlier rows there
@@ -195,9 +196,12 @@ class Attention(nn.Module):
         kargs = self._kernel_args(dkv)
         if kargs is not None:
             if self.compressor is not None:
-                self._compress_decode(dkv, "kv", self.compressor, rows["comp_kv"], rows["comp_score"])
+                # decode positions lie past every prefix hit: nothing here is shared, all is writable
+                self._compress_decode(dkv, "kv", self.compressor, rows["comp_kv"], rows["comp_score"],
+                                      self._paged_writer(kargs, "kv", self.compressor))
                 if self.indexer is not None:
-                    self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"])
+                    self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"],
+                                          self._paged_writer(kargs, "index", self.indexer.compressor))
             stored = kargs.encode_window(kv)
             dkv.write_window(lid, stored)    # ring row pos % W held pos − W, which no window reads any more
             out = self._attend_kernels(kargs, q, stored, rows)
@@ -235,24 +239,51 @@ class Attention(nn.Module):
         dkv.done(lid)
         return out
 
-    def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score) -> None:
+    def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score,
+                         write=None) -> None:
         st_kv, st_score = dkv.compressor_state(self.layer_id, kind)
-        which, entries = compressor.update_decode(st_kv, st_score, rows_kv, rows_score, dkv.positions, self.inv_freq)
+        which, entries = compressor.update_decode(st_kv, st_score, rows_kv, rows_score, dkv.positions, self.inv_freq,
+                                                  write)
         dkv.store_compressor_state(self.layer_id, kind, st_kv, st_score)
-        if which.numel():
+        if entries is not None and which.numel():
             dkv.append_entries(self.layer_id, kind, which, dkv.positions[which] // self.ratio, entries)
 
-    def _append_compressed_v4(self, start_pos: int, layer_kv: LayerKV, rows) -> None:
-        """Run this layer's compressors over the segment's rows and store the entries they complete."""
-        first, new = self.compressor.update(layer_kv.compressor_state("kv"), rows["comp_kv"], rows["comp_score"],
-                                            start_pos, self.inv_freq)
-        if new.shape[0]:
-            layer_kv.append_entries("kv", first, new)
+    def _append_compressed_v4(self, start_pos: int, layer_kv: LayerKV, rows, kargs=None) -> None:
+        """Run this layer's compressors over the segment's rows and store the entries they complete
+        (with the paged kernels' inputs and a packed store: finished and packed straight into the pool)."""
+        parts = [("kv", self.compressor, rows["comp_kv"], rows["comp_score"])]
         if self.indexer is not None:
-            first, new = self.indexer.compressor.update(layer_kv.compressor_state("index"), rows["idx_kv"],
-                                                        rows["idx_score"], start_pos, self.inv_freq)
-            if new.shape[0]:
-                layer_kv.append_entries("index", first, new)
+            parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
+        for kind, compressor, kv_rows, score_rows in parts:
+            frozen = layer_kv.seq.frozen_until // self.ratio if kargs is not None else 0
+            write = self._paged_writer(kargs, kind, compressor, frozen)
+            first, new = compressor.update(layer_kv.compressor_state(kind), kv_rows, score_rows, start_pos,
+                                           self.inv_freq, write)
+            if new is not None and new.shape[0]:
+                layer_kv.append_entries(kind, first, new)
+
+    def _paged_writer(self, kargs, kind: str, compressor: Compressor, first_writable: int = 0):
+        """`write(rows, block_starts, requests)` for a compressor: the fused pool → norm → RoPE →
+        quantise → pack → store of `compress_paged` into this layer's pool, for packed stores read by
+        the paged kernels; None otherwise. Entries below `first_writable` (a prefix hit's, in blocks
+        other requests may share) are left alone."""
+        fmt = None if kargs is None else (kargs.main_format if kind == "kv" else kargs.index_format)
+        if fmt not in ("fp8", "fp4"):
+            return None
+        pool = kargs.pool(self.layer_id, kind)
+        per_block = kargs.batch.block_tokens // self.ratio
+
+        def write(block_rows, block_starts, requests):
+            entry_ids = torch.div(block_starts, self.ratio, rounding_mode="floor")
+            if first_writable:
+                keep = entry_ids >= first_writable
+                block_rows = tuple(t[keep] for t in block_rows)
+                block_starts, requests, entry_ids = block_starts[keep], requests[keep], entry_ids[keep]
+            compress_paged(*block_rows, compressor.norm.weight, compressor.norm.eps,
+                           rope_freqs(block_starts, self.inv_freq), "index" if compressor.rotate else "main", pool,
+                           fmt, kargs.batch.block_tables, requests, entry_ids.to(torch.int32), per_block,
+                           compressor.out_dtype)
+        return write
 
     def _compressed_v4(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows, share):
         """This layer's own entries; CSA: the indexer's top-k of them, HCA: all visible ones."""

@@ -65,9 +65,11 @@ class Compressor(nn.Module):
         return self.wkv(x), score
 
     def update(self, state: CompressorState | None, kv: torch.Tensor, score: torch.Tensor | None, start_pos: int,
-               inv_freq: torch.Tensor) -> tuple[int, torch.Tensor]:
+               inv_freq: torch.Tensor, write=None) -> tuple[int, torch.Tensor | None]:
         """Feed one request's rows for positions [start_pos, start_pos + len(kv)).
-        Returns (index of the first new entry, new entries [n, d]); n may be 0."""
+        Returns (index of the first new entry, new entries [n, d]); n may be 0. With `write(rows,
+        block_starts, requests)` the completed blocks' rows go there instead (a fused finish-and-store)
+        and no entries are returned."""
         if self.stateless:
             return start_pos, kv
         r = self.ratio
@@ -87,7 +89,11 @@ class Compressor(nn.Module):
                 state.kv[:r] = blocks_kv[-1]
                 state.score[:r] = blocks_score[-1]
             starts = torch.arange(first_block, first_block + n_done, device=kv.device) * r
-            entries = self._finish(rows, starts, inv_freq)
+            if write is not None:
+                write(rows, starts, torch.zeros(n_done, dtype=torch.int32, device=kv.device))
+                entries = None
+            else:
+                entries = self._finish(rows, starts, inv_freq)
         rest = rows_kv.shape[0] - n_done * r
         state.kv[cur:cur + rest] = rows_kv[n_done * r:]
         state.score[cur:cur + rest] = rows_score[n_done * r:]
@@ -96,9 +102,11 @@ class Compressor(nn.Module):
         return first_block, entries
 
     def update_decode(self, st_kv: torch.Tensor, st_score: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
-                      positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      positions: torch.Tensor, inv_freq: torch.Tensor,
+                      write=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per request, batched: st_kv/st_score [B, rows, width] are the requests' states
-        (updated in place). Returns (indices of the requests that completed a block, their entries)."""
+        (updated in place). Returns (indices of the requests that completed a block, their entries);
+        with `write` (see `update`) the entries are stored there and None is returned for them."""
         r = self.ratio
         cur = r if self.overlap else 0
         b = torch.arange(kv.shape[0], device=kv.device)
@@ -114,6 +122,9 @@ class Compressor(nn.Module):
             st_score[sel, :r] = ssc[:, r:]
         st_kv[sel, cur:cur + r] = 0
         st_score[sel, cur:cur + r] = float("-inf")
+        if write is not None:
+            write(rows, positions[sel] + 1 - r, sel.to(torch.int32))
+            return sel, None
         return sel, self._finish(rows, positions[sel] + 1 - r, inv_freq)
 
     def _finish(self, rows: tuple[torch.Tensor, torch.Tensor], block_starts: torch.Tensor,

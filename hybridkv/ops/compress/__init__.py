@@ -41,9 +41,11 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
     pool[block_tables[req, j // epb], j % epb]. fmt: "fp8" (main, 584-B), "fp4" (index, 68-B) or
     "bf16" (float values of the pool's dtype)."""
     n, _, d = kv_rows.shape
+    if n == 0:
+        return
     packed = fmt in ("fp8", "fp4")
     flat = pool.view(-1, pool.shape[-1])
-    if n and _kernel_ok(kv_rows, d, 2 * freqs.shape[-1], kind, True):
+    if _kernel_ok(kv_rows, d, 2 * freqs.shape[-1], kind, True):
         from hybridkv.ops.compress import triton as kernels
         kernels.compress_write(kv_rows, score_rows, norm_weight, eps, freqs.real, freqs.imag, kind, flat, packed,
                                ent_j.to(torch.int32), ent_req.to(torch.int32), block_tables, entries_per_block,
