@@ -131,3 +131,14 @@ def test_eval_workers_give_the_single_process_results(eval_dir, tmp_path):
                           if x["length"] == length and x["task"] in ("passkey", "niah_single_2"))
 
         assert cells(run, 1024) == cells(whole[policy], 1024)
+
+
+def test_eval_in_another_compute_dtype_is_labelled_apart(tmp_path):
+    """--dtype bfloat16 runs the engine in bf16 (the GPU setting); its runs carry the dtype in their
+    label, so a comparison or merge never mixes them with float32 results."""
+    out = tmp_path / "bf16"
+    subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--tasks", "passkey", "--lengths", "1024",
+                    "--samples", "1", "--dtype", "bfloat16", "--out", str(out)], check=True, capture_output=True)
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["full+bfloat16"]
+    assert [r["score"] for r in runs[0]["results"]] == [1.0]

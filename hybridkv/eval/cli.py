@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from hybridkv.eval.report import compare, load, load_with_command, markdown, merge, plots
 from hybridkv.eval.runner import build_samples, run_policy
 from hybridkv.eval.tasks import expand_tasks
@@ -42,8 +44,8 @@ def _run_cells_in_workers(a, tasks: list[str], lengths: list[int]) -> list:
     threads = a.threads_per_worker or max(1, (os.cpu_count() or 1) // a.workers)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cells = sorted(((t, n) for t in tasks for n in lengths), key=lambda c: -c[1])
-    common = ["--samples", str(a.samples), "--policy", a.policy, "--device", a.device, "--max-num-seqs",
-              str(a.max_num_seqs), "--seed", str(a.seed), "--indexer", a.indexer]
+    common = ["--samples", str(a.samples), "--policy", a.policy, "--device", a.device, "--dtype", a.dtype,
+              "--max-num-seqs", str(a.max_num_seqs), "--seed", str(a.seed), "--indexer", a.indexer]
     if a.tokenizer:
         common += ["--tokenizer", a.tokenizer]
     with tempfile.TemporaryDirectory(prefix="hybridkv-eval-") as tmp:
@@ -139,6 +141,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model directory's)")
     p.add_argument("--out", default=None, help="output directory (default: MODEL_DIR/eval)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's compute dtype (on a GPU bfloat16: the attention kernels run on tensor cores)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--indexer", choices=["native", "random"], default="native",
@@ -167,7 +171,8 @@ def main(argv: list[str]) -> int:
         for policy in policies:
             with tqdm(total=len(samples), desc=f"policy {policy}", unit="req") as bar:
                 runs.append(run_policy(a.model_dir, policy, samples, tok, tasks, lengths, a.samples, a.device,
-                                       a.max_num_seqs, progress=bar.update, indexer=a.indexer))
+                                       a.max_num_seqs, progress=bar.update, indexer=a.indexer,
+                                       dtype=getattr(torch, a.dtype)))
     out = Path(a.out) if a.out else Path(a.model_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv),

@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.eval.scoring import mrcr_score, string_match_all, string_match_part, word_match_all
 from hybridkv.eval.tasks import NEEDLE_TASKS, EvalSample, make_eval_sample
@@ -105,6 +107,9 @@ def run_policy(model_dir: str | Path, policy: str, samples: list[tuple[int, Eval
               tiers={"dram_bytes": 0}, **engine_options)
     indexer = engine_options.get("indexer", "native")
     label = policy if indexer == "native" else f"{policy}+{indexer}-indexer"
+    dtype = engine_options.get("dtype")
+    if dtype is not None and dtype != torch.float32:       # results of another compute dtype stay apart
+        label += f"+{str(dtype).removeprefix('torch.')}"
     run = EvalRun(str(model_dir), label, tasks, lengths, n)
     t0 = time.perf_counter()
     eng = llm.engine
