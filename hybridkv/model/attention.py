@@ -254,8 +254,8 @@ class Attention(nn.Module):
         parts = [("kv", self.compressor, rows["comp_kv"], rows["comp_score"])]
         if self.indexer is not None:
             parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
+        frozen = layer_kv.seq.frozen_until // self.ratio if kargs is not None else 0
         for kind, compressor, kv_rows, score_rows in parts:
-            frozen = layer_kv.seq.frozen_until // self.ratio if kargs is not None else 0
             write = self._paged_writer(kargs, kind, compressor, frozen)
             first, new = compressor.update(layer_kv.compressor_state(kind), kv_rows, score_rows, start_pos,
                                            self.inv_freq, write)
