@@ -1,6 +1,7 @@
 """hybridkv.tasks: the word lists, the task tokenizer (and its use by the engine), and the
 token-exact sample generators."""
 
+import re
 import shutil
 
 import numpy as np
@@ -226,3 +227,24 @@ def test_single_needle_appears_exactly_once(task, length, tok, pools):
             assert prompt.count(f"for {key} is:") == 1
             assert prompt.count(value) == 1
         assert len(s.prompt) == length
+
+
+def test_hard_multikey_distractors_share_one_word_with_the_asked_key(tok, pools):
+    """niah_multikey_hard (a training drill): four needles; each distractor key shares exactly one
+    word (adjective or noun) with the asked key; the answer is the asked key's value."""
+    from hybridkv.tasks.generators import GENERATED_TASKS, TRAIN_TASKS
+    assert "niah_multikey_hard" in GENERATED_TASKS and "niah_multikey_hard" not in TRAIN_TASKS
+    shared = set()
+    for seed in range(12):
+        s = make_sample("niah_multikey_hard", seed, pools, 2048)
+        prompt = tok.decode(s.prompt)
+        asked = s.meta["keys"][0]
+        needles = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d+)\.", prompt)
+        assert len(needles) == 4 and len({k for k, _ in needles}) == 4 and len({v for _, v in needles}) == 4
+        assert dict(needles)[asked] == s.answers[0]
+        for key, _ in needles:
+            if key != asked:
+                same = [a == b for a, b in zip(key.split("-"), asked.split("-"))]
+                assert sum(same) == 1
+                shared.add(same.index(True))
+    assert shared == {0, 1}          # both the adjective and the noun are shared somewhere

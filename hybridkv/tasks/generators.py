@@ -28,7 +28,12 @@ from hybridkv.tasks.tokenizer import TaskTokenizer
 NIAH_VARIANTS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                  "niah_multikey_3", "niah_multivalue", "niah_multiquery")
 TASKS = (*NIAH_VARIANTS, "passkey", "vt", "assoc", "copy")
-TRAIN_TASKS = TASKS
+TRAIN_TASKS = TASKS          # the default training mix (uniform)
+# Training drills beyond RULER's families, only where a recipe names them:
+# niah_multikey_hard: niah_multikey_1 whose three distractor keys each share a word with the asked key
+# (its adjective or its noun), so a needle is found by the whole key, not by one of its words.
+DRILLS = ("niah_multikey_hard",)
+GENERATED_TASKS = (*TASKS, *DRILLS)
 
 
 class Units:
@@ -161,8 +166,10 @@ def _niah(task: str, rng: random.Random, pools: Pools, depth: float | None, leng
     kind = "uuid" if task in ("niah_single_3", "niah_multikey_3") else "number"
     units = {"niah_single_1": pools.noise, "niah_multikey_2": pools.number_needles,
              "niah_multikey_3": pools.uuid_needles}.get(task, pools.sentences)
-    n = 4 if task in ("niah_multikey_1", "niah_multivalue", "niah_multiquery") else 1
+    n = 4 if task in ("niah_multikey_1", "niah_multikey_hard", "niah_multivalue", "niah_multiquery") else 1
     keys = _distinct(partial(text.uuid_str if task == "niah_multikey_3" else text.word_key, rng), n, pools.needle_keys)
+    if task == "niah_multikey_hard":
+        keys = [keys[0], *_distinct(partial(text.word_key_sharing, rng, keys[0]), n - 1, pools.needle_keys | {keys[0]})]
     if task == "niah_multivalue":
         keys = [keys[0]] * n
     values = _distinct(partial(text.uuid_str, rng) if kind == "uuid" else partial(text.number, rng), n)
@@ -227,7 +234,8 @@ def _copy(rng: random.Random, pools: Pools, depth: float | None, length: int) ->
 
 # every builder: (rng, pools, depth, length) -> _Spec
 _BUILDERS: dict[str, Callable[[random.Random, Pools, float | None, int], _Spec]] = {
-    **{t: partial(_niah, t) for t in NIAH_VARIANTS}, "passkey": _passkey, "vt": _vt, "assoc": _assoc, "copy": _copy}
+    **{t: partial(_niah, t) for t in (*NIAH_VARIANTS, "niah_multikey_hard")}, "passkey": _passkey, "vt": _vt,
+    "assoc": _assoc, "copy": _copy}
 
 
 def _spec(task: str, seed: int, pools: Pools, length: int, depth: float | None,
@@ -235,7 +243,7 @@ def _spec(task: str, seed: int, pools: Pools, length: int, depth: float | None,
     """The task's pieces and the generator that goes on to size the haystack; `stream` keeps training
     draws apart from evaluation draws of the same seed."""
     if task not in _BUILDERS:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(GENERATED_TASKS)}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be within [0, 1], got {depth}")
     rng = random.Random(f"{pools.seed}:{stream}:{task}:{seed}:{length}")

@@ -81,6 +81,14 @@ def word_key(rng: random.Random) -> str:
     return f"{rng.choice(words.adjectives())}-{rng.choice(words.nouns())}"
 
 
+def word_key_sharing(rng: random.Random, key: str) -> str:
+    """A word key that shares exactly one word with `key` (its adjective or its noun)."""
+    adjective, noun = key.split("-")
+    if rng.random() < 0.5:
+        return f"{adjective}-{rng.choice(words.nouns())}"
+    return f"{rng.choice(words.adjectives())}-{noun}"
+
+
 def uuid_str(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 

@@ -12,6 +12,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   where the task curriculum left it short of the NIAH bars (one H200 command).
 - `tiny-v4-keys`: continues a `tiny-v4-needles` model on UUID and multi-key needles at 4K-16K,
   which that one still missed (one H200 command).
+- `tiny-v4-distractors`: continues a `tiny-v4-keys` model on multi-key needles whose distractor
+  keys share a word with the asked key, and on UUID needles from 2K up (not trained yet).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -209,6 +211,26 @@ def _tiny_v4_keys() -> Recipe:
     )
 
 
+_DISTRACTOR_FOCUS = {"passkey": 0.05, "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_single_3": 0.3,
+                     "niah_multikey_hard": 0.25, "niah_multikey_1": 0.1, "niah_multikey_2": 0.05,
+                     "niah_multiquery": 0.05}
+
+
+def _tiny_v4_distractors() -> Recipe:
+    """Continues a `tiny-v4-keys` model where it missed its bars: it answered 23 of 80 multi-key
+    prompts with a distractor needle's value and copied UUIDs with a few characters wrong. Multi-key
+    needles whose distractor keys share a word with the asked key (the needle must be found by the
+    whole key), and UUID needles from 2K tokens up, where an exact copy is easier to learn."""
+    return Recipe(
+        name="tiny-v4-distractors", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1300,
+        stages=[Stage(300, 2048, 16, dense_indexer=False, qat_experts=True),
+                Stage(700, 4096, 8, dense_indexer=False, qat_experts=True),
+                Stage(1100, 8192, 4, dense_indexer=False, qat_experts=True),
+                Stage(1300, 16384, 2, dense_indexer=False, qat_experts=True)],
+        lr=1e-3, warmup=30, log_every=20, task_weights=_DISTRACTOR_FOCUS, base="tiny-v4-keys", seed=4,
+    )
+
+
 TINY_V41_MODEL = {
     **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
     "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
@@ -250,7 +272,7 @@ def _smoke_v41() -> Recipe:
 
 
 RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
-           "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
+           "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
 
 def get_recipe(name: str) -> Recipe:
