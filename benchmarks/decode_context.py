@@ -4,12 +4,13 @@ each context, then timed decode steps. Prints a row per context as it lands:
     context, prefill s, decode ms/step (median), tokens/s, drop against the shortest context,
     device busy per step (CUDA, under torch.profiler) and the top operators by device time.
 
-With --reference, the same requests are also decoded through the reference path (rows gathered and
-decoded from the store before attention; what the engine does where the paged kernels do not
-apply), on the same cache.
+On CUDA the engine replays captured decode steps (engine/graphs.py); with --eager the same requests
+are also decoded with the paged kernels launched one by one, and with --reference through the
+reference path (rows gathered and decoded from the store before attention; what the engine does
+where the paged kernels do not apply), on the same cache.
 
     python benchmarks/decode_context.py --model DIR [--contexts 4k,128k,1m] [--batch 1] [--steps 64]
-        [--device cuda] [--kv-format fp8] [--dtype bfloat16] [--chunk 8192] [--reference] [--top 12]
+        [--device cuda] [--kv-format fp8] [--dtype bfloat16] [--chunk 8192] [--eager] [--reference] [--top 12]
         [--host-profile N] [--json OUT]
 
 A context of "1m" is clamped to the checkpoint's max_position_embeddings minus the decoded tokens.
@@ -75,6 +76,7 @@ def main() -> int:
     ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
+    ap.add_argument("--eager", action="store_true", help="also time the paged kernels without CUDA graphs")
     ap.add_argument("--reference", action="store_true", help="also time the reference attention path")
     ap.add_argument("--top", type=int, default=12, help="operators listed per profile (CUDA)")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -82,7 +84,7 @@ def main() -> int:
                     help="also print where the host's time goes (cProfile of N steps, by own time)")
     a = ap.parse_args()
     contexts = [_parse_count(c) for c in a.contexts.split(",")]
-    budget = WARM_STEPS + 2 * (a.steps + 4 + a.host_profile) + 16
+    budget = WARM_STEPS + 3 * (a.steps + 6 + a.host_profile) + 16
     llm = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), kv_format=a.kv_format,
               num_blocks=a.batch * (max(contexts) // 128 + 4) + 8, max_num_seqs=a.batch,
               max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
@@ -107,13 +109,21 @@ def main() -> int:
         sync(a.device)
         prefill_s = time.perf_counter() - t
         timed_steps(eng, WARM_STEPS, a.device)
-        paths = [("kernels" if eng.store.kernel_formats else "reference", eng.store.kernel_formats)]
-        if a.reference and eng.store.kernel_formats:
-            paths.append(("reference", None))
-        saved = eng.store.kernel_formats
-        for name, formats in paths:
-            eng.store.kernel_formats = formats          # the same cache, read one way or the other
+        graphs, formats = eng.graphs, eng.store.kernel_formats
+        # (name, kernel formats, graphs): the same cache, read one way or the other
+        paths = [("graphs" if graphs else "kernels" if formats else "reference", formats, graphs)]
+        if a.eager and graphs:
+            paths.append(("kernels", formats, None))
+        if a.reference and formats:
+            paths.append(("reference", None, None))
+        for name, fmt, gr in paths:
+            eng.store.kernel_formats, eng.graphs = fmt, gr
+            before = eng.stats.graph_steps
+            if gr is not None:
+                timed_steps(eng, 2, a.device)           # captures this context's graph
             step_s = statistics.median(timed_steps(eng, a.steps, a.device))
+            if gr is not None:
+                assert eng.stats.graph_steps - before == a.steps + 2, "a step ran outside the graph"
             row = dict(context=ctx, batch=a.batch, path=name, prefill_s=prefill_s, step_ms=1e3 * step_s,
                        tok_s=a.batch / step_s)
             if name == paths[0][0]:
@@ -131,7 +141,7 @@ def main() -> int:
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(a.top * 2)
                 print(text.getvalue()[-6000:], flush=True)
-        eng.store.kernel_formats = saved
+        eng.store.kernel_formats, eng.graphs = formats, graphs
         for s in seqs:
             eng.abort(s.request_id)
     print("\n| context | path | prefill s | decode ms/step | tok/s | drop vs shortest | device ms/step |")

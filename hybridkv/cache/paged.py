@@ -475,6 +475,23 @@ class PagedDecodeKV:
         self.window_start = torch.tensor([s.window_start for s in seqs], dtype=torch.long, device=dev)
         self.frozen = torch.tensor([s.frozen_until for s in seqs], dtype=torch.long, device=dev)
         self._b = torch.arange(len(seqs), device=dev)
+        self._max_pos = max(self.host_positions)
+
+    @classmethod
+    def fixed(cls, store: PagedKVStore, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+              max_pos: int) -> "PagedDecodeKV":
+        """A view over device tensors the caller owns and refills (a CUDA graph's inputs): positions,
+        slots [B] long, block tables [B, width] long; `max_pos` bounds every position (the kernels'
+        grids are sized from it). Paged kernel path only: the caller has checked that each request's
+        window is complete (`_window_complete`) and that no memory policy offloads."""
+        self = cls.__new__(cls)
+        self.store, self.seqs, self.on_layer_done = store, None, None
+        self.host_positions, self.positions, self.slots, self.tables = None, positions, slots, tables
+        self.page_tables = self.window_start = self.frozen = None
+        self._b = torch.arange(positions.shape[0], device=positions.device)
+        self._max_pos = max_pos
+        self._kernel_args = False
+        return self
 
     def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         W = self.store.config.sliding_window
@@ -489,15 +506,15 @@ class PagedDecodeKV:
         """The group's layout for the paged kernels, or None when attention takes the reference path."""
         if self._kernel_args is False:
             W = self.store.config.sliding_window
-            ok = self.store.kernel_formats is not None and all(
-                _window_complete(s, p, W) for s, p in zip(self.seqs, self.host_positions))
+            ok = self.store.kernel_formats is not None and (self.seqs is None or all(
+                _window_complete(s, p, W) for s, p in zip(self.seqs, self.host_positions)))
             self._kernel_args = None
             if ok:
-                rows = torch.arange(len(self.seqs), dtype=torch.int32, device=self.positions.device)
+                rows = torch.arange(self.positions.shape[0], dtype=torch.int32, device=self.positions.device)
                 pos = self.positions.to(torch.int32)
                 batch = PagedBatch(rows, pos, self.slots.to(torch.int32), self.tables.to(torch.int32), pos, rows,
                                    self.store.block_tokens)
-                self._kernel_args = KernelArgs(self.store, batch, max(self.host_positions))
+                self._kernel_args = KernelArgs(self.store, batch, self._max_pos)
         return self._kernel_args
 
     def write_window(self, layer_id: int, stored_rows: torch.Tensor) -> None:
@@ -531,6 +548,17 @@ class PagedDecodeKV:
             pages = self.page_tables[which, entry_ids // per]
             self.store.pages[layer_id][pages, entry_ids % per] = encoded
 
+    def write_entries(self, layer_id: int, kind: str, which: torch.Tensor, entry_ids: torch.Tensor,
+                      rows: torch.Tensor) -> None:
+        """append_entries with fixed shapes: entry entry_ids[i] of request which[i] is stored where the
+        id is not −1 (those rows leave the pool as it was). Paged, device-resident entries only."""
+        per = self._per_block(layer_id)
+        keep = (entry_ids >= 0).unsqueeze(-1)
+        e = entry_ids.clamp(min=0)
+        blocks, slots = self.tables[which, e // per], e % per
+        pool = self.store.entries[layer_id][kind]
+        pool[blocks, slots] = torch.where(keep, self.store.codec[kind].encode(rows), pool[blocks, slots])
+
     def entries(self, layer_id: int, kind: str, counts: torch.Tensor) -> torch.Tensor:
         per = self._per_block(layer_id)
         nb = max(1, -(-int(counts.max()) // per))
@@ -557,6 +585,6 @@ class PagedDecodeKV:
         return (self.page_tables[:, cols] >= 0) & (j < self.page_tables.shape[1])
 
     def done(self, layer_id: int) -> None:
-        if self.on_layer_done is not None:
+        if self.on_layer_done is not None and self.seqs is not None:
             for seq, pos in zip(self.seqs, self.positions.tolist()):
                 self.on_layer_done(seq, layer_id, pos + 1)

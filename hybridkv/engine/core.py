@@ -15,6 +15,7 @@ from hybridkv.cache.prefix import PrefixCache, WindowPolicy, root_hash
 from hybridkv.cache.tiers import TierConfig, TieredStore
 from hybridkv.cache.tiers.convert import layout_identity
 from hybridkv.config import ModelConfig
+from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.sampling import SamplingParams, sample
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
@@ -40,6 +41,8 @@ class EngineConfig:
     oracle_query_tokens: int = 64        # prompt-end queries whose attention an oracle policy ranks by
     indexer: str = "native"              # native | random (ablation: CSA top-k replaced by a random set)
     indexer_seed: int = 0
+    cuda_graphs: bool = True             # replay captured decode steps on CUDA (engine/graphs.py); also
+                                         # off with the environment variable HYBRIDKV_CUDA_GRAPHS=0
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
 
     def __post_init__(self) -> None:
@@ -71,6 +74,7 @@ class EngineStats:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     pages_loaded: int = 0      # memory policy: resident CSA pages brought to the device
     pages_evicted: int = 0
+    graph_steps: int = 0       # decode steps replayed from a CUDA graph (or run by its fixed-shape forward)
 
 
 class EngineCore:
@@ -109,6 +113,8 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
+        graphs = self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
+        self.graphs = DecodeGraphs(model, self.store) if graphs and self.device.type == "cuda" else None
         self._ids = itertools.count()
 
     def _set_indexer(self, mode: str, seed: int) -> None:
@@ -118,6 +124,7 @@ class EngineCore:
         indexers = [m for m in self.model.modules() if isinstance(m, Indexer)]
         if mode == "random" and not indexers:
             raise ConfigError("indexer 'random' replaces the V4 Lightning Indexer's top-k; this checkpoint has none")
+        self._indexer_mode = mode
         for i, ind in enumerate(indexers):
             ind.random_selection = torch.Generator().manual_seed(seed * 1000 + i) if mode == "random" else None
 
@@ -216,6 +223,10 @@ class EngineCore:
             if c.wants_logits:
                 logit_rows.append(row - 1)
                 owners.append(seq.request_id)
+        if decodes and len(decodes) == len(chunks) and self.graphs is not None:
+            graphed = self._graph_decode(decodes, snapshots)
+            if graphed is not None:
+                return graphed
         decode = None
         if decodes:
             positions = torch.tensor([c.start for c in decodes], dtype=torch.long)
@@ -233,6 +244,23 @@ class EngineCore:
             h = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
             out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
         return {rid: out[i] for i, rid in enumerate(owners)}
+
+    def _graph_decode(self, decodes: list[Chunk], snapshots: bool) -> dict[str, torch.Tensor] | None:
+        """A pure decode step through `self.graphs`, where it applies (None otherwise). The window-state
+        snapshots the eager path takes layer by layer are taken after the step: a layer's state is
+        final once it has run."""
+        seqs, positions = [c.seq.cache for c in decodes], [c.start for c in decodes]
+        if not (DecodeGraphs.supported(self.model, self.store, self._indexer_mode)
+                and self.graphs.eligible(seqs, positions)):
+            return None
+        logits = self.graphs.run([c.seq.token_ids[c.start] for c in decodes], seqs, positions)
+        if snapshots:
+            for c in decodes:
+                hook = self._snapshot_hook(c.seq)
+                for layer_id in range(self.store.num_layers):
+                    hook(layer_id, c.start + 1)
+        self.stats.graph_steps += 1
+        return {c.seq.request_id: logits[i] for i, c in enumerate(decodes)}
 
     def _snapshot_hook(self, seq: Sequence):
         bt = self.store.block_tokens

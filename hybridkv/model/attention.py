@@ -198,10 +198,10 @@ class Attention(nn.Module):
             if self.compressor is not None:
                 # decode positions lie past every prefix hit: nothing here is shared, all is writable
                 self._compress_decode(dkv, "kv", self.compressor, rows["comp_kv"], rows["comp_score"],
-                                      self._paged_writer(kargs, "kv", self.compressor))
+                                      self._decode_writer(kargs, dkv, "kv", self.compressor))
                 if self.indexer is not None:
                     self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"],
-                                          self._paged_writer(kargs, "index", self.indexer.compressor))
+                                          self._decode_writer(kargs, dkv, "index", self.indexer.compressor))
             stored = kargs.encode_window(kv)
             dkv.write_window(lid, stored)    # ring row pos % W held pos − W, which no window reads any more
             out = self._attend_kernels(kargs, q, stored, rows)
@@ -248,6 +248,19 @@ class Attention(nn.Module):
         if entries is not None and which.numel():
             dkv.append_entries(self.layer_id, kind, which, dkv.positions[which] // self.ratio, entries)
 
+    def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):
+        """How batched decode on the paged path stores the entries its tokens complete, with fixed
+        shapes (no per-step list of completing requests): fused into the pool for packed stores,
+        otherwise finished here and written where the entry id is not −1."""
+        fused = self._paged_writer(kargs, kind, compressor)
+        if fused is not None:
+            return fused
+
+        def write(block_rows, block_starts, requests, entry_ids):
+            dkv.write_entries(self.layer_id, kind, requests.long(), entry_ids,
+                              compressor.finish(block_rows, block_starts, self.inv_freq))
+        return write
+
     def _append_compressed_v4(self, start_pos: int, layer_kv: LayerKV, rows, kargs=None) -> None:
         """Run this layer's compressors over the segment's rows and store the entries they complete
         (with the paged kernels' inputs and a packed store: finished and packed straight into the pool)."""
@@ -263,18 +276,19 @@ class Attention(nn.Module):
                 layer_kv.append_entries(kind, first, new)
 
     def _paged_writer(self, kargs, kind: str, compressor: Compressor, first_writable: int = 0):
-        """`write(rows, block_starts, requests)` for a compressor: the fused pool → norm → RoPE →
-        quantise → pack → store of `compress_paged` into this layer's pool, for packed stores read by
-        the paged kernels; None otherwise. Entries below `first_writable` (a prefix hit's, in blocks
-        other requests may share) are left alone."""
+        """`write(rows, block_starts, requests[, entry_ids])` for a compressor: the fused pool → norm →
+        RoPE → quantise → pack → store of `compress_paged` into this layer's pool, for packed stores read
+        by the paged kernels; None otherwise. Entries below `first_writable` (a prefix hit's, in blocks
+        other requests may share) are left alone; entry id −1 (given by fixed-shape decode) is not stored."""
         fmt = None if kargs is None else (kargs.main_format if kind == "kv" else kargs.index_format)
         if fmt not in ("fp8", "fp4"):
             return None
         pool = kargs.pool(self.layer_id, kind)
         per_block = kargs.batch.block_tokens // self.ratio
 
-        def write(block_rows, block_starts, requests):
-            entry_ids = torch.div(block_starts, self.ratio, rounding_mode="floor")
+        def write(block_rows, block_starts, requests, entry_ids=None):
+            if entry_ids is None:
+                entry_ids = torch.div(block_starts, self.ratio, rounding_mode="floor")
             if first_writable:
                 keep = entry_ids >= first_writable
                 block_rows = tuple(t[keep] for t in block_rows)

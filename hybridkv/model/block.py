@@ -40,7 +40,7 @@ class Block(nn.Module):
         x = hc_post(self.attn(self.attn_norm(y), batch), x, post, comb)
         y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
-        return hc_post(self.ffn(self.ffn_norm(y), input_ids), x, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb)
 
     def forward_single_pass(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor,
                             share: CrossLayerShare) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,7 +93,7 @@ class Compressor(nn.Module):
                 write(rows, starts, torch.zeros(n_done, dtype=torch.int32, device=kv.device))
                 entries = None
             else:
-                entries = self._finish(rows, starts, inv_freq)
+                entries = self.finish(rows, starts, inv_freq)
         rest = rows_kv.shape[0] - n_done * r
         state.kv[cur:cur + rest] = rows_kv[n_done * r:]
         state.score[cur:cur + rest] = rows_score[n_done * r:]
@@ -105,13 +105,18 @@ class Compressor(nn.Module):
                       positions: torch.Tensor, inv_freq: torch.Tensor,
                       write=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per request, batched: st_kv/st_score [B, rows, width] are the requests' states
-        (updated in place). Returns (indices of the requests that completed a block, their entries);
-        with `write` (see `update`) the entries are stored there and None is returned for them."""
+        (updated in place). Returns (indices of the requests that completed a block, their entries).
+        With `write(rows, block_starts, requests, entry_ids)` every request's rows go there with fixed
+        shapes, entry id −1 where no block completed (see `_complete_masked`), and (all requests, None)
+        is returned."""
         r = self.ratio
         cur = r if self.overlap else 0
         b = torch.arange(kv.shape[0], device=kv.device)
         st_kv[b, cur + positions % r] = kv.float()
         st_score[b, cur + positions % r] = score.float()
+        if write is not None:
+            self._complete_masked(st_kv, st_score, positions, write)
+            return b, None
         sel = ((positions + 1) % r == 0).nonzero().squeeze(1)
         if sel.numel() == 0:
             return sel, kv.new_zeros(0, self.head_dim)
@@ -122,12 +127,26 @@ class Compressor(nn.Module):
             st_score[sel, :r] = ssc[:, r:]
         st_kv[sel, cur:cur + r] = 0
         st_score[sel, cur:cur + r] = float("-inf")
-        if write is not None:
-            write(rows, positions[sel] + 1 - r, sel.to(torch.int32))
-            return sel, None
-        return sel, self._finish(rows, positions[sel] + 1 - r, inv_freq)
+        return sel, self.finish(rows, positions[sel] + 1 - r, inv_freq)
 
-    def _finish(self, rows: tuple[torch.Tensor, torch.Tensor], block_starts: torch.Tensor,
+    def _complete_masked(self, st_kv: torch.Tensor, st_score: torch.Tensor, positions: torch.Tensor, write) -> None:
+        """update_decode's block completion with fixed shapes and no host synchronisation: every
+        request's rows go to `write`, those that complete no block with entry id −1 (not stored), and
+        the states advance where a block completed."""
+        r = self.ratio
+        cur = r if self.overlap else 0
+        done = ((positions + 1) % r == 0).view(-1, 1, 1)
+        rows = each_block_rows(st_kv[:, cur:], st_score[:, cur:], self.overlap, st_kv[:, :r], st_score[:, :r])
+        starts = positions + 1 - r
+        write(rows, starts.clamp(min=0), torch.arange(positions.shape[0], dtype=torch.int32, device=positions.device),
+              torch.where(done.view(-1), torch.div(starts, r, rounding_mode="floor"), -1))
+        if self.overlap:
+            st_kv[:, :r] = torch.where(done, st_kv[:, r:], st_kv[:, :r])
+            st_score[:, :r] = torch.where(done, st_score[:, r:], st_score[:, :r])
+        st_kv[:, cur:cur + r] = torch.where(done, 0.0, st_kv[:, cur:cur + r])
+        st_score[:, cur:cur + r] = torch.where(done, float("-inf"), st_score[:, cur:cur + r])
+
+    def finish(self, rows: tuple[torch.Tensor, torch.Tensor], block_starts: torch.Tensor,
                 inv_freq: torch.Tensor) -> torch.Tensor:
         """Pool and RMSNorm; for V4 also RoPE at each block's first position and the storage round trip."""
         if self.latent:

@@ -61,13 +61,17 @@ class Linear(nn.Module):
             self._dense = (key, w)
         return self._dense[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the GEMM reads it: FP8-quantised per `act_block` inputs for the quantised formats, in
+        the weight's dtype."""
         if self.fmt == "float":
-            w = self.weight
-            y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w)
-            return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)
+            return x if x.dtype == self.weight.dtype else x.to(self.weight.dtype)
         x = act_quant_sim(x, self.act_block)
-        return F.linear(x if x.dtype == self.compute_dtype else x.to(self.compute_dtype), self.dense_weight())
+        return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(self.prepare_input(x), self.dense_weight())
+        return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"

@@ -12,6 +12,7 @@ from torch import nn
 
 from hybridkv.config import ModelConfig
 from hybridkv.model.linear import Linear
+from hybridkv.ops.backend import is_deterministic
 
 
 class Gate(nn.Module):
@@ -88,15 +89,71 @@ class MoE(nn.Module):
             Expert(c.hidden_size, c.moe_intermediate_size, expert_fmt, dtype, c.fp8_block, c.swiglu_limit)
             for _ in range(c.n_routed_experts))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit)
+        self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]. `static`: fixed shapes and no host synchronisation (a forward
+        captured into a CUDA graph), see `_routed_static`."""
         weights, ids = self.gate(x, input_ids)
-        y = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows, slot = torch.where(ids == e)
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()  # rows are unique per expert
+        if static:
+            y = self._routed_static(x, weights, ids)
+        else:
+            y = torch.zeros_like(x, dtype=torch.float32)
+            counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+            for e, n in enumerate(counts):
+                if n == 0:
+                    continue
+                rows, slot = torch.where(ids == e)
+                y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()  # rows are unique per expert
         y += self.shared_experts(x).float()
         return y.to(x.dtype)
+
+    def _routed_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum without per-expert token lists. Few (token, expert) pairs: each
+        pair's expert weights are gathered and applied as a batched matrix-vector product (reads only
+        the selected experts). Many pairs, and always in deterministic mode (one arithmetic whatever
+        the batch): every expert runs over every token as one GEMM per projection, pairs that were not
+        routed weigh 0, and w2 sums over the experts inside its GEMM. Float32 [T, dim]."""
+        w1, w3, w2 = self.stacked_weights()      # [E·inter, dim] ×2, [dim, E·inter]
+        first = self.experts[0]
+        n, inter = self.n_experts, first.w1.out_features
+        xin = first.w1.prepare_input(x)          # w1 and w3 read the same (quantised) input
+        t, k = ids.shape
+        if 3 * t * k < n and not is_deterministic():
+            flat = ids.flatten()
+            xs = xin.repeat_interleave(k, 0).unsqueeze(-1)                              # [T·k, dim, 1]
+            gate = torch.bmm(w1.view(n, inter, -1)[flat], xs).squeeze(-1).float()       # [T·k, inter]
+            up = torch.bmm(w3.view(n, inter, -1)[flat], xs).squeeze(-1).float()
+            route = weights.reshape(-1, 1)
+        else:
+            gate = F.linear(xin, w1).float().view(t, n, inter)
+            up = F.linear(xin, w3).float().view(t, n, inter)
+            route = torch.zeros(t, n, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights).unsqueeze(-1)
+        if first.limit > 0:
+            up = up.clamp(-first.limit, first.limit)
+            gate = gate.clamp(max=first.limit)
+        h = first.w2.prepare_input((route * (F.silu(gate) * up)).to(x.dtype))
+        if h.dim() == 2:
+            w2e = w2.view(w2.shape[0], n, inter).transpose(0, 1)[flat]                  # [T·k, dim, inter]
+            return torch.bmm(w2e, h.unsqueeze(-1)).squeeze(-1).float().view(t, k, -1).sum(1)
+        return F.linear(h.flatten(1), w2).float()
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed experts' dense weights side by side, built once: w1 and w3 as [E·inter, dim]
+        (expert e's rows at e·inter), w2 as [dim, E·inter] (its columns there). For quantised experts
+        each expert's dense cache then becomes a view of these (no second copy); float experts keep
+        their own parameters beside them."""
+        linears = [[e.w1, e.w3, e.w2] for e in self.experts]
+        key = tuple((lin.weight.data_ptr(), lin.weight._version) for row in linears for lin in row)
+        if self._stacked is None or self._stacked[0] != key:
+            w1 = torch.cat([row[0].dense_weight() for row in linears])
+            w3 = torch.cat([row[1].dense_weight() for row in linears])
+            w2 = torch.cat([row[2].dense_weight() for row in linears], dim=1)
+            inter = linears[0][0].out_features
+            for e, row in enumerate(linears):
+                part = slice(e * inter, (e + 1) * inter)
+                for lin, view in zip(row, (w1[part], w3[part], w2[:, part])):
+                    if lin.fmt != "float":
+                        lin._dense = (lin._dense[0], view)
+            self._stacked = (key, (w1, w3, w2))
+        return self._stacked[1]

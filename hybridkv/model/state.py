@@ -258,6 +258,8 @@ class ForwardBatch:
     segments: list[Segment]
     positions: torch.Tensor = field(default=None)  # [T] absolute position of every row
     decode: DecodeGroup | None = None               # rows outside `segments` run batched
+    # fixed shapes and no host synchronisation anywhere in the forward (it is captured into a CUDA graph)
+    static: bool = False
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, inv_freq: torch.Tensor, key: object) -> torch.Tensor:

@@ -61,3 +61,36 @@ def test_packed_paged_write(kernels, device, kind):
     written = torch.zeros(12 * epb, dtype=torch.bool)
     written[bt[req.long(), j // epb].long() * epb + j % epb] = True
     assert (out.view(-1, ebytes)[~written] == 0).all()           # nothing else touched
+
+
+@pytest.mark.parametrize("kind,packed", [("main", True), ("index", True), ("main", False)], ids=["fp8", "fp4", "float"])
+def test_entry_id_minus_one_is_not_stored(kernels, device, kind, packed):
+    """Fixed-shape decode hands every request's rows to the kernel, −1 where no block completed:
+    those are computed but leave the pool untouched; the others land where they belong."""
+    n, L, epb = 6, 8, 4
+    kv, score, w, freqs, j, ref = _case(kind, n, L, seed=2)
+    d = kv.shape[-1]
+    ebytes = {"main": 200, "index": d // 2 + d // 32}[kind] if packed else d
+    bt = torch.tensor([[3, 0, 5, 7, 1, 2], [6, 4, 8, 9, 10, 11]], dtype=torch.int32)
+    req = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.int32)
+    ids = torch.where(torch.tensor([True, False, True, False, False, True]), j, -1).to(torch.int32)
+    fill = 7 if packed else 0.5
+    pool = torch.full((12 * epb, ebytes), fill, dtype=torch.uint8 if packed else torch.float32, device=device)
+    kernels.compress_write(kv.to(device), score.to(device), w.to(device), 1e-6, freqs.real.to(device),
+                           freqs.imag.to(device), kind, pool, packed, ids.to(device), req.to(device), bt.to(device),
+                           epb)
+    pool = pool.cpu()
+    keep = ids >= 0
+    dest = bt[req[keep].long(), ids[keep].long() // epb].long() * epb + ids[keep].long() % epb
+    untouched = torch.ones(12 * epb, dtype=torch.bool)
+    untouched[dest] = False
+    assert (pool[untouched] == fill).all()
+    rows = pool[dest]
+    if packed:
+        got = unpack_main_fp8(rows, d, 64) if kind == "main" else unpack_index_fp4(rows, d)
+    else:
+        got = rows
+    want = ref[keep]
+    if kind == "main":
+        want = torch.cat([want[:, :-64], want[:, -64:].bfloat16().float()], 1) if packed else want
+    assert rel_rms(want, got) <= 1e-3

@@ -38,7 +38,8 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                    ent_req: torch.Tensor, ent_j: torch.Tensor, entries_per_block: int,
                    out_dtype: torch.dtype = torch.bfloat16) -> None:
     """Finish n entries and write entry ent_j[i] of request ent_req[i] into
-    pool[block_tables[req, j // epb], j % epb]. fmt: "fp8" (main, 584-B), "fp4" (index, 68-B) or
+    pool[block_tables[req, j // epb], j % epb]; an entry whose j is −1 is computed but not written
+    (fixed-shape batches under CUDA graphs). fmt: "fp8" (main, 584-B), "fp4" (index, 68-B) or
     "bf16" (float values of the pool's dtype)."""
     n, _, d = kv_rows.shape
     if n == 0:
@@ -61,4 +62,5 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
         x = pack_index_fp4(x)
     view = PagedBatch(ent_req, ent_j, ent_req, block_tables, ent_req, ent_req)
     rows = entry_rows(view, ent_req.long(), ent_j.long(), entries_per_block)
-    flat[rows] = x.to(flat.dtype)
+    keep = rows >= 0
+    flat[rows[keep]] = x[keep].to(flat.dtype)

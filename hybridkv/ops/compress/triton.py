@@ -92,6 +92,8 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
         x = _bf16_round(x)
     # destination row
     j = tl.load(ENT_J + e)
+    keep = j >= 0           # −1: computed but not stored (a fixed-shape batch where not every row completes)
+    j = tl.maximum(j, 0)
     if PAGED:
         blk = tl.load(BT + tl.load(ENT_REQ + e).to(tl.int64) * s_bt + j // EPB)
         row = blk.to(tl.int64) * EPB + j % EPB
@@ -107,15 +109,15 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
         qv = _e4m3_round(tl.minimum(tl.maximum(xb / scale[:, None], -448.0), 448.0)).to(tl.float8e4nv)
         deq = tl.reshape(qv.to(tl.float32) * scale[:, None], [D])
         if MODE == 0:
-            tl.store(out + d, qv.to(tl.uint8, bitcast=True).reshape([D]), mask=d < NOPE)
+            tl.store(out + d, qv.to(tl.uint8, bitcast=True).reshape([D]), mask=(d < NOPE) & keep)
             rb = _bf16_round(x).to(tl.int32, bitcast=True) >> 16
             r = d - NOPE
-            tl.store(out + NOPE + 2 * r, (rb & 255).to(tl.uint8), mask=r >= 0)
-            tl.store(out + NOPE + 2 * r + 1, ((rb >> 8) & 255).to(tl.uint8), mask=r >= 0)
+            tl.store(out + NOPE + 2 * r, (rb & 255).to(tl.uint8), mask=(r >= 0) & keep)
+            tl.store(out + NOPE + 2 * r + 1, ((rb >> 8) & 255).to(tl.uint8), mask=(r >= 0) & keep)
             blocks = tl.arange(0, D // 64)
-            tl.store(out + NOPE + 2 * ROPE + blocks, sexp.to(tl.uint8), mask=blocks < NOPE // 64)
+            tl.store(out + NOPE + 2 * ROPE + blocks, sexp.to(tl.uint8), mask=(blocks < NOPE // 64) & keep)
         else:
-            tl.store(out + d, tl.where(d < NOPE, deq, x).to(OUT.dtype.element_ty))
+            tl.store(out + d, tl.where(d < NOPE, deq, x).to(OUT.dtype.element_ty), mask=keep)
     else:
         # Hadamard rotation (scaled by D^-1/2) as a product with the ±1 matrix, then E2M1 in blocks of 32
         xm = tl.reshape(x, [1, D]) + tl.zeros([16, D], tl.float32)
@@ -129,15 +131,15 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
         scale = (sexp << 23).to(tl.float32, bitcast=True)
         qv = _e2m1_round(tl.minimum(tl.maximum(xb / scale[:, None], -6.0), 6.0))
         if MODE == 3:
-            tl.store(out + d, tl.reshape(qv * scale[:, None], [D]).to(OUT.dtype.element_ty))
+            tl.store(out + d, tl.reshape(qv * scale[:, None], [D]).to(OUT.dtype.element_ty), mask=keep)
         else:
             mag = tl.abs(qv)
             code = tl.where(mag < 2, mag * 2, tl.where(mag < 4, mag + 2, mag * 0.5 + 4)).to(tl.int32)
             code = tl.where((qv < 0) & (mag > 0), code | 8, code)
             lo, hi = tl.split(tl.reshape(code, [D // 2, 2]))
-            tl.store(out + pair, (lo | (hi << 4)).to(tl.uint8))
+            tl.store(out + pair, (lo | (hi << 4)).to(tl.uint8), mask=keep)
             blocks = tl.arange(0, D // 32)
-            tl.store(out + D // 2 + blocks, sexp.to(tl.uint8))
+            tl.store(out + D // 2 + blocks, sexp.to(tl.uint8), mask=keep)
 
 
 def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -1,0 +1,130 @@
+"""CUDA graphs of the engine's batched decode step.
+
+A decode step of a small batch is a few milliseconds of device work behind hundreds of kernel
+launches; run eagerly, the host (Python, launches) sets its speed. Here the whole step — the model's
+forward over one token per request and the LM head — is captured once per (batch size, context
+bucket) and replayed: the host copies the step's inputs (token ids, positions, slots, block tables)
+into the graph's buffers and launches one graph.
+
+What makes the forward capturable (`ForwardBatch.static`): no host synchronisation and no shape that
+depends on data. The compressors write every request's candidate entry with entry id −1 where no
+block completed (`Compressor.update_decode` with a writer), the MoE runs its routed experts without
+per-expert token lists (`MoE._routed_static`), and the paged kernels size their grids from the
+bucket's largest position instead of the batch's (`context_bucket`): rows past a request's own
+position are masked in the kernels, so a longer bucket costs idle programs, not different numbers.
+
+Taken only where the batched decode runs on the paged kernels (V4, a store with kernel formats, no
+offloading memory policy, the native indexer) and every request's window is complete; other steps
+run eagerly. Window-state snapshots for the prefix cache are taken after the replay (each layer's
+state is final once the step is).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, _window_complete
+from hybridkv.model.state import DecodeGroup, ForwardBatch
+
+MAX_GRAPH_BATCH = 64          # the indexer's decode-shaped scoring (one token per program) up to here
+STEPS_PER_OCTAVE = 8          # context buckets: the next multiple of 2^k / 8 (at most 1/8 idle rows)
+
+
+def context_bucket(max_pos: int, block_tokens: int) -> int:
+    """The number of positions a graph is captured for: ≥ max_pos + 1, a multiple of block_tokens,
+    at most about 1/8 above it (grids grow with it; each bucket is one capture)."""
+    n = max(max_pos + 1, 2 * block_tokens)
+    step = max(block_tokens, (1 << (n - 1).bit_length()) // STEPS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None   # None: the fixed-shape forward runs eagerly (capture off)
+    inputs: torch.Tensor                 # [B, 3 + width] long: token id, position, slot, block table
+    logits: torch.Tensor | None
+
+
+class DecodeGraphs:
+    """Captured decode steps of one engine, keyed by (batch size, context bucket), least recently
+    used first out beyond `max_graphs`. With capture=False the same fixed-shape forward runs eagerly
+    (what the CPU tests check against the engine's own decode path)."""
+
+    def __init__(self, model, store: PagedKVStore, capture: bool = True, max_graphs: int = 16):
+        self.model, self.store, self.capture, self.max_graphs = model, store, capture, max_graphs
+        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def supported(model, store: PagedKVStore, indexer_mode: str) -> bool:
+        """Whether this engine's batched decode runs on the paged kernels at all."""
+        return (model.config.family == "v4" and store.kernel_formats is not None and not store.offload
+                and indexer_mode == "native")
+
+    def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
+        W = self.store.config.sliding_window
+        return 0 < len(seqs) <= MAX_GRAPH_BATCH and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
+
+    def run(self, ids: list[int], seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b]."""
+        cap = context_bucket(max(positions), self.store.block_tokens)
+        key = (len(seqs), cap)
+        host = self._host_inputs(ids, seqs, positions, cap)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._build(host, cap)
+            self.graphs[key] = g
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            g.inputs.copy_(host, non_blocking=True)
+        if g.graph is None:
+            return self._forward(g.inputs, cap)
+        g.graph.replay()
+        self.replays += 1
+        return g.logits.clone()
+
+    def _host_inputs(self, ids, seqs, positions, cap: int) -> torch.Tensor:
+        width = cap // self.store.block_tokens
+        rows = [[t, p, s.slot] + (s.block_table[:width] + [0] * (width - len(s.block_table)))
+                for t, p, s in zip(ids, positions, seqs)]
+        host = torch.tensor(rows, dtype=torch.long)
+        return host.pin_memory() if self.capture else host
+
+    def _build(self, host: torch.Tensor, cap: int) -> _Graph:
+        inputs = host.to(self.store.device)
+        if not self.capture:
+            return _Graph(None, inputs, None)
+        # A warm-up forward compiles the kernels and builds the weight caches outside the capture. It
+        # runs this very step, so the requests' windows and compressor states are put back after it
+        # (the replay runs the step again; ring rows and entries it rewrites get the same values).
+        slots = host[:, 2].tolist()
+        saved = {(s, i): self.store.capture_state(s, i) for s in slots for i in range(self.store.num_layers)}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(inputs, cap)
+        torch.cuda.current_stream().wait_stream(side)
+        for (s, i), tensors in saved.items():
+            self.store.restore_state(s, i, tensors)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = self._forward(inputs, cap)
+        self.captures += 1
+        return _Graph(graph, inputs, logits)
+
+    def _forward(self, inputs: torch.Tensor, cap: int) -> torch.Tensor:
+        """The decode forward over the buffers' current contents, with fixed shapes."""
+        b = inputs.shape[0]
+        ids, positions, slots = (inputs[:, i].contiguous() for i in range(3))
+        tables = inputs[:, 3:].contiguous()
+        dkv = PagedDecodeKV.fixed(self.store, positions, slots, tables, max_pos=cap - 1)
+        batch = ForwardBatch([], positions, DecodeGroup(torch.arange(b, device=inputs.device), dkv), static=True)
+        with torch.inference_mode():
+            return self.model.logits(self.model(ids, batch))

@@ -1,0 +1,141 @@
+"""The fixed-shape decode step that the engine captures into CUDA graphs (engine/graphs.py), checked on
+the CPU where the same forward runs eagerly: its pieces (masked compressor completion, the MoE's
+routed experts without token lists, the context buckets) against the code paths they replace, and
+whole decodes through the engine against its own batched decode. tests/gpu captures and replays."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridkv.engine import LLM, SamplingParams
+from hybridkv.engine.graphs import DecodeGraphs, context_bucket
+
+ROOT = Path(__file__).parents[1]
+FP8_FIXTURE = ROOT / "tests" / "fixtures" / "v4-tiny-fp8"
+
+
+@pytest.fixture(scope="module")
+def fp8_llm():
+    return LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format="fp8")
+
+
+def test_context_buckets_cover_the_position_in_block_multiples_with_little_slack():
+    for max_pos in [0, 5, 255, 256, 1000, 4095, 4096, 70_000, 131_071, 1_048_000]:
+        cap = context_bucket(max_pos, 128)
+        assert cap >= max_pos + 1 and cap % 128 == 0
+        assert cap <= max(256, (max_pos + 1) * 1.25 + 128), (max_pos, cap)
+    # one bucket serves a run of positions: a long decode recaptures rarely
+    assert len({context_bucket(p, 128) for p in range(100_000, 110_000)}) <= 2
+
+
+def test_masked_compressor_completion_writes_and_advances_like_the_selecting_one(fp8_llm):
+    """Compressor.update_decode with a writer (every request's rows, entry id −1 where no block
+    completes) against the path that selects the completing requests: the same states after the
+    step, the same entries at the same ids, nothing stored for the others."""
+    model = fp8_llm.engine.model
+    g = torch.Generator().manual_seed(1)
+    for layer in (1, 2):                                    # ratio 4 (overlapping) and ratio 128
+        attn = model.layers[layer].attn
+        comp = attn.compressor
+        r, width = comp.ratio, comp.wkv.out_features
+        rows = 2 * r if comp.overlap else r
+        positions = torch.tensor([3, 6, 4 * r - 1, 129, 255]) if r == 4 else torch.tensor([127, 200, 255, 1000, 1023])
+        b = positions.shape[0]
+        st_kv = torch.randn(b, rows, width, generator=g)
+        st_score = torch.randn(b, rows, width, generator=g)
+        kv, score = torch.randn(b, width, generator=g), torch.randn(b, width, generator=g)
+        ref_kv, ref_score = st_kv.clone(), st_score.clone()
+        which, entries = comp.update_decode(ref_kv, ref_score, kv, score, positions, attn.inv_freq)
+        written = {}
+
+        def write(block_rows, block_starts, requests, entry_ids):
+            done = entry_ids >= 0
+            finished = comp.finish(tuple(t[done] for t in block_rows), block_starts[done], attn.inv_freq)
+            for req, j, e in zip(requests[done].tolist(), entry_ids[done].tolist(), finished):
+                written[req] = (j, e)
+
+        comp.update_decode(st_kv, st_score, kv, score, positions, attn.inv_freq, write)
+        assert torch.equal(st_kv, ref_kv) and torch.equal(st_score, ref_score)
+        assert sorted(written) == which.tolist() and len(which) >= 2
+        for i, req in enumerate(which.tolist()):
+            j, e = written[req]
+            assert j == int(positions[req]) // r
+            assert torch.equal(e, entries[i])
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_routed_experts_without_token_lists_match_the_per_expert_loop(fp8_llm, tokens):
+    """MoE._routed_static (gathered experts for one token, every expert for more) against the loop
+    over experts with their token lists; a hash-routed layer and a gated one."""
+    model = fp8_llm.engine.model
+    g = torch.Generator().manual_seed(tokens)
+    for layer in (0, 2):
+        moe = model.layers[layer].ffn
+        x = torch.randn(tokens, model.config.hidden_size, generator=g) * 0.5
+        ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=g)
+        eager, static = moe(x, ids).float(), moe(x, ids, static=True).float()
+        assert (eager - static).norm() / eager.norm() < 1e-5, layer
+
+
+def _decode(llm, prompts, graphs: bool, steps: int):
+    eng = llm.engine
+    eng.store.kernel_formats = ("fp8", "fp4")      # the paged path (CUDA decides this itself)
+    eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False) if graphs else None
+    eng.record_logits = True
+    before = eng.stats.graph_steps
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+    finally:
+        eng.store.kernel_formats, eng.graphs = None, None
+    seqs = [eng.requests[o.request_id] for o in outs]
+    return outs, [torch.stack(s.step_logits).float() for s in seqs], eng.stats.graph_steps - before, seqs
+
+
+def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decode():
+    """Two requests decoding together (the 1020-token one completes an HCA block at 1023 and CSA
+    blocks every 4 positions; the 700-token one only CSA blocks) through the fixed-shape forward
+    and through the engine's batched decode: the same tokens, logits within the MoE's summation
+    order, the step counted as a graph step, and the window-state snapshot published at 1024 (taken
+    after the step instead of layer by layer) holding the same state."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (1020, 700)]
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format="fp8")
+        runs.append((llm.engine, *_decode(llm, prompts, graphs, 8)))
+    (ref_eng, ref, ref_logits, n_ref, ref_seqs), (eng, out, logits, n_graph, seqs) = runs
+    assert n_ref == 0 and n_graph == 7                     # every step after the prefill's first token
+    for a, b, la, lb in zip(ref, out, ref_logits, logits):
+        assert a.output_ids == b.output_ids
+        assert (la - lb).norm() / la.norm() < 1e-4
+    key = seqs[0].block_hashes[1024 // 128 - 1]
+    assert key == ref_seqs[0].block_hashes[1024 // 128 - 1]
+    snap, ref_snap = eng.prefix.snapshots.get(key), ref_eng.prefix.snapshots.get(key)
+    assert snap is not None and ref_snap is not None
+    for layer, ref_layer in zip(snap, ref_snap):          # per layer: window ring, compressor states
+        for a, b in zip(layer, ref_layer):
+            assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+    # and it serves: a request continuing those tokens starts at 1024 from the cache
+    follow = eng.add_request(seqs[0].token_ids[:1026], SamplingParams(max_tokens=1, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert follow.num_cached_tokens == 1024
+
+
+def test_fixed_shape_forward_is_refused_where_the_paged_path_does_not_run(fp8_llm):
+    eng = fp8_llm.engine
+    eng.store.kernel_formats = None
+    assert not DecodeGraphs.supported(eng.model, eng.store, "native")
+    eng.store.kernel_formats = ("fp8", "fp4")
+    assert DecodeGraphs.supported(eng.model, eng.store, "native")
+    assert not DecodeGraphs.supported(eng.model, eng.store, "random")
+    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
+    seq = eng.store.new_seq()
+    try:
+        seq.window_start = 512                              # a bounded replay: the ring is incomplete
+        assert not graphs.eligible([seq], [600])
+        assert graphs.eligible([seq], [700])
+    finally:
+        eng.store.free_seq(seq)
+        eng.store.kernel_formats = None
