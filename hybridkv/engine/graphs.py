@@ -114,8 +114,12 @@ class DecodeGraphs:
         for (s, i), tensors in saved.items():
             self.store.restore_state(s, i, tensors)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(inputs, cap)
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool):
+                logits = self._forward(inputs, cap)
+        except RuntimeError as e:
+            raise RuntimeError(f"capturing the decode step (batch {host.shape[0]}, {cap} positions) failed: {e}; "
+                               f"HYBRIDKV_CUDA_GRAPHS=0 launches decode steps eagerly") from e
         self.captures += 1
         return _Graph(graph, inputs, logits)
 
