@@ -93,34 +93,41 @@ def _decode(llm, prompts, graphs: bool, steps: int):
 
 
 def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decode():
-    """Two requests decoding together (the 1020-token one completes an HCA block at 1023 and CSA
-    blocks every 4 positions; the 700-token one only CSA blocks) through the fixed-shape forward
-    and through the engine's batched decode: the same tokens, logits within the MoE's summation
-    order, the step counted as a graph step, and the window-state snapshot published at 1024 (taken
-    after the step instead of layer by layer) holding the same state."""
+    """Two requests decoding together (the 1148-token one completes an HCA block at 1151 and moves
+    to a new block at 1152, inside one context bucket, so the graph's block tables are refreshed in
+    place; CSA blocks complete every 4 positions) through the fixed-shape forward and through the
+    engine's batched decode: the same tokens, logits within the MoE's summation order, the same
+    compressed entries, the step counted as a graph step, and the window-state snapshot published at
+    1152 (taken after the step instead of layer by layer) holding the same state and serving."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (1020, 700)]
+    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (1148, 700)]
     runs = []
     for graphs in (False, True):
         llm = LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format="fp8")
-        runs.append((llm.engine, *_decode(llm, prompts, graphs, 8)))
+        runs.append((llm.engine, *_decode(llm, prompts, graphs, 12)))
     (ref_eng, ref, ref_logits, n_ref, ref_seqs), (eng, out, logits, n_graph, seqs) = runs
-    assert n_ref == 0 and n_graph == 7                     # every step after the prefill's first token
+    assert n_ref == 0 and n_graph == 11                    # every step after the prefill's first token
     for a, b, la, lb in zip(ref, out, ref_logits, logits):
         assert a.output_ids == b.output_ids
         assert (la - lb).norm() / la.norm() < 1e-4
-    key = seqs[0].block_hashes[1024 // 128 - 1]
-    assert key == ref_seqs[0].block_hashes[1024 // 128 - 1]
+    assert context_bucket(1147, 128) == context_bucket(1155, 128)
+    key = seqs[0].block_hashes[1152 // 128 - 1]
+    assert key == ref_seqs[0].block_hashes[1152 // 128 - 1]
     snap, ref_snap = eng.prefix.snapshots.get(key), ref_eng.prefix.snapshots.get(key)
     assert snap is not None and ref_snap is not None
     for layer, ref_layer in zip(snap, ref_snap):          # per layer: window ring, compressor states
         for a, b in zip(layer, ref_layer):
             assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
-    # and it serves: a request continuing those tokens starts at 1024 from the cache
-    follow = eng.add_request(seqs[0].token_ids[:1026], SamplingParams(max_tokens=1, ignore_eos=True))
+    # the compressed entries decode wrote (block 9 was appended mid-decode: its CSA entries must land there)
+    for layer, (ents, ref_ents) in enumerate(zip(eng.store.entries, ref_eng.store.entries)):
+        for kind, pool in ents.items():
+            a, b = eng.store.codec[kind].decode(pool), ref_eng.store.codec[kind].decode(ref_ents[kind])
+            assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (layer, kind)
+    # and it serves: a request continuing those tokens starts at 1152 from the cache
+    follow = eng.add_request(seqs[0].token_ids[:1154], SamplingParams(max_tokens=1, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
-    assert follow.num_cached_tokens == 1024
+    assert follow.num_cached_tokens == 1152
 
 
 def test_fixed_shape_forward_is_refused_where_the_paged_path_does_not_run(fp8_llm):

@@ -46,6 +46,19 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None   # None: the fixed-shape forward runs eagerly (capture off)
     inputs: torch.Tensor                 # [B, 3 + width] long: token id, position, slot, block table
     logits: torch.Tensor | None
+    tables: tuple = ()                   # which block tables `inputs` holds (see `_tables_key`)
+
+
+def _tables_key(seqs: list[SeqCache]) -> tuple:
+    """Identifies the rows' block tables: during decode a table only grows (a block every
+    block_tokens positions), so the device copy is refreshed only when this changes. The key holds
+    the lists themselves (compared by identity in `_same_tables`), so none can be freed and another
+    take its address while a graph remembers it."""
+    return tuple((s.block_table, len(s.block_table)) for s in seqs)
+
+
+def _same_tables(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y and n == m for (x, n), (y, m) in zip(a, b))
 
 
 class DecodeGraphs:
@@ -74,28 +87,32 @@ class DecodeGraphs:
         """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b]."""
         cap = context_bucket(max(positions), self.store.block_tokens)
         key = (len(seqs), cap)
-        host = self._host_inputs(ids, seqs, positions, cap)
+        heads = torch.tensor([[t, p, s.slot] for t, p, s in zip(ids, positions, seqs)], dtype=torch.long)
+        tables = _tables_key(seqs)
         g = self.graphs.get(key)
         if g is None:
-            g = self._build(host, cap)
+            g = self._build(self._host_inputs(heads, seqs, cap), cap)
             self.graphs[key] = g
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
-            g.inputs.copy_(host, non_blocking=True)
+            if _same_tables(g.tables, tables):     # most steps: only ids, positions and slots change
+                g.inputs[:, :3].copy_(heads)
+            else:
+                g.inputs.copy_(self._host_inputs(heads, seqs, cap))
+        g.tables = tables
         if g.graph is None:
             return self._forward(g.inputs, cap)
         g.graph.replay()
         self.replays += 1
         return g.logits.clone()
 
-    def _host_inputs(self, ids, seqs, positions, cap: int) -> torch.Tensor:
+    def _host_inputs(self, heads: torch.Tensor, seqs: list[SeqCache], cap: int) -> torch.Tensor:
         width = cap // self.store.block_tokens
-        rows = [[t, p, s.slot] + (s.block_table[:width] + [0] * (width - len(s.block_table)))
-                for t, p, s in zip(ids, positions, seqs)]
-        host = torch.tensor(rows, dtype=torch.long)
-        return host.pin_memory() if self.capture else host
+        tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table)) for s in seqs],
+                              dtype=torch.long)
+        return torch.cat([heads, tables], dim=1)
 
     def _build(self, host: torch.Tensor, cap: int) -> _Graph:
         inputs = host.to(self.store.device)
@@ -115,7 +132,8 @@ class DecodeGraphs:
             self.store.restore_state(s, i, tensors)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.mempool):
+            # thread_local: the prefix cache's writer thread may copy snapshots to the host meanwhile
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 logits = self._forward(inputs, cap)
         except RuntimeError as e:
             raise RuntimeError(f"capturing the decode step (batch {host.shape[0]}, {cap} positions) failed: {e}; "

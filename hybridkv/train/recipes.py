@@ -13,7 +13,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 - `tiny-v4-keys`: continues a `tiny-v4-needles` model on UUID and multi-key needles at 4K-16K,
   which that one still missed (one H200 command).
 - `tiny-v4-distractors`: continues a `tiny-v4-keys` model on multi-key needles whose distractor
-  keys share a word with the asked key, and on UUID needles from 2K up (not trained yet).
+  keys share a word with the asked key, and on UUID needles from 2K up (trained once; not shipped:
+  the model card says why).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
