@@ -15,6 +15,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 - `tiny-v4-distractors`: continues a `tiny-v4-keys` model on multi-key needles whose distractor
   keys share a word with the asked key, and on UUID needles from 2K up (trained once; not shipped:
   the model card says why).
+- `tiny-v4-copy`: continues a `tiny-v4-keys` model with most steps at 1K-4K, where one sequence
+  per example makes UUID answers cheap (not trained yet).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -232,6 +234,26 @@ def _tiny_v4_distractors() -> Recipe:
     )
 
 
+_COPY_FOCUS = {"niah_single_3": 0.4, "niah_multikey_1": 0.15, "niah_multikey_hard": 0.1, "passkey": 0.1,
+               "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_multiquery": 0.05}
+
+
+def _tiny_v4_copy() -> Recipe:
+    """Continues a `tiny-v4-keys` model on UUID copying where examples are cheap: one example per
+    sequence, so 1K×32 gives sixteen times the UUID answers per step of 16K×2. The model finds UUID
+    needles and then copies them with a few characters wrong (three continuations at 2K-16K did not
+    move that); here most of the steps are at 1K-4K, then 8K and 16K keep the lengths of the bars."""
+    return Recipe(
+        name="tiny-v4-copy", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1300,
+        stages=[Stage(400, 1024, 32, dense_indexer=False, qat_experts=True),
+                Stage(700, 2048, 16, dense_indexer=False, qat_experts=True),
+                Stage(1000, 4096, 8, dense_indexer=False, qat_experts=True),
+                Stage(1200, 8192, 4, dense_indexer=False, qat_experts=True),
+                Stage(1300, 16384, 2, dense_indexer=False, qat_experts=True)],
+        lr=1e-3, warmup=30, log_every=20, task_weights=_COPY_FOCUS, base="tiny-v4-keys", seed=5,
+    )
+
+
 TINY_V41_MODEL = {
     **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
     "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
@@ -273,7 +295,7 @@ def _smoke_v41() -> Recipe:
 
 
 RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
-           "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
+           "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
 
 def get_recipe(name: str) -> Recipe:
