@@ -80,7 +80,8 @@ def test_routed_experts_without_token_lists_match_the_per_expert_loop(fp8_llm, t
 
 def _decode(llm, prompts, graphs: bool, steps: int):
     eng = llm.engine
-    eng.store.kernel_formats = ("fp8", "fp4")      # the paged path (CUDA decides this itself)
+    # the paged path's formats (CUDA decides this itself)
+    eng.store.kernel_formats = ("fp8", "fp4") if eng.store.fmt == "fp8" else ("bf16", "bf16")
     eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False) if graphs else None
     eng.record_logits = True
     before = eng.stats.graph_steps
@@ -92,7 +93,8 @@ def _decode(llm, prompts, graphs: bool, steps: int):
     return outs, [torch.stack(s.step_logits).float() for s in seqs], eng.stats.graph_steps - before, seqs
 
 
-def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decode():
+@pytest.mark.parametrize("kv_format", ["fp8", "native"])
+def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decode(kv_format):
     """Two requests decoding together (the 1148-token one completes an HCA block at 1151 and moves
     to a new block at 1152, inside one context bucket, so the graph's block tables are refreshed in
     place; CSA blocks complete every 4 positions) through the fixed-shape forward and through the
@@ -103,7 +105,7 @@ def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decod
     prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (1148, 700)]
     runs = []
     for graphs in (False, True):
-        llm = LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format="fp8")
+        llm = LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format=kv_format)
         runs.append((llm.engine, *_decode(llm, prompts, graphs, 12)))
     (ref_eng, ref, ref_logits, n_ref, ref_seqs), (eng, out, logits, n_graph, seqs) = runs
     assert n_ref == 0 and n_graph == 11                    # every step after the prefill's first token
