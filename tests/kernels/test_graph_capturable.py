@@ -1,0 +1,66 @@
+"""The decode forward that the engine captures into CUDA graphs must not synchronise with the host
+or build tensors from host data: a capture refuses both (and, run eagerly, each is a stall per
+step). Checked on the CPU by recording the torch operations the fixed-shape forward dispatches while
+the paged ops run their Triton kernels (in the interpreter), against the engine's eager decode step,
+which does synchronise (the MoE's per-expert token counts). A host tensor moved to the device (a
+cached CPU constant) is invisible here, where both are the CPU: tests/gpu captures for real."""
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybridkv.engine import LLM, SamplingParams
+from hybridkv.engine.graphs import DecodeGraphs, context_bucket
+
+FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
+aten = torch.ops.aten
+# a value read back by the host, a shape that depends on values, a tensor made from host data
+HOST_BOUND = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
+              aten.bincount, aten.lift_fresh, aten.lift_fresh_copy}
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flagged = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket
+        if op in HOST_BOUND:
+            self.flagged[str(op)] += 1
+        elif op in (aten.index, aten.index_put, aten.index_put_) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            self.flagged["boolean mask indexing"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
+    llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=1024, kv_format="fp8")
+    eng = llm.engine
+    eng.store.kernel_formats = ("fp8", "fp4")        # the paged path, as on CUDA
+    g = torch.Generator().manual_seed(0)
+    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=4, ignore_eos=True)) for n in (299, 262)]
+    while any(s.first_token_time is None for s in seqs):
+        eng.step()                                   # prefill on the plain-torch definitions (fast)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")  # from here the ops run their kernels
+    caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
+    assert (positions[0] + 1) % 4 == 0              # the first request completes a CSA entry now
+    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
+    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)])
+    cap = context_bucket(max(positions), eng.store.block_tokens)
+    saved = {(c.slot, i): eng.store.capture_state(c.slot, i) for c in caches for i in range(eng.store.num_layers)}
+    inputs = graphs._host_inputs(heads, caches, cap)     # host work before the replay: not recorded
+    static = _Recorder()
+    with static:
+        logits = graphs._forward(inputs, cap)
+    assert torch.isfinite(logits).all()
+    assert not static.flagged, dict(static.flagged)
+    for (slot, i), tensors in saved.items():
+        eng.store.restore_state(slot, i, tensors)
+    eager = _Recorder()
+    with eager:
+        eng.step()                                    # the same step, launched eagerly
+    assert eager.flagged                              # what the recorder catches, and why graphs need their own path
