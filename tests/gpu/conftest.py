@@ -13,3 +13,9 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that capture CUDA graphs run last: a capture that fails leaves the process's CUDA state
+    unusable (every later CUDA call in it fails), which would bury the kernel tests' own results."""
+    items.sort(key=lambda item: "graphs" in item.nodeid)
