@@ -147,7 +147,7 @@ class Compressor(nn.Module):
         st_score[:, cur:cur + r] = torch.where(done, float("-inf"), st_score[:, cur:cur + r])
 
     def finish(self, rows: tuple[torch.Tensor, torch.Tensor], block_starts: torch.Tensor,
-                inv_freq: torch.Tensor) -> torch.Tensor:
+               inv_freq: torch.Tensor) -> torch.Tensor:
         """Pool and RMSNorm; for V4 also RoPE at each block's first position and the storage round trip."""
         if self.latent:
             return self.norm(softmax_pool(*rows).to(self.out_dtype))
