@@ -95,14 +95,15 @@ def _decode(llm, prompts, graphs: bool, steps: int):
 
 @pytest.mark.parametrize("kv_format", ["fp8", "native"])
 def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decode(kv_format):
-    """Two requests decoding together (the 1148-token one completes an HCA block at 1151 and moves
-    to a new block at 1152, inside one context bucket, so the graph's block tables are refreshed in
-    place; CSA blocks complete every 4 positions) through the fixed-shape forward and through the
+    """Three requests decoding together (a batch padded to four; the 1148-token one completes an HCA
+    block at 1151 and moves to a new block at 1152, inside one context bucket, so the graph's block
+    tables are refreshed in place; CSA blocks complete every 4 positions) through the fixed-shape
+    forward and through the
     engine's batched decode: the same tokens, logits within the MoE's summation order, the same
     compressed entries, the step counted as a graph step, and the window-state snapshot published at
     1152 (taken after the step instead of layer by layer) holding the same state and serving."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (1148, 700)]
+    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (1148, 700, 300)]
     runs = []
     for graphs in (False, True):
         llm = LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format=kv_format)

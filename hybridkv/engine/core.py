@@ -99,7 +99,10 @@ class EngineCore:
             self.ec.enable_prefix_caching = False
         elif self.ec.enable_prefix_caching is None:
             self.ec.enable_prefix_caching = True
-        self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs, self.ec.kv_format,
+        graphs = (self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
+                  and self.device.type == "cuda")
+        # CUDA-graph decode reserves a slot for its padding rows
+        self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs + graphs, self.ec.kv_format,
                                   model.dtype, self.device,
                                   (self.ec.resident_pages or self.ec.num_blocks) if self.memory.offloads else None)
         self.policy = WindowPolicy.parse(self.ec.window_policy, self.store.block_tokens)
@@ -113,8 +116,7 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
-        graphs = self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
-        self.graphs = DecodeGraphs(model, self.store) if graphs and self.device.type == "cuda" else None
+        self.graphs = DecodeGraphs(model, self.store) if graphs else None
         self._ids = itertools.count()
 
     def _set_indexer(self, mode: str, seed: int) -> None:

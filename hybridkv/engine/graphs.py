@@ -13,6 +13,11 @@ per-expert token lists (`MoE._routed_static`), and the paged kernels size their 
 bucket's largest position instead of the batch's (`context_bucket`): rows past a request's own
 position are masked in the kernels, so a longer bucket costs idle programs, not different numbers.
 
+Batch sizes are padded to the next power of two, so a server whose batch changes every few steps
+captures at most seven sizes per bucket: padding rows decode token 0 at position 0 in a request slot
+reserved for them (no block completes at position 0, so they store no entry, and they read only
+their own window row).
+
 Taken only where the batched decode runs on the paged kernels (V4, a store with kernel formats, no
 offloading memory policy, the native indexer) and every request's window is complete; other steps
 run eagerly. Window-state snapshots for the prefix cache are taken after the replay (each layer's
@@ -49,6 +54,11 @@ class _Graph:
     tables: tuple = ()                   # which block tables `inputs` holds (see `_tables_key`)
 
 
+def padded_batch(n: int) -> int:
+    """The batch size a graph is captured for: the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
 def _tables_key(seqs: list[SeqCache]) -> tuple:
     """Identifies the rows' block tables: during decode a table only grows (a block every
     block_tokens positions), so the device copy is refreshed only when this changes. The key holds
@@ -62,12 +72,14 @@ def _same_tables(a: tuple, b: tuple) -> bool:
 
 
 class DecodeGraphs:
-    """Captured decode steps of one engine, keyed by (batch size, context bucket), least recently
-    used first out beyond `max_graphs`. With capture=False the same fixed-shape forward runs eagerly
-    (what the CPU tests check against the engine's own decode path)."""
+    """Captured decode steps of one engine, keyed by (padded batch size, context bucket), least
+    recently used first out beyond `max_graphs`. Takes one request slot of the store for its padding
+    rows (the engine sizes its store for that). With capture=False the same fixed-shape forward runs
+    eagerly (what the CPU tests check against the engine's own decode path)."""
 
     def __init__(self, model, store: PagedKVStore, capture: bool = True, max_graphs: int = 16):
         self.model, self.store, self.capture, self.max_graphs = model, store, capture, max_graphs
+        self.pad_slot = store.new_seq().slot
         self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
@@ -86,8 +98,10 @@ class DecodeGraphs:
     def run(self, ids: list[int], seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b]."""
         cap = context_bucket(max(positions), self.store.block_tokens)
-        key = (len(seqs), cap)
-        heads = torch.tensor([[t, p, s.slot] for t, p, s in zip(ids, positions, seqs)], dtype=torch.long)
+        n = len(seqs)
+        key = (padded_batch(n), cap)
+        heads = [[t, p, s.slot] for t, p, s in zip(ids, positions, seqs)]
+        heads = torch.tensor(heads + [[0, 0, self.pad_slot]] * (key[0] - n), dtype=torch.long)
         tables = _tables_key(seqs)
         g = self.graphs.get(key)
         if g is None:
@@ -103,15 +117,19 @@ class DecodeGraphs:
                 g.inputs.copy_(self._host_inputs(heads, seqs, cap))
         g.tables = tables
         if g.graph is None:
-            return self._forward(g.inputs, cap)
+            return self._forward(g.inputs, cap)[:n]
         g.graph.replay()
         self.replays += 1
-        return g.logits.clone()
+        return g.logits[:n].clone()
 
     def _host_inputs(self, heads: torch.Tensor, seqs: list[SeqCache], cap: int) -> torch.Tensor:
+        """[padded B, 3 + width]: the heads, then each request's block table (zeros past its end and
+        for the padding rows, which read no compressed entry)."""
         width = cap // self.store.block_tokens
-        tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.long)
+        tables = torch.zeros(heads.shape[0], width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            row = s.block_table[:width]
+            tables[i, :len(row)] = torch.tensor(row, dtype=torch.long)
         return torch.cat([heads, tables], dim=1)
 
     def _build(self, host: torch.Tensor, cap: int) -> _Graph:
@@ -121,7 +139,7 @@ class DecodeGraphs:
         # A warm-up forward compiles the kernels and builds the weight caches outside the capture. It
         # runs this very step, so the requests' windows and compressor states are put back after it
         # (the replay runs the step again; ring rows and entries it rewrites get the same values).
-        slots = host[:, 2].tolist()
+        slots = sorted(set(host[:, 2].tolist()))
         saved = {(s, i): self.store.capture_state(s, i) for s in slots for i in range(self.store.num_layers)}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

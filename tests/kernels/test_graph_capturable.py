@@ -37,7 +37,7 @@ class _Recorder(TorchDispatchMode):
 
 
 def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
-    llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=1024, kv_format="fp8")
+    llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="fp8")
     eng = llm.engine
     eng.store.kernel_formats = ("fp8", "fp4")        # the paged path, as on CUDA
     g = torch.Generator().manual_seed(0)
@@ -49,7 +49,8 @@ def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
     caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
     assert (positions[0] + 1) % 4 == 0              # the first request completes a CSA entry now
     graphs = DecodeGraphs(eng.model, eng.store, capture=False)
-    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)])
+    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)]
+                         + [[0, 0, graphs.pad_slot]] * 2)      # and two padding rows
     cap = context_bucket(max(positions), eng.store.block_tokens)
     saved = {(c.slot, i): eng.store.capture_state(c.slot, i) for c in caches for i in range(eng.store.num_layers)}
     inputs = graphs._host_inputs(heads, caches, cap)     # host work before the replay: not recorded
