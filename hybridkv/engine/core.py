@@ -177,9 +177,11 @@ class EngineCore:
         return self.prefix.stats()
 
     def close(self) -> None:
-        """Finish the lower tiers' pending writes and release them (idempotent)."""
+        """Finish the lower tiers' pending writes and release them, and drop the captured decode
+        graphs with their memory (idempotent; later steps launch eagerly)."""
         if self.tiers is not None:
             self.tiers.close()
+        self.graphs = None
 
     # ----- the step -----
     def step(self) -> list[Event]:
