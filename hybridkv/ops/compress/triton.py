@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.hadamard import hadamard_matrix
+
 MAIN_PACKED, MAIN_FLOAT, INDEX_PACKED, INDEX_FLOAT = 0, 1, 2, 3
 
 
@@ -155,7 +157,7 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
     rows = 8 if L % 8 == 0 else L
     mode = {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
             ("index", False): INDEX_FLOAT}[(kind, packed)]
-    had = _hadamard(d, kv_rows.device) if kind == "index" else kv_rows
+    had = hadamard_matrix(d, kv_rows.device) if kind == "index" else kv_rows
     paged = block_tables is not None
     bt = block_tables if paged else ent_j
     req = ent_req if ent_req is not None else ent_j
@@ -164,14 +166,3 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                           had, out, out.stride(0), bt, bt.stride(0) if paged else 0, req, ent_j.to(torch.int32),
                           eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
                           EPB=entries_per_block, PAGED=paged, PREC="ieee", num_warps=4)
-
-
-_HAD: dict = {}
-
-
-def _hadamard(d: int, device) -> torch.Tensor:
-    key = (d, str(device))
-    if key not in _HAD:
-        from hybridkv.ops.hadamard.reference import _hadamard_matrix
-        _HAD[key] = _hadamard_matrix(d).to(device=device, dtype=torch.float32).contiguous()
-    return _HAD[key]

@@ -1,1 +1,1 @@
-from hybridkv.ops.hadamard.reference import hadamard_transform  # noqa: F401
+from hybridkv.ops.hadamard.reference import hadamard_matrix, hadamard_transform  # noqa: F401

@@ -23,15 +23,15 @@ _ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 @torch.inference_mode(False)
-def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
-    """The matrix on `device`, kept there: a copy from the host every call would be a transfer per
-    step (and is not allowed while a CUDA graph is being captured)."""
-    key = (n, device)
+def hadamard_matrix(n: int, device: torch.device | str) -> torch.Tensor:
+    """The ±1 matrix [n, n] (float32, unscaled) on `device`, kept there: a copy from the host every
+    call would be a transfer per step (and is not allowed while a CUDA graph is being captured)."""
+    key = (n, torch.device(device))
     if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = _hadamard_matrix(n).to(device=device, dtype=torch.float32)
+        _ON_DEVICE[key] = _hadamard_matrix(n).to(device=device, dtype=torch.float32).contiguous()
     return _ON_DEVICE[key]
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
-    return (x.float() @ _hadamard_on(d, x.device) * d**-0.5).to(x.dtype)
+    return (x.float() @ hadamard_matrix(d, x.device) * d**-0.5).to(x.dtype)
