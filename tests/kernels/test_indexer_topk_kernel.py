@@ -33,7 +33,7 @@ def check_selection(scores: torch.Tensor, visible: torch.Tensor, idx: torch.Tens
 
 @pytest.mark.parametrize("n,topk", [(300, 16), (40, 64), (1100, 8)], ids=["select", "all-visible", "tile-bound"])
 def test_contiguous(kernels, device, n, topk):
-    """Few tiles (every key a candidate), all visible, and ≥ topk tiles of 64 (tile-maxima bound),
+    """Few tiles (every key a candidate), all visible, and ≥ topk tiles (tile-maxima bound),
     over several scoring chunks with a partial last tile."""
     g = torch.Generator().manual_seed(1)
     t, h, d = 6, 4, 32
@@ -113,6 +113,44 @@ def test_paged_long(kernels, device, fmt):
     idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt,
                                      d).cpu()
     vis = (batch.positions.long() + 1) // ratio
+    for tok in range(t):
+        cols = torch.arange(int(vis[tok]))
+        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, bt // ratio)
+        s = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])
+        check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
+        sel = idx[tok][idx[tok] >= 0]
+        assert torch.equal(sel, sel.sort().values)
+
+
+def test_maxima_tile_tightens_the_bound_for_few_tiles():
+    """Tiles shrink until a row has four maxima per selected entry (V4-Flash top-512)."""
+    assert idx_triton.maxima_tile(262144, 512) == 64         # 1M context, ratio 4
+    assert idx_triton.maxima_tile(65536, 512) == 32           # 256K
+    assert idx_triton.maxima_tile(32768, 512) == 16           # 128K
+    assert idx_triton.maxima_tile(1000, 8) == 32
+    assert idx_triton.maxima_tile(100, 512) == 16             # fewer tiles than topk: every key a candidate
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("block_t", [1, 4], ids=["decode-tiles", "prefill-tiles"])
+def test_paged_tile_bound_every_tile_size(kernels, device, tile, block_t, monkeypatch):
+    """The tile-maxima bound with each maxima tile size, through decode and prefill scoring tiles:
+    chunks of several tokens over ≥ topk tiles of FP4 keys (68-B rows)."""
+    g = torch.Generator().manual_seed(7)
+    h, d, bt, ratio, topk = 4, 128, 64, 4, 6
+    batch = random_batch([(3000, 5), (2040, 3)], num_blocks=100, block_tokens=bt, num_slots=2, gen=g)
+    t = batch.num_tokens
+    q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
+    w = torch.randn(t, h, generator=g)
+    keys = fp4_round_trip(hadamard_transform(torch.randn(100 * bt // ratio, d, generator=g)), 32)
+    pool = pack_index_fp4(keys).reshape(100, bt // ratio, -1)
+    run = kernels._run
+    monkeypatch.setattr(kernels, "_run", lambda *a, **kw: run(*a, **{**kw, "block_t": block_t}))
+    monkeypatch.setattr(kernels, "maxima_tile", lambda n, k: tile)
+    idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio,
+                                     "fp4", d).cpu()
+    vis = (batch.positions.long() + 1) // ratio
+    assert int(vis.min()) // 64 >= topk        # ≥ topk tiles at every size: τ₀ is a real bound
     for tok in range(t):
         cols = torch.arange(int(vis[tok]))
         rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, bt // ratio)

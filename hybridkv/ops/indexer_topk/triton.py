@@ -6,7 +6,8 @@ exact causal top-k, returned in ascending entry order (what attention consumes).
    MMA, so the sum over heads stays inside a warp); prefill chunks use `score_tile_kernel` (a tile
    of one request's tokens × a chunk of keys, tokens·heads as rows). Both write an
    order-preserving uint32 key per score and, as the first selection stage, the largest key of
-   every `TILE` consecutive entries.
+   every tile of consecutive entries (64, or 32 or 16 where a row has few tiles per selected
+   entry: `maxima_tile`).
 2. `select_kernel` (`hybridkv.ops.indexer_topk.select`), one program per token: exact top-k from
    the keys and the tile maxima. Integer keys and fixed orders: the result is exact (by score) and
    deterministic, and a token's result never depends on its batch (each score is computed by one
@@ -31,7 +32,20 @@ from hybridkv.ops.backend import is_deterministic
 from hybridkv.ops.indexer_topk.select import select_kernel
 from hybridkv.ops.paged import PagedBatch
 
-TILE = 64          # entries per maximum (first selection stage)
+TILE = 64          # entries per maximum (first selection stage), at most
+MIN_TILE = 16
+TILES_PER_TOPK = 4  # smaller tiles until a token has this many maxima per selected entry
+
+
+def maxima_tile(n_max: int, topk: int) -> int:
+    """Entries per tile maximum: TILE, halved (down to MIN_TILE) while the longest row has fewer
+    than TILES_PER_TOPK·topk tiles. The k-th largest maximum bounds the selection from below; with
+    few tiles per selected entry it is a loose bound (at 128K, 512 tiles for a top-512: the smallest
+    maximum, and thousands of candidates for the exact stage)."""
+    tile = TILE
+    while tile > MIN_TILE and triton.cdiv(n_max, tile) < TILES_PER_TOPK * topk:
+        tile //= 2
+    return tile
 
 
 @triton.jit
@@ -159,10 +173,10 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
 @triton.jit
 def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT, KEYS,
                       s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
-                      PAGED: tl.constexpr,
-                      EPB: tl.constexpr, PREC: tl.constexpr):
-    """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN = TILE."""
+                      BN: tl.constexpr, CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr,
+                      WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr):
+    """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN a
+    multiple of TILE_N."""
     tile = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
     t0 = tl.load(TILE_T0 + tile)
@@ -200,8 +214,10 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
             key = tl.where(valid, _ordered(sc), 0)
             tl.store(KEYS + (t0 + ti).to(tl.int64)[:, None] * s_keys + j[None, :], key.to(tl.int32, bitcast=True),
                      mask=tmask[:, None] & jv[None, :])
-            tl.store(TMAX + (t0 + ti).to(tl.int64) * s_tmax + n0 // BN, tl.max(key, 1).to(tl.int32, bitcast=True),
-                     mask=tmask)
+            tmax = tl.max(tl.reshape(key, [BLOCK_T, BN // TILE_N, TILE_N]), 2)                  # [BLOCK_T, BN/TILE_N]
+            tix = n0 // TILE_N + tl.arange(0, BN // TILE_N)
+            tl.store(TMAX + (t0 + ti).to(tl.int64)[:, None] * s_tmax + tix[None, :], tmax.to(tl.int32, bitcast=True),
+                     mask=tmask[:, None] & (tix * TILE_N < end)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -259,9 +275,12 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
         # decode-shaped scoring for few tokens, and always in deterministic mode (a token's scores must
         # not depend on the tile its batch happens to give it)
         block_t = 1 if t <= 64 or is_deterministic() else max(1, 256 // block_h)
-    n_tiles = triton.cdiv(n_max, TILE)
+    per_max = maxima_tile(n_max, topk)
+    n_tiles = triton.cdiv(n_max, per_max)
     per_token = 12 * n_max + 8 * n_tiles
     group = max(block_t, (SCORE_BUFFER // per_token) // block_t * block_t)
+    # the candidate gather reads TB tiles at a time: the same number of entries whatever the tile
+    select_cfg = dict(SELECT_CFG, TB=SELECT_CFG["TB"] * TILE // per_max)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     bt = block_tables if block_tables is not None else out
     for a in range(0, t, group):
@@ -279,7 +298,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             score_decode_kernel[(tn, triton.cdiv(n_max, chunk))](
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
                 tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BN=cfg["BN"], CHUNK=chunk,
-                TILE_N=TILE, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=cfg["num_warps"],
+                TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
         else:
             tile_t0, tile_n = _tiles(token_req[a:b], block_t)
@@ -287,12 +306,12 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             score_tile_kernel[(tile_t0.shape[0], triton.cdiv(n_max, chunk))](
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
                 keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
-                BN=TILE, CHUNK=chunk, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
+                BN=TILE, CHUNK=chunk, TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
                 num_warps=TILE_CFG["num_warps"],
                 num_stages=TILE_CFG["num_stages"])
         select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1),
-                             vis[a:b], out[a:b], out.stride(0), topk, TILE_N=TILE, KPAD=triton.next_power_of_2(topk),
-                             **SELECT_CFG)
+                             vis[a:b], out[a:b], out.stride(0), topk, TILE_N=per_max, KPAD=triton.next_power_of_2(topk),
+                             **select_cfg)
     return out
 
 
