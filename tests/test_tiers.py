@@ -405,3 +405,20 @@ def test_chain_promotes_lower_hits(tmp_path, redis_url):
     assert st["redis"]["hits"] == 1 and st["dram"]["stored"] == 1 and st["disk"]["stored"] == 1
     s.close()
     s2.close()
+
+
+def test_a_collected_store_has_ended_its_writer_thread():
+    """A store dropped without close() finishes its queued writes and ends the writer thread before
+    the collection returns (a writer still ending at process exit aborted the process on CUDA)."""
+    import gc
+
+    s = TieredStore.build(TierConfig(dram_bytes=1 << 24), ID)
+    for i in range(4):
+        s.put(rec(i))
+    dram = s.tier("dram")
+    writers = [t for t in threading.enumerate() if t.name == "hybridkv-kv-writer"]
+    assert writers
+    del s
+    gc.collect()
+    assert not any(t.is_alive() for t in writers)
+    assert all(dram.contains(key(i), "block") for i in range(4))

@@ -85,9 +85,15 @@ class _Writer:
                 self.q.all_tasks_done.wait(left)
         return True
 
-    def stop(self) -> None:
-        if self.thread is not None:
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Let the thread finish the queued writes and end, and wait for it: a thread still ending
+        while the process exits makes it abort ("terminate called without an active exception",
+        on CUDA, when an engine was collected without close() just before the end)."""
+        thread = self.thread
+        if thread is not None:
             self.q.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
 
 def _flush_at_exit(ref) -> None:
