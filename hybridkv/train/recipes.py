@@ -16,7 +16,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   keys share a word with the asked key, and on UUID needles from 2K up (trained once; not shipped:
   the model card says why).
 - `tiny-v4-copy`: continues a `tiny-v4-keys` model with most steps at 1K-4K, where one sequence
-  per example makes UUID answers cheap (not trained yet).
+  per example makes UUID answers cheap (trained once: UUID needles 45 → 65 % at 16K, still short of
+  the bar, and values lose or repeat their last character; not shipped, see the model card).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
