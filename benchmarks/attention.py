@@ -273,6 +273,24 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
         out.append(dict(group=group, config=label, us=us, **extra))
         print(f"  {group:34s} {label:46s} {'—' if us is None else f'{us:9.1f}'} µs", flush=True)
 
+    # first (a short budget reaches them): the selection in one program per token against candidates
+    # gathered by several, and the maxima tile size
+    for b in (1, 8):
+        x = Decode(ctx, b)
+        group = f"decode indexer 1M B={b}"
+        split_saved = (idx_k.SPLIT_MIN_TILES, idx_k.SELECT_GROUPS, idx_k.SPLIT_CFG, idx_k.TILES_PER_TOPK)
+        timed(group, "default", x.indexer)
+        for label, attr, value in [
+                ("select in one program", "SPLIT_MIN_TILES", 1 << 30),
+                ("select groups=8", "SELECT_GROUPS", 8), ("select groups=32", "SELECT_GROUPS", 32),
+                ("gather BLOCK=1024 warps=4", "SPLIT_CFG", dict(split_saved[2], gather=dict(BLOCK=1024, num_warps=4))),
+                ("final CB=64 warps=8", "SPLIT_CFG", dict(split_saved[2], final=dict(CB=64, num_warps=8))),
+                ("maxima tile 32", "TILES_PER_TOPK", 16), ("maxima tile 16", "TILES_PER_TOPK", 32)]:
+            setattr(idx_k, attr, value)
+            timed(group, label, x.indexer)
+            (idx_k.SPLIT_MIN_TILES, idx_k.SELECT_GROUPS, idx_k.SPLIT_CFG, idx_k.TILES_PER_TOPK) = split_saved
+        del x
+        torch.cuda.empty_cache()
     for b in (1, 8):
         x = Decode(ctx, b)
         for kind in ("csa", "hca"):
@@ -283,7 +301,6 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
                        [(64, 32, s, 8, 2) for s in (64, 128, 256, 512, 1024, 2048)] + [(64, 16, 512, 8, 2)]:
                 timed(f"decode {kind} attn 1M B={b}", str(cfg), lambda cfg=cfg: fn(cfg))
         saved = (dict(idx_k.DECODE_CFG), dict(idx_k.SELECT_CFG), idx_k.PROGRAMS_PER_SM)
-        timed(f"decode indexer 1M B={b}", "default", x.indexer)
         for bn, nw, ns in [(64, 4, 1), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
             idx_k.DECODE_CFG.update(BN=bn, num_warps=nw, num_stages=ns)
             timed(f"decode indexer 1M B={b}", f"score BN={bn} warps={nw} stages={ns}", x.indexer)

@@ -160,6 +160,50 @@ def test_paged_tile_bound_every_tile_size(kernels, device, tile, block_t, monkey
         assert torch.equal(sel, sel.sort().values)
 
 
+class _Refused:
+    """Stands in for a kernel a test must not launch."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a selection kernel the launch should not use ran")
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_split_selection_selects_what_one_program_does(kernels, device, groups, monkeypatch):
+    """Candidates gathered by several programs per token and joined in entry order give exactly the
+    one-program result: spread and clustered top keys (one range with more candidates than a join
+    step moves at once), a run of equal scores, a token with fewer tiles than topk, one with every
+    entry selected."""
+    g = torch.Generator().manual_seed(9)
+    t, h, d, n, topk = 6, 4, 32, 1500, 24
+    q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
+    keys = torch.randn(n, d, generator=g)
+    keys[600:700] *= 4                  # most of the top keys in one range
+    keys[900:1000] = keys[900].clone()  # 100 equal scores
+    visible = torch.tensor([n, 20, 300, n - 7, 1200, 950])
+    dv = lambda x: x.to(device)  # noqa: E731
+    one = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
+    monkeypatch.setattr(kernels, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(kernels, "SELECT_GROUPS", groups)
+    monkeypatch.setattr(kernels, "SPLIT_CFG", {**kernels.SPLIT_CFG, "final": {"CB": 16, "num_warps": 4}})
+    monkeypatch.setattr(kernels, "select_kernel", _Refused())
+    split = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
+    check_selection(reference.index_scores(q, w, keys), visible, split, topk)
+    assert torch.equal(split, one)
+
+
+def test_launches_of_many_tokens_select_in_one_program_per_token(kernels, device, monkeypatch):
+    """Prefill-sized launches fill the GPU with one selection program per token: no split."""
+    g = torch.Generator().manual_seed(3)
+    t, h, d, n = 6, 4, 32, 1200
+    q, w, keys = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g), torch.randn(n, d, generator=g)
+    visible = torch.full((t,), n)
+    monkeypatch.setattr(kernels, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(kernels, "SPLIT_MAX_TOKENS", t - 1)
+    monkeypatch.setattr(kernels, "gather_candidates_kernel", _Refused())
+    idx = kernels.indexer_topk(q.to(device), w.to(device), keys.to(device), visible.to(device), 16).cpu()
+    check_selection(reference.index_scores(q, w, keys), visible, idx, 16)
+
+
 @triton.jit
 def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
     rows = tl.arange(0, BN)

@@ -1,7 +1,7 @@
 """Exact causal top-k of one token's scores from what the scoring kernels wrote: an order-preserving
 uint32 key per visible entry and the largest key of every TILE_N consecutive entries.
 
-One program per token, in five steps over data that stays in L2:
+Five steps over data that stays in L2:
 1. τ₀, a lower bound of the k-th largest score: the k-th largest tile maximum, to its top
    8·TAU_LEVELS bits (radix levels of 8-bit histograms over the maxima); 0 with fewer than k tiles.
    k distinct entries reach τ₀ (the maxima themselves), so every selected entry does too.
@@ -9,6 +9,12 @@ One program per token, in five steps over data that stays in L2:
 3. Their keys ≥ τ₀: the candidates, in entry order (typically ≈ 1.1·k).
 4. Four radix levels over the candidates: the exact threshold τ and how many keys equal to τ to keep.
 5. The keys > τ and the first of the τ-ties, in entry order, into all k output slots.
+
+`select_kernel` runs them in one program per token. With many tiles, steps 2-3 are the long serial
+part of that program (a pass over every tile that reaches τ₀), so `gather_candidates_kernel` splits
+them over G programs per token, each over a contiguous range of tiles writing its candidates to its
+own region, and `select_final_kernel` (one program per token) joins the regions in entry order and
+runs steps 4-5. Both give the same output: the selection is exact and ties go by entry order.
 """
 
 from __future__ import annotations
@@ -41,75 +47,151 @@ def _pick(hist, krem):
 
 
 @triton.jit
+def _tau0(tmax, nt, K, TAU_LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 1: τ₀ ≤ the K-th largest of the nt tile maxima (its top 8·TAU_LEVELS bits); 0 with fewer
+    than K tiles."""
+    tau0 = tl.zeros([], tl.uint32)
+    if nt >= K:
+        krem = K
+        for lvl in tl.static_range(TAU_LEVELS):
+            bsel, krem = _pick(_digit_hist(tmax, nt, tau0, lvl, BLOCK), krem)
+            tau0 = (tau0 << 8) | bsel.to(tl.uint32)
+        tau0 = tau0 << (32 - 8 * TAU_LEVELS)
+    return tau0
+
+
+@triton.jit
+def _gather(keys, tmax, tlist, ck, ci, lo, hi, vis, tau0, TILE_N: tl.constexpr, BLOCK: tl.constexpr,
+            TB: tl.constexpr):
+    """Steps 2-3 over tiles [lo, hi): the keys ≥ τ₀ of the tiles whose maximum reaches τ₀, in entry
+    order, to ck/ci (tile ids go to tlist + lo); returns their number."""
+    ns = 0
+    for i0 in range(lo, hi, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        mx = tl.load(tmax + i, mask=i < hi, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        sel = ((i < hi) & (mx >= tau0)).to(tl.int32)
+        tl.store(tlist + lo + ns + tl.cumsum(sel, 0) - sel, i, mask=sel != 0)
+        ns += tl.sum(sel, 0)
+    tl.debug_barrier()
+    nc = 0
+    ti = tl.arange(0, TB)
+    tix = tl.load(tlist + lo + ti, mask=ti < ns, other=0, cache_modifier=".cg")
+    for i0 in range(0, ns, TB):
+        i = i0 + ti
+        j = tix[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+        m = (i < ns)[:, None] & (j < vis)
+        key = tl.load(keys + j, mask=m, other=0, cache_modifier=".cg")
+        # the next block's tile ids: independent of this block, so their latency overlaps it
+        tix = tl.load(tlist + lo + i + TB, mask=i + TB < ns, other=0, cache_modifier=".cg")
+        sel = (m & (key.to(tl.uint32, bitcast=True) >= tau0)).to(tl.int32)
+        key, j, sel = tl.reshape(key, [TB * TILE_N]), tl.reshape(j, [TB * TILE_N]), tl.reshape(sel, [TB * TILE_N])
+        dst = nc + tl.cumsum(sel, 0) - sel
+        tl.store(ck + dst, key, mask=sel != 0)
+        tl.store(ci + dst, j, mask=sel != 0)
+        nc += tl.sum(sel, 0)
+    return nc
+
+
+@triton.jit
+def _finish(ck, ci, nc, out, K, CBLOCK: tl.constexpr):
+    """Steps 4-5 over the nc candidates ck/ci (in entry order): the K selected entries to out."""
+    # 4. exact radix select among the candidates: threshold τ, and krem ties at τ to keep
+    prefix = tl.zeros([], tl.uint32)
+    krem = K
+    for lvl in tl.static_range(4):
+        bsel, krem = _pick(_digit_hist(ck, nc, prefix, lvl, CBLOCK), krem)
+        prefix = (prefix << 8) | bsel.to(tl.uint32)
+    # 5. keys > τ and the first krem ties, in entry order
+    base = 0
+    eq_seen = 0
+    for i0 in range(0, nc, CBLOCK):
+        i = i0 + tl.arange(0, CBLOCK)
+        m = i < nc
+        key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        idx = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
+        is_eq = (m & (key == prefix)).to(tl.int32)
+        rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
+        sel = ((m & (key > prefix)) | ((is_eq != 0) & (rank < krem))).to(tl.int32)
+        tl.store(out + base + tl.cumsum(sel, 0) - sel, idx, mask=sel != 0)
+        base += tl.sum(sel, 0)
+        eq_seen += tl.sum(is_eq, 0)
+
+
+@triton.jit
+def _all_visible(out, vis, K, KPAD: tl.constexpr):
+    j = tl.arange(0, KPAD)
+    tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
+
+
+@triton.jit
 def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K,
                   TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, CBLOCK: tl.constexpr,
                   TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr):
-    """Exact top-K of token t's keys (steps in the module docstring); writes all K output slots."""
+    """Exact top-K of token t's keys (steps in the module docstring) in one program; writes all K
+    output slots."""
     t = tl.program_id(0)
     vis = tl.load(VIS + t)
     out = OUT + t.to(tl.int64) * s_out
     if vis <= K:
-        j = tl.arange(0, KPAD)
-        tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
+        _all_visible(out, vis, K, KPAD)
     else:
-        keys = KEYS + t.to(tl.int64) * s_keys
         tmax = TMAX + t.to(tl.int64) * s_tmax
-        tlist = TLIST + t.to(tl.int64) * s_tmax
+        nt = (vis + TILE_N - 1) // TILE_N
+        tau0 = _tau0(tmax, nt, K, TAU_LEVELS, BLOCK)
         ck = CK + t.to(tl.int64) * s_cand
         ci = CI + t.to(tl.int64) * s_cand
+        nc = _gather(KEYS + t.to(tl.int64) * s_keys, tmax, TLIST + t.to(tl.int64) * s_tmax, ck, ci, 0, nt, vis,
+                     tau0, TILE_N, BLOCK, TB)
+        tl.debug_barrier()
+        _finish(ck, ci, nc, out, K, CBLOCK)
+
+
+@triton.jit
+def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, CNT, VIS, K,
+                             G: tl.constexpr, TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
+                             TAU_LEVELS: tl.constexpr):
+    """Steps 1-3 of token t over the g-th of G contiguous ranges of its tiles. Every program of a
+    token computes the same τ₀; range g's candidates go to the candidate row from entry
+    g·ceil(nt/G)·TILE_N on (no range has more candidates than entries), their number to CNT[t, g]."""
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    vis = tl.load(VIS + t)
+    if vis > K:
+        tmax = TMAX + t.to(tl.int64) * s_tmax
         nt = (vis + TILE_N - 1) // TILE_N
-        # 1. τ₀ ≤ the K-th largest tile maximum (its top 8·TAU_LEVELS bits); 0 (all) with fewer than K tiles
-        tau0 = tl.zeros([], tl.uint32)
-        if nt >= K:
-            krem = K
-            for lvl in tl.static_range(TAU_LEVELS):
-                bsel, krem = _pick(_digit_hist(tmax, nt, tau0, lvl, BLOCK), krem)
-                tau0 = (tau0 << 8) | bsel.to(tl.uint32)
-            tau0 = tau0 << (32 - 8 * TAU_LEVELS)
-        # 2. the tiles that can hold a selected entry, in entry order
-        ns = 0
-        for i0 in range(0, nt, BLOCK):
-            i = i0 + tl.arange(0, BLOCK)
-            mx = tl.load(tmax + i, mask=i < nt, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            sel = ((i < nt) & (mx >= tau0)).to(tl.int32)
-            tl.store(tlist + ns + tl.cumsum(sel, 0) - sel, i, mask=sel != 0)
-            ns += tl.sum(sel, 0)
+        tau0 = _tau0(tmax, nt, K, TAU_LEVELS, BLOCK)
+        per = (nt + G - 1) // G
+        lo = g * per
+        off = t.to(tl.int64) * s_cand + lo * TILE_N
+        nc = _gather(KEYS + t.to(tl.int64) * s_keys, tmax, TLIST + t.to(tl.int64) * s_tmax, CK + off, CI + off,
+                     lo, tl.minimum(nt, lo + per), vis, tau0, TILE_N, BLOCK, TB)
+        tl.store(CNT + t * G + g, nc)
+
+
+@triton.jit
+def select_final_kernel(CK, CI, s_cand, CK2, CI2, CNT, VIS, OUT, s_out, K, G: tl.constexpr, TILE_N: tl.constexpr,
+                        CB: tl.constexpr, CBLOCK: tl.constexpr, KPAD: tl.constexpr):
+    """Steps 4-5 of token t after `gather_candidates_kernel`: the G regions' candidates joined in
+    entry order into CK2/CI2 (CB per region at a time), then the exact selection."""
+    t = tl.program_id(0)
+    vis = tl.load(VIS + t)
+    out = OUT + t.to(tl.int64) * s_out
+    if vis <= K:
+        _all_visible(out, vis, K, KPAD)
+    else:
+        nt = (vis + TILE_N - 1) // TILE_N
+        per = (nt + G - 1) // G
+        gi = tl.arange(0, G)
+        cnt = tl.load(CNT + t * G + gi)
+        before = tl.cumsum(cnt, 0) - cnt                       # candidates of the earlier regions
+        src = t.to(tl.int64) * s_cand + (gi * per * TILE_N).to(tl.int64)
+        dst = t.to(tl.int64) * s_cand + before.to(tl.int64)
+        c = tl.arange(0, CB)
+        for c0 in range(0, tl.max(cnt, 0), CB):
+            m = (c0 + c)[None, :] < cnt[:, None]
+            key = tl.load(CK + src[:, None] + (c0 + c)[None, :], mask=m, cache_modifier=".cg")
+            idx = tl.load(CI + src[:, None] + (c0 + c)[None, :], mask=m, cache_modifier=".cg")
+            tl.store(CK2 + dst[:, None] + (c0 + c)[None, :], key, mask=m)
+            tl.store(CI2 + dst[:, None] + (c0 + c)[None, :], idx, mask=m)
         tl.debug_barrier()
-        # 3. their keys ≥ τ₀: the candidates, in entry order
-        nc = 0
-        ti = tl.arange(0, TB)
-        tix = tl.load(tlist + ti, mask=ti < ns, other=0, cache_modifier=".cg")
-        for i0 in range(0, ns, TB):
-            i = i0 + ti
-            j = tix[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
-            m = (i < ns)[:, None] & (j < vis)
-            key = tl.load(keys + j, mask=m, other=0, cache_modifier=".cg")
-            # the next block's tile ids: independent of this block, so their latency overlaps it
-            tix = tl.load(tlist + i + TB, mask=i + TB < ns, other=0, cache_modifier=".cg")
-            sel = (m & (key.to(tl.uint32, bitcast=True) >= tau0)).to(tl.int32)
-            key, j, sel = tl.reshape(key, [TB * TILE_N]), tl.reshape(j, [TB * TILE_N]), tl.reshape(sel, [TB * TILE_N])
-            dst = nc + tl.cumsum(sel, 0) - sel
-            tl.store(ck + dst, key, mask=sel != 0)
-            tl.store(ci + dst, j, mask=sel != 0)
-            nc += tl.sum(sel, 0)
-        tl.debug_barrier()
-        # 4. exact radix select among the candidates: threshold τ, and r ties at τ to keep
-        prefix = tl.zeros([], tl.uint32)
-        krem = K
-        for lvl in tl.static_range(4):
-            bsel, krem = _pick(_digit_hist(ck, nc, prefix, lvl, CBLOCK), krem)
-            prefix = (prefix << 8) | bsel.to(tl.uint32)
-        # 5. keys > τ and the first r ties, in entry order
-        base = 0
-        eq_seen = 0
-        for i0 in range(0, nc, CBLOCK):
-            i = i0 + tl.arange(0, CBLOCK)
-            m = i < nc
-            key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            idx = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
-            is_eq = (m & (key == prefix)).to(tl.int32)
-            rank = eq_seen + tl.cumsum(is_eq, 0) - is_eq
-            sel = ((m & (key > prefix)) | ((is_eq != 0) & (rank < krem))).to(tl.int32)
-            tl.store(out + base + tl.cumsum(sel, 0) - sel, idx, mask=sel != 0)
-            base += tl.sum(sel, 0)
-            eq_seen += tl.sum(is_eq, 0)
+        _finish(CK2 + t.to(tl.int64) * s_cand, CI2 + t.to(tl.int64) * s_cand, tl.sum(cnt, 0), out, K, CBLOCK)
