@@ -1,5 +1,5 @@
 """Triton kernels for the Lightning Indexer: scores of every visible compressed entry, then an
-exact causal top-k, returned in ascending entry order (what attention consumes). Two launches:
+exact causal top-k, returned in ascending entry order (what attention consumes). Two stages:
 
 1. Scoring, split along the entry axis so that a long context fills the GPU. Decode tokens use
    `score_decode_kernel` (one token × a chunk of its keys per program, the keys as the rows of the
@@ -8,10 +8,12 @@ exact causal top-k, returned in ascending entry order (what attention consumes).
    order-preserving uint32 key per score and, as the first selection stage, the largest key of
    every tile of consecutive entries (64, or 32 or 16 where a row has few tiles per selected
    entry: `maxima_tile`).
-2. `select_kernel` (`hybridkv.ops.indexer_topk.select`), one program per token: exact top-k from
-   the keys and the tile maxima. Integer keys and fixed orders: the result is exact (by score) and
-   deterministic, and a token's result never depends on its batch (each score is computed by one
-   MMA row whatever the chunking).
+2. Selection (`hybridkv.ops.indexer_topk.select`): exact top-k from the keys and the tile maxima,
+   in one program per token (`select_kernel`), or for few tokens with long rows in two launches
+   that gather each token's candidates in several programs first. Integer keys and fixed orders:
+   the result is exact (by score) and deterministic, and a token's result never depends on its
+   batch (each score is computed by one MMA row whatever the chunking, and either selection gives
+   the same entries).
 
 FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales) are read as 17 int32 words. Four codes of a word
 become e4m3 bytes at once (sign to bit 7, e1 e0 m to bits 4..2: the e4m3 value is the E2M1 value
