@@ -171,15 +171,15 @@ class _Refused:
 def test_split_selection_selects_what_one_program_does(kernels, device, groups, monkeypatch):
     """Candidates gathered by several programs per token and joined in entry order give exactly the
     one-program result: spread and clustered top keys (one range with more candidates than a join
-    step moves at once), a run of equal scores, a token with fewer tiles than topk, one with every
-    entry selected."""
+    step moves at once), a run of equal scores, tokens with fewer tiles than topk (one of them with
+    fewer than the programs gathering them), one with every entry selected."""
     g = torch.Generator().manual_seed(9)
-    t, h, d, n, topk = 6, 4, 32, 1500, 24
+    t, h, d, n, topk = 7, 4, 32, 1500, 24
     q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
     keys = torch.randn(n, d, generator=g)
     keys[600:700] *= 4                  # most of the top keys in one range
     keys[900:1000] = keys[900].clone()  # 100 equal scores
-    visible = torch.tensor([n, 20, 300, n - 7, 1200, 950])
+    visible = torch.tensor([n, 20, 300, n - 7, 1200, 950, 40])   # 40: fewer tiles than programs
     dv = lambda x: x.to(device)  # noqa: E731
     one = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
     monkeypatch.setattr(kernels, "SPLIT_MIN_TILES", 1)
