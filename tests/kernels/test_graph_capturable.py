@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.engine.graphs import DecodeGraphs, context_bucket
+from hybridkv.ops.indexer_topk import triton as indexer_kernels
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
 aten = torch.ops.aten
@@ -46,6 +47,8 @@ def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
     while any(s.first_token_time is None for s in seqs):
         eng.step()                                   # prefill on the plain-torch definitions (fast)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")  # from here the ops run their kernels
+    # the selection that 1M-token decode steps use: candidates gathered by several programs per token
+    monkeypatch.setattr(indexer_kernels, "SPLIT_MIN_TILES", 1)
     caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
     assert (positions[0] + 1) % 4 == 0              # the first request completes a CSA entry now
     graphs = DecodeGraphs(eng.model, eng.store, capture=False)
