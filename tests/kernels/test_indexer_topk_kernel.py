@@ -31,6 +31,19 @@ def check_selection(scores: torch.Tensor, visible: torch.Tensor, idx: torch.Tens
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (t, got[-3:], want[-3:])
 
 
+def check_paged_selection(batch, q, w, keys, idx, topk, ratio) -> None:
+    """Every token's selection (check_selection) against the reference scores of the keys its block
+    table reaches, in ascending entry order."""
+    vis = (batch.positions.long() + 1) // ratio
+    for tok in range(batch.num_tokens):
+        cols = torch.arange(int(vis[tok]))
+        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, batch.block_tokens // ratio)
+        s = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])
+        check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
+        sel = idx[tok][idx[tok] >= 0]
+        assert torch.equal(sel, sel.sort().values)
+
+
 @pytest.mark.parametrize("n,topk", [(300, 16), (40, 64), (1100, 8)], ids=["select", "all-visible", "tile-bound"])
 def test_contiguous(kernels, device, n, topk):
     """Few tiles (every key a candidate), all visible, and ≥ topk tiles (tile-maxima bound),
@@ -112,14 +125,7 @@ def test_paged_long(kernels, device, fmt):
     pool = (pack_index_fp4(keys) if fmt == "fp4" else keys).reshape(180, bt // ratio, -1)
     idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt,
                                      d).cpu()
-    vis = (batch.positions.long() + 1) // ratio
-    for tok in range(t):
-        cols = torch.arange(int(vis[tok]))
-        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, bt // ratio)
-        s = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])
-        check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
-        sel = idx[tok][idx[tok] >= 0]
-        assert torch.equal(sel, sel.sort().values)
+    check_paged_selection(batch, q, w, keys, idx, topk, ratio)
 
 
 def test_maxima_tile_tightens_the_bound_for_few_tiles():
@@ -151,13 +157,7 @@ def test_paged_tile_bound_every_tile_size(kernels, device, tile, block_t, monkey
                                      "fp4", d).cpu()
     vis = (batch.positions.long() + 1) // ratio
     assert int(vis.min()) // 64 >= topk        # ≥ topk tiles at every size: τ₀ is a real bound
-    for tok in range(t):
-        cols = torch.arange(int(vis[tok]))
-        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, bt // ratio)
-        s = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])
-        check_selection(s, vis[tok:tok + 1], idx[tok:tok + 1], topk)
-        sel = idx[tok][idx[tok] >= 0]
-        assert torch.equal(sel, sel.sort().values)
+    check_paged_selection(batch, q, w, keys, idx, topk, ratio)
 
 
 class _Refused:
