@@ -183,18 +183,22 @@ _NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "
                  "niah_multivalue": 0.05, "niah_multiquery": 0.05}
 
 
+def _continuation(name: str, schedule: list[tuple[int, int, int]], task_weights: dict[str, float], base: str,
+                  seed: int) -> Recipe:
+    """A recipe continuing `base`'s export on tiny-v4's model: stages of (until step, length, batch),
+    all with the indexer's top-k and the experts' FP4 QAT (the weights start on the FP4 grid they
+    ship on), lr 1e-3 after a 30-step warm-up."""
+    stages = [Stage(until, seq_len, batch, dense_indexer=False, qat_experts=True) for until, seq_len, batch in schedule]
+    return Recipe(name=name, model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=stages[-1].until,
+                  stages=stages, lr=1e-3, warmup=30, log_every=20, task_weights=task_weights, base=base, seed=seed)
+
+
 def _tiny_v4_needles() -> Recipe:
     """Continues a `tiny-v4` model: the needle families at 4K-32K with the indexer's top-k and the
     experts' FP4 QAT throughout (the weights start on the FP4 grid they ship on), at a third of
     tiny-v4's peak learning rate."""
-    return Recipe(
-        name="tiny-v4-needles", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1400,
-        stages=[Stage(500, 4096, 8, dense_indexer=False, qat_experts=True),
-                Stage(1000, 8192, 4, dense_indexer=False, qat_experts=True),
-                Stage(1300, 16384, 2, dense_indexer=False, qat_experts=True),
-                Stage(1400, 32768, 1, dense_indexer=False, qat_experts=True)],
-        lr=1e-3, warmup=30, log_every=20, task_weights=_NEEDLE_FOCUS, base="tiny-v4", seed=1,
-    )
+    return _continuation("tiny-v4-needles", [(500, 4096, 8), (1000, 8192, 4), (1300, 16384, 2), (1400, 32768, 1)],
+                         _NEEDLE_FOCUS, base="tiny-v4", seed=1)
 
 
 # what `tiny-v4-needles` still missed: UUID copies (found, then copied imprecisely) and the queried
@@ -206,13 +210,8 @@ _KEY_FOCUS = {"passkey": 0.05, "niah_single_1": 0.1, "niah_single_2": 0.1, "niah
 def _tiny_v4_keys() -> Recipe:
     """Continues a `tiny-v4-needles` model on UUID needles and multi-key needles at 4K-16K (the
     lengths of their quality bars), indexer top-k and experts' FP4 QAT throughout."""
-    return Recipe(
-        name="tiny-v4-keys", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1250,
-        stages=[Stage(500, 4096, 8, dense_indexer=False, qat_experts=True),
-                Stage(1000, 8192, 4, dense_indexer=False, qat_experts=True),
-                Stage(1250, 16384, 2, dense_indexer=False, qat_experts=True)],
-        lr=1e-3, warmup=30, log_every=20, task_weights=_KEY_FOCUS, base="tiny-v4-needles", seed=2,
-    )
+    return _continuation("tiny-v4-keys", [(500, 4096, 8), (1000, 8192, 4), (1250, 16384, 2)], _KEY_FOCUS,
+                         base="tiny-v4-needles", seed=2)
 
 
 _DISTRACTOR_FOCUS = {"passkey": 0.05, "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_single_3": 0.3,
@@ -225,14 +224,8 @@ def _tiny_v4_distractors() -> Recipe:
     prompts with a distractor needle's value and copied UUIDs with a few characters wrong. Multi-key
     needles whose distractor keys share a word with the asked key (the needle must be found by the
     whole key), and UUID needles from 2K tokens up, where an exact copy is easier to learn."""
-    return Recipe(
-        name="tiny-v4-distractors", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1300,
-        stages=[Stage(300, 2048, 16, dense_indexer=False, qat_experts=True),
-                Stage(700, 4096, 8, dense_indexer=False, qat_experts=True),
-                Stage(1100, 8192, 4, dense_indexer=False, qat_experts=True),
-                Stage(1300, 16384, 2, dense_indexer=False, qat_experts=True)],
-        lr=1e-3, warmup=30, log_every=20, task_weights=_DISTRACTOR_FOCUS, base="tiny-v4-keys", seed=4,
-    )
+    return _continuation("tiny-v4-distractors", [(300, 2048, 16), (700, 4096, 8), (1100, 8192, 4), (1300, 16384, 2)],
+                         _DISTRACTOR_FOCUS, base="tiny-v4-keys", seed=4)
 
 
 _COPY_FOCUS = {"niah_single_3": 0.4, "niah_multikey_1": 0.15, "niah_multikey_hard": 0.1, "passkey": 0.1,
@@ -244,15 +237,8 @@ def _tiny_v4_copy() -> Recipe:
     sequence, so 1K×32 gives sixteen times the UUID answers per step of 16K×2. The model finds UUID
     needles and then copies them with a few characters wrong (three continuations at 2K-16K did not
     move that); here most of the steps are at 1K-4K, then 8K and 16K keep the lengths of the bars."""
-    return Recipe(
-        name="tiny-v4-copy", model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=1300,
-        stages=[Stage(400, 1024, 32, dense_indexer=False, qat_experts=True),
-                Stage(700, 2048, 16, dense_indexer=False, qat_experts=True),
-                Stage(1000, 4096, 8, dense_indexer=False, qat_experts=True),
-                Stage(1200, 8192, 4, dense_indexer=False, qat_experts=True),
-                Stage(1300, 16384, 2, dense_indexer=False, qat_experts=True)],
-        lr=1e-3, warmup=30, log_every=20, task_weights=_COPY_FOCUS, base="tiny-v4-keys", seed=5,
-    )
+    return _continuation("tiny-v4-copy", [(400, 1024, 32), (700, 2048, 16), (1000, 4096, 8), (1200, 8192, 4),
+                                          (1300, 16384, 2)], _COPY_FOCUS, base="tiny-v4-keys", seed=5)
 
 
 TINY_V41_MODEL = {
