@@ -37,6 +37,25 @@ def test_contiguous_matches_reference(kernels, device, n_idx, cfg, d):
     assert torch.allclose(out[0], torch.zeros_like(out[0]))
 
 
+def test_merge_over_several_blocks_of_pieces(kernels, device):
+    """More pieces than two merge blocks, the largest scores in the last block and one block of pieces
+    with no valid row: the running maximum of the merge must rescale what it has summed."""
+    g = torch.Generator().manual_seed(1)
+    bs = kernels.COMBINE_CFG["BLOCK_S"]
+    cfg = (16, 16, 16, 4, 1)
+    n_idx = 16 * (2 * bs + 3)
+    t, h, n, d = 3, 4, 64, 64
+    q, kv = torch.randn(t, h, d, generator=g), torch.randn(n, d, generator=g)
+    kv[n - 8:] *= 4.0                                      # rows with large scores for some heads
+    idx = torch.randint(0, n - 8, (t, n_idx), generator=g)
+    idx[:, -16:] = torch.arange(n - 16, n)                  # ...read in the last piece
+    idx[1, 16 * bs:16 * (bs + 1)] = -1                      # token 1: a whole piece without rows
+    sink = torch.randn(h, generator=g)
+    ref = reference.sparse_attn(q, kv, idx, sink, 0.125)
+    out = kernels.sparse_attn(q.to(device), kv.to(device), idx.to(device), sink.to(device), 0.125, cfg=cfg).cpu()
+    assert rel_rms(ref, out) <= 1e-3
+
+
 def _paged_case(kind: str, fmt: str, device: str, segments, seed=0):
     g = torch.Generator().manual_seed(seed)
     d, rope, h, window, bt = 128, 64, 4, 16, 16

@@ -187,8 +187,9 @@ def combine_kernel(
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr,
     MODE: tl.constexpr, RATIO: tl.constexpr,
 ):
-    """Merge the pieces of one token for BLOCK_H heads × BLOCK_D dims, BLOCK_S pieces at a time in a
-    fixed order, with the sink: o = Σ_s acc_s 2^(m_s−M) / (Σ_s l_s 2^(m_s−M) + 2^(sink−M))."""
+    """Merge the pieces of one token for BLOCK_H heads × BLOCK_D dims with the sink, BLOCK_S pieces
+    at a time in a fixed order, in one pass with a running maximum M:
+    o = Σ_s acc_s 2^(m_s−M) / (Σ_s l_s 2^(m_s−M) + 2^(sink−M))."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -201,28 +202,26 @@ def combine_kernel(
         n_comp = 0
     n_split = (WINDOW + n_comp + split_rows - 1) // split_rows
     hmask = heads < H
-    sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
-    base = ML + t.to(tl.int64) * sml_t
-    m_all = sink
-    for s0 in range(0, n_split, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        m = tl.load(base + s[:, None] * sml_s + heads[None, :], mask=(s < n_split)[:, None] & hmask[None, :],
-                    other=float("-inf"))
-        m_all = tl.maximum(m_all, tl.max(m, 0))
-    denom = tl.exp2(sink - m_all)
+    dmask = dd < D
+    m_run = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634    # the sink starts the merge
+    denom = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    base = ML + t.to(tl.int64) * sml_t
     for s0 in range(0, n_split, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         sm = (s < n_split)[:, None] & hmask[None, :]
         m = tl.load(base + s[:, None] * sml_s + heads[None, :], mask=sm, other=float("-inf"))
         l = tl.load(base + s[:, None] * sml_s + H + heads[None, :], mask=sm, other=0.0)
-        w = tl.exp2(m - m_all[None, :])
-        denom += tl.sum(l * w, 0)
         part = tl.load(PART + t.to(tl.int64) * sp_t + s[:, None, None] * sp_s + heads[None, :, None] * sp_h
-                       + dd[None, None, :], mask=sm[:, :, None] & (dd < D)[None, None, :], other=0.0)
-        acc += tl.sum(part * w[:, :, None], 0)
+                       + dd[None, None, :], mask=sm[:, :, None] & dmask[None, None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))                       # finite: it includes the sink
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new[None, :])
+        denom = denom * alpha + tl.sum(l * w, 0)
+        acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], 0)
+        m_run = m_new
     tl.store(O + t.to(tl.int64) * so_t + heads[:, None] * so_h + dd[None, :], acc / denom[:, None],
-             mask=hmask[:, None] & (dd < D)[None, :])
+             mask=hmask[:, None] & dmask[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -239,15 +238,21 @@ from hybridkv.ops.backend import is_deterministic  # noqa: E402
 # 1.4-2.1x faster than two stages). Decode: 16-head programs ("narrow", each row tile re-read per
 # head block from L2) for little work; whole-head programs ("wide", no re-reads) once tokens × rows
 # reach WIDE_ROWS_PER_SM per SM, each piece ≥ MIN_SPLIT rows and about one piece per SM (CSA at 1M,
-# B=8: 39 µs against 71 µs narrow; HCA at 1M, B=1: 50 against 85 µs).
+# B=8: 39 µs against 71 µs narrow; HCA at 1M, B=1: 50 against 85 µs). Decode programs are short
+# serial chains of dependent loads and MMAs on one SM each, so: no software pipelining (HCA at 1M,
+# B=8: 107 against 148 µs with two stages; narrow CSA at 1M, B=1: 15 against 22 µs), pieces down to
+# one 32-row tile (CSA at 8K, B=1: 23 against 29 µs with 64-row pieces), wide programs on 64-row
+# tiles (HCA at 1M, B=8: 89 against 100 µs with 32-row tiles, though ptxas spills 8 B). The merge:
+# one warp per head × 64 dims, 32 pieces at a time (HCA at 1M, B=1: 34 against 44 µs with 4 heads ×
+# 64 dims per 4 warps).
 DETERMINISTIC_CFG = (16, 32, 256, 8, 2)
 PREFILL_CFG = {False: (64, 64, 8, 2), True: (64, 64, 8, 1)}    # by fp8: BLOCK_H, BLOCK_N, warps, stages
-NARROW_CFG = (16, 32, 8, 2)
-WIDE_CFG = (64, 32, 8, 2)
+NARROW_CFG = (16, 32, 8, 1)
+WIDE_CFG = (64, 64, 8, 1)
 PIECES_PER_SM = 2                                # narrow decode programs per SM to aim for
-MIN_SPLIT = 64
+MIN_SPLIT = 32
 WIDE_ROWS_PER_SM = 32
-COMBINE_CFG = dict(BLOCK_H=4, BLOCK_D=64, BLOCK_S=16, num_warps=4)
+COMBINE_CFG = dict(BLOCK_H=1, BLOCK_D=64, BLOCK_S=32, num_warps=1)
 
 
 @functools.lru_cache(maxsize=8)
