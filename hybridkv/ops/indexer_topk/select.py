@@ -118,19 +118,29 @@ def _finish(ck, ci, nc, out, K, CBLOCK: tl.constexpr):
 
 
 @triton.jit
+def visible_entries(VIS, t, RATIO: tl.constexpr):
+    """Visible entries of token t: VIS[t] itself, or with RATIO > 0 VIS holds positions and a token at
+    position p sees (p + 1) // RATIO entries (no separate launch computes them)."""
+    v = tl.load(VIS + t)
+    if RATIO > 0:
+        v = (v + 1) // RATIO
+    return v
+
+
+@triton.jit
 def _all_visible(out, vis, K, KPAD: tl.constexpr):
     j = tl.arange(0, KPAD)
     tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
 
 
 @triton.jit
-def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K,
+def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K, RATIO: tl.constexpr,
                   TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, CBLOCK: tl.constexpr,
                   TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr):
     """Exact top-K of token t's keys (steps in the module docstring) in one program; writes all K
     output slots."""
     t = tl.program_id(0)
-    vis = tl.load(VIS + t)
+    vis = visible_entries(VIS, t, RATIO)
     out = OUT + t.to(tl.int64) * s_out
     if vis <= K:
         _all_visible(out, vis, K, KPAD)
@@ -147,7 +157,7 @@ def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s
 
 
 @triton.jit
-def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, CNT, VIS, K,
+def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, CNT, VIS, K, RATIO: tl.constexpr,
                              G: tl.constexpr, TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
                              TAU_LEVELS: tl.constexpr):
     """Steps 1-3 of token t over the g-th of G contiguous ranges of its tiles. Every program of a
@@ -155,7 +165,7 @@ def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, 
     g·ceil(nt/G)·TILE_N on (no range has more candidates than entries), their number to CNT[t, g]."""
     t = tl.program_id(0)
     g = tl.program_id(1)
-    vis = tl.load(VIS + t)
+    vis = visible_entries(VIS, t, RATIO)
     if vis > K:
         tmax = TMAX + t.to(tl.int64) * s_tmax
         nt = (vis + TILE_N - 1) // TILE_N
@@ -169,12 +179,13 @@ def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, 
 
 
 @triton.jit
-def select_final_kernel(CK, CI, s_cand, CK2, CI2, CNT, VIS, OUT, s_out, K, G: tl.constexpr, TILE_N: tl.constexpr,
+def select_final_kernel(CK, CI, s_cand, CK2, CI2, CNT, VIS, OUT, s_out, K, RATIO: tl.constexpr, G: tl.constexpr,
+                        TILE_N: tl.constexpr,
                         CB: tl.constexpr, CBLOCK: tl.constexpr, KPAD: tl.constexpr):
     """Steps 4-5 of token t after `gather_candidates_kernel`: the G regions' candidates joined in
     entry order into CK2/CI2 (CB per region at a time), then the exact selection."""
     t = tl.program_id(0)
-    vis = tl.load(VIS + t)
+    vis = visible_entries(VIS, t, RATIO)
     out = OUT + t.to(tl.int64) * s_out
     if vis <= K:
         _all_visible(out, vis, K, KPAD)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.backend import is_deterministic
-from hybridkv.ops.indexer_topk.select import gather_candidates_kernel, select_final_kernel, select_kernel
+from hybridkv.ops.indexer_topk.select import visible_entries, gather_candidates_kernel, select_final_kernel, select_kernel
 from hybridkv.ops.paged import PagedBatch
 
 TILE = 64          # entries per maximum (first selection stage), at most
@@ -138,11 +138,11 @@ def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
 def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, KEYS, s_keys, TMAX, s_tmax,
                         H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
                         TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
-                        EPB: tl.constexpr, PREC: tl.constexpr):
+                        EPB: tl.constexpr, PREC: tl.constexpr, RATIO: tl.constexpr):
     """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows."""
     t = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
-    vis = tl.load(VIS + t)
+    vis = visible_entries(VIS, t, RATIO)
     if n_start < vis:
         r = tl.load(TOK_REQ + t).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
@@ -176,7 +176,8 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
 def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT, KEYS,
                       s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr,
-                      WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr):
+                      WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
+                      RATIO: tl.constexpr):
     """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN a
     multiple of TILE_N."""
     tile = tl.program_id(0)
@@ -186,6 +187,8 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
     ti = tl.arange(0, BLOCK_T)
     tmask = ti < nt
     vis_t = tl.load(VIS + t0 + ti, mask=tmask, other=0)
+    if RATIO > 0:
+        vis_t = tl.where(tmask, (vis_t + 1) // RATIO, 0)
     vis_max = tl.max(vis_t, 0)
     if n_start < vis_max:
         r = tl.load(TOK_REQ + t0).to(tl.int64)
@@ -272,7 +275,9 @@ def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
 
 
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None, words=False):
+         block_t=None, words=False, vis_ratio=0):
+    """vis: [T] visible entries per token, or with vis_ratio > 0 the tokens' positions (the kernels
+    compute (position + 1) // vis_ratio themselves)."""
     t, h, _ = q.shape
     dev = q.device
     assert head_dim == triton.next_power_of_2(head_dim), "indexer head_dim must be a power of two"
@@ -310,8 +315,8 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             score_decode_kernel[(tn, triton.cdiv(n_max, chunk))](
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
                 tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BN=cfg["BN"], CHUNK=chunk,
-                TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, RATIO=vis_ratio,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         else:
             tile_t0, tile_n = _tiles(token_req[a:b], block_t)
             chunk = 2048
@@ -319,7 +324,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
                 keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
                 BN=TILE, CHUNK=chunk, TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
-                num_warps=TILE_CFG["num_warps"],
+                RATIO=vis_ratio, num_warps=TILE_CFG["num_warps"],
                 num_stages=TILE_CFG["num_stages"])
         kpad = triton.next_power_of_2(topk)
         if split:
@@ -327,14 +332,16 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             gcfg, fcfg = SPLIT_CFG["gather"], SPLIT_CFG["final"]
             gather_candidates_kernel[(tn, SELECT_GROUPS)](
                 keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1), cnt, vis[a:b],
-                topk, G=SELECT_GROUPS, TILE_N=per_max, BLOCK=gcfg["BLOCK"], TB=select_cfg["TB"],
+                topk, RATIO=vis_ratio, G=SELECT_GROUPS, TILE_N=per_max, BLOCK=gcfg["BLOCK"], TB=select_cfg["TB"],
                 TAU_LEVELS=select_cfg["TAU_LEVELS"], num_warps=gcfg["num_warps"])
             select_final_kernel[(tn,)](cand[0], cand[1], cand.stride(1), cand[2], cand[3], cnt, vis[a:b], out[a:b],
-                                       out.stride(0), topk, G=SELECT_GROUPS, TILE_N=per_max, CB=fcfg["CB"],
+                                       out.stride(0), topk, RATIO=vis_ratio, G=SELECT_GROUPS, TILE_N=per_max,
+                                       CB=fcfg["CB"],
                                        CBLOCK=select_cfg["CBLOCK"], KPAD=kpad, num_warps=fcfg["num_warps"])
         else:
             select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1],
-                                 cand.stride(1), vis[a:b], out[a:b], out.stride(0), topk, TILE_N=per_max, KPAD=kpad,
+                                 cand.stride(1), vis[a:b], out[a:b], out.stride(0), topk, RATIO=vis_ratio,
+                                 TILE_N=per_max, KPAD=kpad,
                                  **select_cfg)
     return out
 
@@ -354,13 +361,13 @@ def indexer_topk(q, weights, keys, visible, topk):
 def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None):
     """See `hybridkv.ops.indexer_topk.indexer_topk_paged`."""
     epb = batch.block_tokens // ratio
-    vis = ((batch.positions + 1) // ratio).to(torch.int32)
-    if max_visible is None:
-        max_visible = int(vis.max()) if vis.numel() else 0   # a host sync: pass it under CUDA graphs
+    assert batch.positions.dtype == torch.int32
+    if max_visible is None:     # a host sync: pass it under CUDA graphs
+        max_visible = (int(batch.positions.max()) + 1) // ratio if batch.positions.numel() else 0
     fp4 = fmt == "fp4"
     flat = pool.reshape(-1, pool.shape[-1])
     words = fp4 and flat.shape[1] % 4 == 0 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
     if words:
         flat = flat.view(torch.int32)          # 68-B rows as 17 words
-    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, vis, topk, max_visible, fp4,
-                True, epb, head_dim or q.shape[-1], words=words)
+    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, batch.positions, topk,
+                max_visible, fp4, True, epb, head_dim or q.shape[-1], words=words, vis_ratio=ratio)
