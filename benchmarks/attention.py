@@ -273,8 +273,34 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
         out.append(dict(group=group, config=label, us=us, **extra))
         print(f"  {group:34s} {label:46s} {'—' if us is None else f'{us:9.1f}'} µs", flush=True)
 
-    # first (a short budget reaches them): the selection in one program per token against candidates
-    # gathered by several, and the maxima tile size
+    # first (a short budget reaches them): decode attention's merge shapes, one-tile pieces and the
+    # pipelining of whole-head programs, at a short and the longest context
+    for c, b in ((8192, 1), (ctx, 1), (ctx, 8)):
+        x = Decode(c, b)
+        for kind in ("csa", "hca"):
+            fn = x.csa if kind == "csa" else x.hca
+            group = f"decode {kind} attn {c // 1024}K B={b}"
+            saved = (attn_k.COMBINE_CFG, attn_k.MIN_SPLIT, attn_k.WIDE_CFG)
+            timed(group, "default", fn)
+            for cc in [dict(BLOCK_H=2, BLOCK_D=64, BLOCK_S=32, num_warps=1),
+                       dict(BLOCK_H=1, BLOCK_D=64, BLOCK_S=16, num_warps=1),
+                       dict(BLOCK_H=1, BLOCK_D=128, BLOCK_S=32, num_warps=2),
+                       dict(BLOCK_H=1, BLOCK_D=32, BLOCK_S=32, num_warps=1),
+                       dict(BLOCK_H=4, BLOCK_D=64, BLOCK_S=16, num_warps=4)]:
+                attn_k.COMBINE_CFG = cc
+                timed(group, "merge " + ",".join(str(v) for v in cc.values()), fn)
+            attn_k.COMBINE_CFG = saved[0]
+            attn_k.MIN_SPLIT = 64
+            timed(group, "pieces of >= 64 rows", fn)
+            attn_k.MIN_SPLIT = saved[1]
+            for wide in [(64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2)]:
+                attn_k.WIDE_CFG = wide
+                timed(group, f"wide {wide}", fn)
+            attn_k.WIDE_CFG = saved[2]
+        del x
+        torch.cuda.empty_cache()
+    # the selection in one program per token against candidates gathered by several, and the maxima
+    # tile size
     for b in (1, 8):
         x = Decode(ctx, b)
         group = f"decode indexer 1M B={b}"
@@ -296,9 +322,10 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
         for kind in ("csa", "hca"):
             fn = x.csa if kind == "csa" else x.hca
             timed(f"decode {kind} attn 1M B={b}", "default", fn)
-            for cfg in [(16, 32, s, 8, 2) for s in (64, 128, 256, 512, 1024)] + \
-                       [(16, 16, 128, 4, 2), (16, 32, 256, 8, 3), (16, 32, 256, 4, 2)] + \
-                       [(64, 32, s, 8, 2) for s in (64, 128, 256, 512, 1024, 2048)] + [(64, 16, 512, 8, 2)]:
+            for cfg in [(16, 32, s, 8, 2) for s in (32, 64, 128, 256)] + \
+                       [(16, 32, 32, 8, 1), (16, 32, 32, 4, 2), (16, 16, 32, 4, 2), (16, 16, 16, 4, 2)] + \
+                       [(64, 32, s, 8, 1) for s in (32, 64, 128, 256, 512, 1024)] + \
+                       [(64, 16, 512, 8, 1), (64, 64, 512, 8, 1)]:
                 timed(f"decode {kind} attn 1M B={b}", str(cfg), lambda cfg=cfg: fn(cfg))
         saved = (dict(idx_k.DECODE_CFG), dict(idx_k.SELECT_CFG), idx_k.PROGRAMS_PER_SM)
         for bn, nw, ns in [(64, 4, 1), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
