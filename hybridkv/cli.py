@@ -264,7 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:
+        # everything after "eval" is the evaluation's own command line, options first included
+        # ("hybridkv eval -h", "hybridkv eval --tasks passkey MODEL"): argparse's REMAINDER would
+        # refuse a leading option
+        args = argparse.Namespace(func=cmd_eval, args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except HybridKVError as e:

@@ -76,6 +76,15 @@ def test_eval_report_redraws_from_the_json(eval_dir, tmp_path):
     assert {p.name for p in tmp_path.glob("*.png")} >= {"accuracy_full.png", "needle_heatmap_full.png", "kv_bytes.png"}
 
 
+def test_eval_command_line_may_start_with_an_option():
+    """`hybridkv eval -h` shows the evaluation's help; options before the model reach its parser."""
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "-h"], capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: hybridkv eval" in r.stdout and "--tasks" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", "--tasks", "passkey"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "required: model_dir" in r.stderr and "unrecognized" not in r.stderr
+
+
 def test_eval_report_names_a_bad_results_file(tmp_path):
     bad = tmp_path / "results.json"
     bad.write_text('{"runs": [{"policy": "full"}]}')
