@@ -273,8 +273,22 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
         out.append(dict(group=group, config=label, us=us, **extra))
         print(f"  {group:34s} {label:46s} {'—' if us is None else f'{us:9.1f}'} µs", flush=True)
 
-    # first (a short budget reaches them): decode attention's merge shapes, one-tile pieces and the
-    # pipelining of whole-head programs, at a short and the longest context
+    # first (a short budget reaches them): the prefill indexer's scoring tiles (query rows per program,
+    # keys per MMA tile and per program, warps, pipeline stages)
+    x = Prefill(prefill_ctx, prefill_t)
+    group = f"prefill indexer {prefill_t} tok"
+    saved = dict(idx_k.TILE_CFG)
+    timed(group, "default", x.indexer, graph=False)
+    for upd in [dict(num_warps=8), dict(num_warps=8, num_stages=2), dict(num_warps=8, ROWS=512), dict(ROWS=128),
+                dict(num_stages=2), dict(BN=128), dict(CHUNK=4096), dict(CHUNK=1024)]:
+        idx_k.TILE_CFG.update(upd)
+        timed(group, str(upd), x.indexer, graph=False)
+        idx_k.TILE_CFG.clear()
+        idx_k.TILE_CFG.update(saved)
+    del x
+    torch.cuda.empty_cache()
+    # decode attention's merge shapes, one-tile pieces and the pipelining of whole-head programs, at a
+    # short and the longest context
     for c, b in ((8192, 1), (ctx, 1), (ctx, 8)):
         x = Decode(c, b)
         for kind in ("csa", "hca"):

@@ -231,7 +231,10 @@ SCORE_BUFFER = 1 << 28  # bytes of per-entry scratch (keys + candidates) held at
 # gather, block over candidates, radix levels (8 bits each) of the bound τ₀, warps.
 DECODE_CFG = dict(BN=64, num_warps=4, num_stages=1)   # 1 stage: 277 against 389 µs at 1M, B=8 (H200 sweep)
 PROGRAMS_PER_SM = 4     # decode scoring programs per SM to aim for (sets the chunk of keys per program)
-TILE_CFG = dict(num_warps=8, num_stages=2)
+# Prefill scoring tiles: ROWS query rows (tokens × heads) per program, BN keys per MMA tile, CHUNK keys
+# per program; one stage and four warps (2,048 tokens at 128K: 7,849 µs, against 9,338 with eight warps
+# and 10,919 with eight warps and two stages, a shape that also spills 8 B: H200 sweeps).
+TILE_CFG = dict(ROWS=256, BN=64, CHUNK=2048, num_warps=4, num_stages=1)
 SELECT_CFG = dict(BLOCK=4096, TB=64, CBLOCK=1024, TAU_LEVELS=2, num_warps=16)
 # Launches of at most SPLIT_MAX_TOKENS tokens whose rows have at least SPLIT_MIN_TILES tile maxima
 # gather their candidates in SELECT_GROUPS programs per token (`gather_candidates_kernel`), then join
@@ -290,7 +293,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
     if block_t is None:
         # decode-shaped scoring for few tokens, and always in deterministic mode (a token's scores must
         # not depend on the tile its batch happens to give it)
-        block_t = 1 if t <= 64 or is_deterministic() else max(1, 256 // block_h)
+        block_t = 1 if t <= 64 or is_deterministic() else max(1, TILE_CFG["ROWS"] // block_h)
     per_max = maxima_tile(n_max, topk)
     n_tiles = triton.cdiv(n_max, per_max)
     split = n_tiles >= SPLIT_MIN_TILES and t <= SPLIT_MAX_TOKENS
@@ -319,11 +322,12 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         else:
             tile_t0, tile_n = _tiles(token_req[a:b], block_t)
-            chunk = 2048
+            chunk = TILE_CFG["CHUNK"]
+            assert TILE_CFG["BN"] % TILE == 0 and chunk % TILE_CFG["BN"] == 0, "prefill tiles hold whole maxima tiles"
             score_tile_kernel[(tile_t0.shape[0], triton.cdiv(n_max, chunk))](
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
                 keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
-                BN=TILE, CHUNK=chunk, TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
+                BN=TILE_CFG["BN"], CHUNK=chunk, TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
                 RATIO=vis_ratio, num_warps=TILE_CFG["num_warps"],
                 num_stages=TILE_CFG["num_stages"])
         kpad = triton.next_power_of_2(topk)
