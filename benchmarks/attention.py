@@ -308,7 +308,7 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
             timed(group, "pieces of >= 64 rows", fn)
             attn_k.MIN_SPLIT = saved[1]
             for wide in [(64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2)]:
-                attn_k.WIDE_CFG = wide
+                attn_k.WIDE_CFG = {**saved[2], True: wide}     # decode rows here are packed fp8
                 timed(group, f"wide {wide}", fn)
             attn_k.WIDE_CFG = saved[2]
         del x

@@ -242,13 +242,15 @@ from hybridkv.ops.backend import is_deterministic  # noqa: E402
 # serial chains of dependent loads and MMAs on one SM each, so: no software pipelining (HCA at 1M,
 # B=8: 107 against 148 µs with two stages; narrow CSA at 1M, B=1: 15 against 22 µs), pieces down to
 # one 32-row tile (CSA at 8K, B=1: 23 against 29 µs with 64-row pieces), wide programs on 64-row
-# tiles (HCA at 1M, B=8: 89 against 100 µs with 32-row tiles, though ptxas spills 8 B). The merge:
+# tiles (HCA at 1M, B=8: 89 against 100 µs with 32-row tiles, though ptxas spills 8 B). These were
+# measured on packed fp8 rows; bf16 rows keep two stages and 32-row wide tiles (one stage spills
+# ~570 B there, 64-row tiles ~700 B: benchmarks/kernel_resources.py). The merge:
 # one warp per head × 64 dims, 32 pieces at a time (HCA at 1M, B=1: 34 against 44 µs with 4 heads ×
 # 64 dims per 4 warps).
 DETERMINISTIC_CFG = (16, 32, 256, 8, 2)
 PREFILL_CFG = {False: (64, 64, 8, 2), True: (64, 64, 8, 1)}    # by fp8: BLOCK_H, BLOCK_N, warps, stages
-NARROW_CFG = (16, 32, 8, 1)
-WIDE_CFG = (64, 64, 8, 1)
+NARROW_CFG = {False: (16, 32, 8, 2), True: (16, 32, 8, 1)}     # by fp8: BLOCK_H, BLOCK_N, warps, stages
+WIDE_CFG = {False: (64, 32, 8, 2), True: (64, 64, 8, 1)}
 PIECES_PER_SM = 2                                # narrow decode programs per SM to aim for
 MIN_SPLIT = 32
 WIDE_ROWS_PER_SM = 32
@@ -275,8 +277,8 @@ def _config(num_tokens: int, rows_max: int, heads: int, device, fp8: bool = Fals
         bh, bn, warps, stages = PREFILL_CFG[fp8]
         return min(bh, max(16, triton.next_power_of_2(heads))), bn, triton.cdiv(rows_max, bn) * bn, warps, stages
     sms = _sms(device)
-    wide = heads >= WIDE_CFG[0] and num_tokens * rows_max >= WIDE_ROWS_PER_SM * sms
-    bh, bn, warps, stages = WIDE_CFG if wide else NARROW_CFG
+    wide = heads >= WIDE_CFG[fp8][0] and num_tokens * rows_max >= WIDE_ROWS_PER_SM * sms
+    bh, bn, warps, stages = WIDE_CFG[fp8] if wide else NARROW_CFG[fp8]
     want = max(1, (sms if wide else PIECES_PER_SM * sms) // (num_tokens * triton.cdiv(heads, bh)))
     split = max(MIN_SPLIT, triton.cdiv(triton.cdiv(rows_max, want), bn) * bn)
     return bh, bn, split, warps, stages
