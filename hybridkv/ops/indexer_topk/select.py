@@ -128,9 +128,16 @@ def visible_entries(VIS, t, RATIO: tl.constexpr):
 
 
 @triton.jit
-def _all_visible(out, vis, K, KPAD: tl.constexpr):
-    j = tl.arange(0, KPAD)
-    tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
+def _token_output(VIS, OUT, s_out, K, RATIO: tl.constexpr, KPAD: tl.constexpr):
+    """(token, its visible entries, its output row) of this program; a token that sees at most K
+    entries gets them all here (ascending, −1 padded) and needs no selection."""
+    t = tl.program_id(0)
+    vis = visible_entries(VIS, t, RATIO)
+    out = OUT + t.to(tl.int64) * s_out
+    if vis <= K:
+        j = tl.arange(0, KPAD)
+        tl.store(out + j, tl.where(j < vis, j, -1), mask=j < K)
+    return t, vis, out
 
 
 @triton.jit
@@ -139,12 +146,8 @@ def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s
                   TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr):
     """Exact top-K of token t's keys (steps in the module docstring) in one program; writes all K
     output slots."""
-    t = tl.program_id(0)
-    vis = visible_entries(VIS, t, RATIO)
-    out = OUT + t.to(tl.int64) * s_out
-    if vis <= K:
-        _all_visible(out, vis, K, KPAD)
-    else:
+    t, vis, out = _token_output(VIS, OUT, s_out, K, RATIO, KPAD)
+    if vis > K:
         tmax = TMAX + t.to(tl.int64) * s_tmax
         nt = (vis + TILE_N - 1) // TILE_N
         tau0 = _tau0(tmax, nt, K, TAU_LEVELS, BLOCK)
@@ -184,12 +187,8 @@ def select_final_kernel(CK, CI, s_cand, CK2, CI2, CNT, VIS, OUT, s_out, K, RATIO
                         CB: tl.constexpr, CBLOCK: tl.constexpr, KPAD: tl.constexpr):
     """Steps 4-5 of token t after `gather_candidates_kernel`: the G regions' candidates joined in
     entry order into CK2/CI2 (CB per region at a time), then the exact selection."""
-    t = tl.program_id(0)
-    vis = visible_entries(VIS, t, RATIO)
-    out = OUT + t.to(tl.int64) * s_out
-    if vis <= K:
-        _all_visible(out, vis, K, KPAD)
-    else:
+    t, vis, out = _token_output(VIS, OUT, s_out, K, RATIO, KPAD)
+    if vis > K:
         nt = (vis + TILE_N - 1) // TILE_N
         per = (nt + G - 1) // G
         gi = tl.arange(0, G)
