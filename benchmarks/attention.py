@@ -31,7 +31,7 @@ import time
 import torch
 import triton
 
-from hybridkv.cache.formats import unpack_index_fp4, unpack_main_fp8
+from hybridkv.cache.formats import index_blocks_to_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.indexer_topk import reference as idx_ref
 from hybridkv.ops.indexer_topk import triton as idx_k
 from hybridkv.ops.paged import PagedBatch
@@ -78,10 +78,11 @@ def main_pool(n: int) -> torch.Tensor:
     return x
 
 
-def index_pool(n: int) -> torch.Tensor:
-    x = torch.randint(0, 256, (n, IDX_B), dtype=torch.uint8, device=DEV)
-    x[:, 64:] = torch.randint(122, 130, (n, 4), dtype=torch.uint8, device=DEV)
-    return x
+def index_pool(blocks: int) -> torch.Tensor:
+    """Blocks of 32 random FP4 keys (sane ue8m0 scales), in the pool's block layout: codes, then scales."""
+    x = torch.randint(0, 256, (blocks, 32 * IDX_B), dtype=torch.uint8, device=DEV)
+    x[:, 32 * 64:] = torch.randint(122, 130, (blocks, 32 * 4), dtype=torch.uint8, device=DEV)
+    return x.view(blocks, 32, IDX_B)
 
 
 class Decode:
@@ -99,7 +100,7 @@ class Decode:
         self.sink = torch.randn(H, device=DEV)
         self.new, self.ring = main_pool(b), main_pool(b * W).view(b, W, MAIN_B)
         self.mpool = main_pool(b * blocks * 32).view(b * blocks, 32, MAIN_B)
-        self.ipool = index_pool(b * blocks * 32).view(b * blocks, 32, IDX_B)
+        self.ipool = index_pool(b * blocks)
         self.hpool = main_pool(b * blocks).view(b * blocks, 1, MAIN_B)
         self.sel = None
         self.indexer()
@@ -130,7 +131,7 @@ class Decode:
         bt = self.batch.block_tables.long()
         for r in sorted({0, self.b - 1}):
             j = torch.arange(self.vis, device=DEV)
-            keys = unpack_index_fp4(self.ipool[bt[r, j // 32], j % 32], DI)
+            keys = unpack_index_fp4(index_blocks_to_rows(self.ipool, DI)[bt[r, j // 32], j % 32], DI)
             s = idx_ref.index_scores(self.qi[r:r + 1].float(), self.wi[r:r + 1], keys)[0]
             got = s[sel[r]].sort(descending=True).values
             want = s.topk(TOPK).values
@@ -224,7 +225,7 @@ class Prefill:
         self.hca_flops = 4 * H * D * sum(W + (p + 1) // 128 for p in range(ctx - t, ctx))
         self.qi = torch.randn(t, HI, DI, device=DEV).bfloat16()
         self.wi = torch.randn(t, HI, device=DEV)
-        self.ipool = index_pool(blocks * 32).view(blocks, 32, IDX_B)
+        self.ipool = index_pool(blocks)
 
     def csa(self, fmt, cfg=None):
         new, ring, mpool, _ = self.pools[fmt]

@@ -124,7 +124,8 @@ def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decod
     # the compressed entries decode wrote (block 9 was appended mid-decode: its CSA entries must land there)
     for layer, (ents, ref_ents) in enumerate(zip(eng.store.entries, ref_eng.store.entries)):
         for kind, pool in ents.items():
-            a, b = eng.store.codec[kind].decode(pool), ref_eng.store.codec[kind].decode(ref_ents[kind])
+            codec = eng.store.codec[kind]
+            a, b = codec.decode(codec.block_rows(pool)), codec.decode(codec.block_rows(ref_ents[kind]))
             assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (layer, kind)
     # and it serves: a request continuing those tokens starts at 1152 from the cache
     follow = eng.add_request(seqs[0].token_ids[:1154], SamplingParams(max_tokens=1, ignore_eos=True))

@@ -29,6 +29,22 @@ def test_index_fp4_round_trip_exact():
     assert torch.equal(unpack_index_fp4(buf, 128), x)
 
 
+def test_index_key_blocks_keep_codes_first():
+    """A block of packed keys holds its keys' codes (each 64 aligned bytes at 128 dims), then their
+    scales; the row form comes back unchanged, and a store writes and reads that layout."""
+    from hybridkv.cache.formats import index_block_views, index_blocks_to_rows, index_rows_to_blocks
+    rows = pack_index_fp4(fp4_round_trip(hadamard_transform(torch.randn(3 * 32, 128)), 32)).view(3, 32, 68)
+    blocks = index_rows_to_blocks(rows, 128)
+    assert blocks.shape == rows.shape
+    assert torch.equal(blocks[1].flatten()[:64], rows[1, 0, :64])               # key 0's codes open the block
+    assert torch.equal(blocks[1].flatten()[32 * 64:32 * 64 + 4], rows[1, 0, 64:])  # its scales follow all codes
+    assert torch.equal(index_blocks_to_rows(blocks, 128), rows)
+    codes, scales = index_block_views(blocks, 128)
+    assert torch.equal(codes, rows[..., :64]) and torch.equal(scales, rows[..., 64:])
+    codes[2, 5] = 0                                                               # views write through
+    assert (blocks[2].flatten()[5 * 64:6 * 64] == 0).all()
+
+
 def test_v41_packed_entries_round_trip_exactly():
     """Values the V4.1 model stores (global KV: FP4 per 16 with e4m3 scales; window: FP8 per 32 with
     power-of-two scales) pack into 288 + 528 bytes at head_dim 512 and unpack bit for bit."""

@@ -4,6 +4,9 @@ V4 main entry ("fp8", 584 B at head_dim 512 / rope 64), bytes in order:
     [nope e4m3: D−R][rope bf16: 2R][ue8m0 scale per 64 nope dims: (D−R)/64][zero pad to a multiple of 8]
 V4 indexer key ("fp4", 68 B at 128):
     [E2M1 pairs, low nibble = even element: d/2][ue8m0 scale per 32: d/32]
+In a paged pool of indexer keys, a block of E entries keeps the same bytes codes first: the E code
+rows (d/2 bytes each), then the E scale rows (d/32 bytes each), so a key's codes are one aligned run
+that kernels read with 16-byte loads (`index_block_views`, `index_rows_to_blocks`).
 V4.1 ("v41"): global KV (288 B at 512) [E2M1 pairs: d/2][e4m3 scale per 16: d/16]; window row
 (528 B at 512) [e4m3: d][ue8m0 scale per 32: d/32]; indexer keys as V4's.
 
@@ -82,6 +85,27 @@ def unpack_index_fp4(buf: torch.Tensor, dim: int, dtype: torch.dtype = torch.flo
     vals = unpack_fp4(buf[:, : dim // 2].contiguous()).reshape(n, dim // FP4_TILE, FP4_TILE)
     scale = _from_e8m0(buf[:, dim // 2:])
     return (vals * scale.unsqueeze(-1)).reshape(n, dim).to(dtype)
+
+
+def index_block_views(pool: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed indexer-key blocks [..., E, W] (W = index_entry_bytes(dim), contiguous blocks) -> views
+    (codes [..., E, dim/2], scales [..., E, dim/32]) of their block layout."""
+    *lead, e, w = pool.shape
+    flat = pool.view(*lead, e * w)
+    c = dim // 2
+    return flat[..., : e * c].unflatten(-1, (e, c)), flat[..., e * c:].unflatten(-1, (e, w - c))
+
+
+def index_blocks_to_rows(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """Packed indexer-key blocks [..., E, W] -> the same keys as packed rows [..., E, W]."""
+    codes, scales = index_block_views(blocks.contiguous(), dim)
+    return torch.cat([codes, scales], dim=-1)
+
+
+def index_rows_to_blocks(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """Packed indexer-key rows [..., E, W] -> the block layout (same shape and bytes, reordered)."""
+    c = dim // 2
+    return torch.cat([rows[..., :c].flatten(-2), rows[..., c:].flatten(-2)], dim=-1).view(rows.shape)
 
 
 V41_GLOBAL_TILE = 16

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.cache.block_pool import BlockPool
-from hybridkv.cache.formats import (index_entry_bytes, main_entry_bytes, pack_index_fp4, pack_main_fp8,
-                                    pack_v41_global, pack_v41_window, unpack_index_fp4, unpack_main_fp8,
+from hybridkv.cache.formats import (index_block_views, index_blocks_to_rows, index_entry_bytes, main_entry_bytes,
+                                    pack_index_fp4, pack_main_fp8, pack_v41_global, pack_v41_window,
+                                    unpack_index_fp4, unpack_main_fp8,
                                     unpack_v41_global, unpack_v41_window, v41_global_bytes, v41_window_bytes)
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
@@ -48,6 +49,7 @@ class _Codec:
         else:
             self.width = self.dim
         self.storage_dtype = torch.uint8 if self.packed else (torch.bfloat16 if fmt == "bf16" else dtype)
+        self.block_layout = self.packed and kind == "index"   # packed keys: codes first in a block (formats.py)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """[..., dim] entries -> [..., width] stored form."""
@@ -76,6 +78,25 @@ class _Codec:
         else:
             out = unpack_v41_window(flat, self.dim, self.dtype)
         return out.reshape(*stored.shape[:-1], self.dim)
+
+    def read(self, pool: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Stored rows at (blocks, offs) of a pool [num_blocks, E, width]."""
+        if not self.block_layout:
+            return pool[blocks, offs]
+        codes, scales = index_block_views(pool, self.dim)
+        return torch.cat([codes[blocks, offs], scales[blocks, offs]], dim=-1)
+
+    def write(self, pool: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor, stored: torch.Tensor) -> None:
+        if not self.block_layout:
+            pool[blocks, offs] = stored
+            return
+        codes, scales = index_block_views(pool, self.dim)
+        codes[blocks, offs] = stored[..., : codes.shape[-1]]
+        scales[blocks, offs] = stored[..., codes.shape[-1]:]
+
+    def block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole stored blocks [..., E, width] as their rows (same shape)."""
+        return index_blocks_to_rows(blocks, self.dim) if self.block_layout else blocks
 
     def row_bytes(self) -> int:
         return self.width * torch.empty(0, dtype=self.storage_dtype).element_size()
@@ -356,9 +377,10 @@ class PagedLayerKV:
         if first < frozen:
             rows, first = rows[frozen - first:], frozen
         blocks, offs = self._locate(first, rows.shape[0])
-        encoded = self.store.codec[kind].encode(rows)
+        codec = self.store.codec[kind]
+        encoded = codec.encode(rows)
         pool = self.store.entries[self.layer_id][kind]
-        pool[blocks.to(pool.device), offs.to(pool.device)] = encoded.to(pool.device)
+        codec.write(pool, blocks.to(pool.device), offs.to(pool.device), encoded.to(pool.device))
         if self._paged(kind):
             pages = self._pages(blocks, first, rows.shape[0])
             self.store.pages[self.layer_id][pages, offs] = encoded
@@ -384,8 +406,9 @@ class PagedLayerKV:
             raise RuntimeError("CSA entries of a block that is not resident were needed on the device")
         pool = self.store.pages[self.layer_id] if self._paged(kind) else self.store.entries[self.layer_id][kind]
         table = torch.tensor(ids, dtype=torch.long, device=self.store.device)
-        rows = pool.index_select(0, table).reshape(nb * per_block, pool.shape[-1])[:count]
-        return self.store.codec[kind].decode(rows)
+        codec = self.store.codec[kind]
+        rows = codec.block_rows(pool.index_select(0, table)).reshape(nb * per_block, pool.shape[-1])[:count]
+        return codec.decode(rows)
 
     def done(self, end_pos: int) -> None:
         """The layer has processed this request up to end_pos (a snapshot point, maybe)."""
@@ -541,9 +564,10 @@ class PagedDecodeKV:
         which, entry_ids, rows = which[keep], entry_ids[keep], rows[keep]
         per = self._per_block(layer_id)
         blocks = self.tables[which, entry_ids // per]
-        encoded = self.store.codec[kind].encode(rows)
+        codec = self.store.codec[kind]
+        encoded = codec.encode(rows)
         pool = self.store.entries[layer_id][kind]
-        pool[blocks.to(pool.device), (entry_ids % per).to(pool.device)] = encoded.to(pool.device)
+        codec.write(pool, blocks.to(pool.device), (entry_ids % per).to(pool.device), encoded.to(pool.device))
         if kind == "kv" and layer_id in self.store.pages:
             pages = self.page_tables[which, entry_ids // per]
             self.store.pages[layer_id][pages, entry_ids % per] = encoded
@@ -557,15 +581,17 @@ class PagedDecodeKV:
         e = entry_ids.clamp(min=0)
         blocks, slots = self.tables[which, e // per], e % per
         pool = self.store.entries[layer_id][kind]
-        pool[blocks, slots] = torch.where(keep, self.store.codec[kind].encode(rows), pool[blocks, slots])
+        codec = self.store.codec[kind]
+        codec.write(pool, blocks, slots, torch.where(keep, codec.encode(rows), codec.read(pool, blocks, slots)))
 
     def entries(self, layer_id: int, kind: str, counts: torch.Tensor) -> torch.Tensor:
         per = self._per_block(layer_id)
         nb = max(1, -(-int(counts.max()) // per))
         pool = self.store.entries[layer_id][kind]
-        rows = pool[self.tables[:, :nb]]                                   # [B, nb, per, E]
+        codec = self.store.codec[kind]
+        rows = codec.block_rows(pool[self.tables[:, :nb]])                 # [B, nb, per, E]
         rows = rows.reshape(rows.shape[0], nb * per, rows.shape[-1])
-        return self.store.codec[kind].decode(rows)
+        return codec.decode(rows)
 
     def gather_entries(self, layer_id: int, kind: str, idx: torch.Tensor) -> torch.Tensor:
         per = self._per_block(layer_id)
@@ -573,7 +599,8 @@ class PagedDecodeKV:
             pages = self.page_tables[self._b.unsqueeze(1), idx // per].clamp(min=0)  # callers mask non-resident
             return self.store.codec[kind].decode(self.store.pages[layer_id][pages, idx % per])
         blocks = self.tables[self._b.unsqueeze(1), idx // per]
-        return self.store.codec[kind].decode(self.store.entries[layer_id][kind][blocks, idx % per])
+        codec = self.store.codec[kind]
+        return codec.decode(codec.read(self.store.entries[layer_id][kind], blocks, idx % per))
 
     def resident(self, layer_id: int, n: int) -> torch.Tensor | None:
         """[B, n] whether each request's entry j of this layer is on the device (None: all are)."""

@@ -4,7 +4,8 @@ indexer 64 × 128, top-512, window 128, 584-B fp8 and 68-B FP4 entries; bf16 inp
 import pytest
 import torch
 
-from hybridkv.cache.formats import pack_index_fp4, pack_main_fp8, unpack_index_fp4, unpack_main_fp8
+from hybridkv.cache.formats import (index_rows_to_blocks, pack_index_fp4, pack_main_fp8, unpack_index_fp4,
+                                    unpack_main_fp8)
 from hybridkv.ops.compress import triton as compress_k
 from hybridkv.ops.compress.reference import finish_entries, softmax_pool
 from hybridkv.ops.hadamard import hadamard_transform
@@ -97,7 +98,8 @@ def test_indexer_topk(fmt, case):
     q = fp4_round_trip(hadamard_transform(torch.randn(t, HI, DI, device=DEV)), 32).bfloat16()
     w = torch.randn(t, HI, device=DEV) * HI ** -0.5
     keys = fp4_round_trip(hadamard_transform(torch.randn(nblk * 32, DI, device=DEV)), 32)
-    pool = (pack_index_fp4(keys) if fmt == "fp4" else keys.bfloat16()).view(nblk, 32, -1)
+    pool = index_rows_to_blocks(pack_index_fp4(keys).view(nblk, 32, -1), DI) if fmt == "fp4" else \
+        keys.bfloat16().view(nblk, 32, -1)
     idx = idx_k.indexer_topk_paged(q, w, batch, pool, TOPK, 4, fmt, DI).long()
     vis = (batch.positions.long() + 1) // 4
     n = int(vis.max())
@@ -123,7 +125,7 @@ def test_kernels_batch_invariant():
     qi = fp4_round_trip(hadamard_transform(torch.randn(8, HI, DI, device=DEV)), 32).bfloat16()
     wi = torch.randn(8, HI, device=DEV) * HI ** -0.5
     ipool = pack_index_fp4(fp4_round_trip(hadamard_transform(torch.randn(nblk * 32, DI, device=DEV)), 32))
-    ipool = ipool.view(nblk, 32, -1)
+    ipool = index_rows_to_blocks(ipool.view(nblk, 32, -1), DI)
     new_kv, ring = main_entries(8, "fp8"), main_entries(8 * W, "fp8").view(8, W, -1)
     pool, hpool = main_entries(nblk * 32, "fp8").view(nblk, 32, -1), main_entries(nblk, "fp8").view(nblk, 1, -1)
     sink = torch.randn(H, device=DEV)

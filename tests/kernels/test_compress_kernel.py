@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import rel_rms
-from hybridkv.cache.formats import unpack_index_fp4, unpack_main_fp8
+from hybridkv.cache.formats import index_blocks_to_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.compress.reference import finish_entries, softmax_pool
 from hybridkv.ops.rope import rope_freqs, yarn_inv_freq
 
@@ -38,8 +38,10 @@ def test_float_entries(kernels, device, kind, L):
     assert rel_rms(ref, out.cpu()) <= 1e-3
 
 
-@pytest.mark.parametrize("kind", ["main", "index"])
-def test_packed_paged_write(kernels, device, kind):
+@pytest.mark.parametrize("kind,block_layout", [("main", False), ("index", False), ("index", True)],
+                         ids=["main", "index-rows", "index-blocks"])
+def test_packed_paged_write(kernels, device, kind, block_layout):
+    """Packed entries land in their paged rows (indexer keys also in the pool's block layout)."""
     n, L, epb = 6, 8, 4
     kv, score, w, freqs, j, ref = _case(kind, n, L, seed=1)
     d = kv.shape[-1]
@@ -50,8 +52,10 @@ def test_packed_paged_write(kernels, device, kind):
     out = pool.to(device)
     kernels.compress_write(kv.to(device), score.to(device), w.to(device), 1e-6, freqs.real.to(device),
                            freqs.imag.to(device), kind, out.view(-1, ebytes), True, j.to(torch.int32).to(device),
-                           req.to(device), bt.to(device), epb)
+                           req.to(device), bt.to(device), epb, block_layout=block_layout)
     out = out.cpu()
+    if block_layout:
+        out = index_blocks_to_rows(out, d)
     rows = out.view(-1, ebytes)[(bt[req.long(), j // epb].long() * epb + j % epb)]
     got = unpack_main_fp8(rows, d, 64) if kind == "main" else unpack_index_fp4(rows, d)
     # rope dims are stored in bf16: compare against the reference rounded the same way

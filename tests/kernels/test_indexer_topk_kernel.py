@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from helpers import random_batch
-from hybridkv.cache.formats import pack_index_fp4
+from hybridkv.cache.formats import index_rows_to_blocks, pack_index_fp4
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import reference
 from hybridkv.ops.indexer_topk import triton as idx_triton
@@ -96,7 +96,8 @@ def test_paged(kernels, device, fmt, block_t, monkeypatch):
     q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
     w = torch.randn(t, h, generator=g)
     keys = fp4_round_trip(hadamard_transform(torch.randn(48 * bt // ratio, d, generator=g)), 32)
-    pool = (pack_index_fp4(keys) if fmt == "fp4" else keys).reshape(48, bt // ratio, -1)
+    pool = keys.reshape(48, bt // ratio, -1) if fmt != "fp4" else \
+        index_rows_to_blocks(pack_index_fp4(keys).reshape(48, bt // ratio, -1), d)
     run = kernels._run
     monkeypatch.setattr(kernels, "_run", lambda *a, **kw: run(*a, **{**kw, "block_t": block_t}))
     idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt,
@@ -122,7 +123,8 @@ def test_paged_long(kernels, device, fmt):
     q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
     w = torch.randn(t, h, generator=g)
     keys = fp4_round_trip(hadamard_transform(torch.randn(180 * bt // ratio, d, generator=g)), 32)
-    pool = (pack_index_fp4(keys) if fmt == "fp4" else keys).reshape(180, bt // ratio, -1)
+    pool = keys.reshape(180, bt // ratio, -1) if fmt != "fp4" else \
+        index_rows_to_blocks(pack_index_fp4(keys).reshape(180, bt // ratio, -1), d)
     idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt,
                                      d).cpu()
     check_paged_selection(batch, q, w, keys, idx, topk, ratio)
@@ -149,7 +151,7 @@ def test_paged_tile_bound_every_tile_size(kernels, device, tile, block_t, monkey
     q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
     w = torch.randn(t, h, generator=g)
     keys = fp4_round_trip(hadamard_transform(torch.randn(100 * bt // ratio, d, generator=g)), 32)
-    pool = pack_index_fp4(keys).reshape(100, bt // ratio, -1)
+    pool = index_rows_to_blocks(pack_index_fp4(keys).reshape(100, bt // ratio, -1), d)
     run = kernels._run
     monkeypatch.setattr(kernels, "_run", lambda *a, **kw: run(*a, **{**kw, "block_t": block_t}))
     monkeypatch.setattr(kernels, "maxima_tile", lambda n, k: tile)
@@ -205,9 +207,9 @@ def test_launches_of_many_tokens_select_in_one_program_per_token(kernels, device
 
 
 @triton.jit
-def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.constexpr):
+def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.constexpr, BN: tl.constexpr):
     rows = tl.arange(0, BN)
-    k, smax = idx_triton._fp4_keys16(rows, POOL, s_row, D, WORDS)
+    k, smax = idx_triton._fp4_keys16(rows // EPB, rows % EPB, POOL, s_row, D, WORDS, EPB)
     k = k.to(tl.float32) * (smax << 23).to(tl.float32, bitcast=True)[:, None]
     tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], k)
 
@@ -215,15 +217,16 @@ def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, BN: tl.con
 @pytest.mark.parametrize("d", [64, 128], ids=["bytes", "words"])
 def test_fp4_keys_as_scaled_fp16_are_exact(device, d):
     """The fp16 form the scoring MMA uses, times its row factor, is the packed value exactly (scales
-    up to 2^20 apart within a row, every code)."""
-    from hybridkv.cache.formats import unpack_index_fp4
+    up to 2^20 apart within a row, every code), read from blocks of 4 keys in the block layout."""
+    from hybridkv.cache.formats import index_rows_to_blocks, unpack_index_fp4
     g = torch.Generator().manual_seed(8)
-    n = 16
+    n, epb = 16, 4
     buf = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=g)
     buf[0, : d // 2] = (torch.arange(d // 2) * 17 % 256).to(torch.uint8)
     buf[:, d // 2:] = torch.randint(107, 128, (n, d // 32), dtype=torch.uint8, generator=g)
-    words = (d // 2 + d // 32) % 4 == 0
-    pool = buf.view(torch.int32) if words else buf
+    words = d == 128
+    blocks = index_rows_to_blocks(buf.view(n // epb, epb, -1), d).reshape(n, -1)
+    pool = blocks.view(torch.int32) if words else blocks
     out = torch.empty(n, d, device=device)
-    _decode16[(1,)](pool.to(device), pool.shape[1], out, D=d, WORDS=words, BN=n)
+    _decode16[(1,)](pool.to(device), pool.shape[1], out, D=d, WORDS=words, EPB=epb, BN=n)
     assert torch.equal(out.cpu(), unpack_index_fp4(buf, d))

@@ -16,7 +16,8 @@ def layout_identity(store, model_identity: str) -> str:
     """Model identity + everything that shapes the stored bytes (entry format, dtypes, block size,
     window, layer ratios). Records of another identity are foreign and never loaded."""
     cfg = store.config
-    desc = {"version": 1, "model": model_identity, "format": store.fmt, "dtype": str(store.dtype),
+    # version 2: packed indexer keys in the block layout (codes first in each block)
+    desc = {"version": 2, "model": model_identity, "format": store.fmt, "dtype": str(store.dtype),
             "block_tokens": store.block_tokens, "window": cfg.sliding_window,
             "ratios": [cfg.layer_ratio(i) for i in range(store.num_layers)],
             "codecs": {k: [c.width, str(c.storage_dtype)] for k, c in store.codec.items()}}

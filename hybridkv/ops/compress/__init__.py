@@ -39,7 +39,8 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                    out_dtype: torch.dtype = torch.bfloat16) -> None:
     """Finish n entries and write entry ent_j[i] of request ent_req[i] into
     pool[block_tables[req, j // epb], j % epb]; an entry whose j is −1 is computed but not written
-    (fixed-shape batches under CUDA graphs). fmt: "fp8" (main, 584-B), "fp4" (index, 68-B) or
+    (fixed-shape batches under CUDA graphs). fmt: "fp8" (main, 584-B), "fp4" (index, 68-B, in the block
+    layout of formats.py) or
     "bf16" (float values of the pool's dtype)."""
     n, _, d = kv_rows.shape
     if n == 0:
@@ -50,7 +51,7 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
         from hybridkv.ops.compress import triton as kernels
         kernels.compress_write(kv_rows, score_rows, norm_weight, eps, freqs.real, freqs.imag, kind, flat, packed,
                                ent_j.to(torch.int32), ent_req.to(torch.int32), block_tables, entries_per_block,
-                               out_bf16=out_dtype == torch.bfloat16)
+                               out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4")
         return
     from hybridkv.ops.paged import PagedBatch, entry_rows
     x = finish_entries(softmax_pool(kv_rows.float(), score_rows.float()), norm_weight, eps, freqs, kind, out_dtype)
@@ -63,4 +64,11 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
     view = PagedBatch(ent_req, ent_j, ent_req, block_tables, ent_req, ent_req)
     rows = entry_rows(view, ent_req.long(), ent_j.long(), entries_per_block)
     keep = rows >= 0
+    if fmt == "fp4":        # packed keys: the block layout of formats.py
+        from hybridkv.cache.formats import index_block_views
+        codes, scales = index_block_views(pool.view(-1, entries_per_block, pool.shape[-1]), d)
+        r = rows[keep]
+        codes[r // entries_per_block, r % entries_per_block] = x[keep, : d // 2]
+        scales[r // entries_per_block, r % entries_per_block] = x[keep, d // 2:]
+        return
     flat[rows[keep]] = x[keep].to(flat.dtype)

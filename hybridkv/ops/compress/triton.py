@@ -55,7 +55,8 @@ def _e2m1_round(v):
 def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, ENT_REQ, ENT_J,
                     eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                     MODE: tl.constexpr,
-                    OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr):
+                    OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+                    BLOCK_LAYOUT: tl.constexpr = False):
     e = tl.program_id(0)
     d = tl.arange(0, D)
     # per-channel online softmax over the L rows
@@ -139,17 +140,26 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
             code = tl.where(mag < 2, mag * 2, tl.where(mag < 4, mag + 2, mag * 0.5 + 4)).to(tl.int32)
             code = tl.where((qv < 0) & (mag > 0), code | 8, code)
             lo, hi = tl.split(tl.reshape(code, [D // 2, 2]))
-            tl.store(out + pair, (lo | (hi << 4)).to(tl.uint8), mask=keep)
+            if BLOCK_LAYOUT:     # the pool's blocks keep their EPB entries' codes first, then their scales
+                block = OUT + (row // EPB) * (EPB * s_out_row)
+                codes_at = block + (row % EPB) * (D // 2)
+                scales_at = block + EPB * (D // 2) + (row % EPB) * (D // 32)
+            else:
+                codes_at = out
+                scales_at = out + D // 2
+            tl.store(codes_at + pair, (lo | (hi << 4)).to(tl.uint8), mask=keep)
             blocks = tl.arange(0, D // 32)
-            tl.store(out + D // 2 + blocks, sexp.to(tl.uint8), mask=keep)
+            tl.store(scales_at + blocks, sexp.to(tl.uint8), mask=keep)
 
 
 def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor, packed: bool,
                    ent_j: torch.Tensor, ent_req: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
-                   entries_per_block: int = 1, out_bf16: bool = False) -> None:
+                   entries_per_block: int = 1, out_bf16: bool = False, block_layout: bool = False) -> None:
     """Pool, finish and write n entries. kv_rows/score_rows [n, L, d] float32; cos/sin [n, rope/2];
-    out: pool rows [num_rows, E] (flat) written at row block_tables[req, j // epb]·epb + j % epb (or j)."""
+    out: pool rows [num_rows, E] (flat) written at row block_tables[req, j // epb]·epb + j % epb (or j).
+    block_layout: packed indexer keys go to the block layout of formats.py (codes first in each block
+    of entries_per_block rows)."""
     n, L, d = kv_rows.shape
     if n == 0:
         return
@@ -165,4 +175,5 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                           cos.float().contiguous(), sin.float().contiguous(), cos.shape[1] if cos.dim() > 1 else 0,
                           had, out, out.stride(0), bt, bt.stride(0) if paged else 0, req, ent_j.to(torch.int32),
                           eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
-                          EPB=entries_per_block, PAGED=paged, PREC="ieee", num_warps=4)
+                          EPB=entries_per_block, PAGED=paged, PREC="ieee", BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED,
+                          num_warps=4)

@@ -42,12 +42,12 @@ def causal_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int, by_posit
 
 
 def decode_keys(pool: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
-    """Indexer key rows in format `fmt` ("bf16"/float elements or "fp4" 68-B packed) -> float32 [rows, dim]."""
-    flat = pool.reshape(-1, pool.shape[-1])
+    """A paged pool [blocks, E, width] of indexer keys in format `fmt` ("bf16"/float elements, or "fp4":
+    68-B packed keys in the block layout) -> float32 [blocks·E, dim]."""
     if fmt == "fp4":
-        from hybridkv.cache.formats import unpack_index_fp4  # the packed layout is defined there
-        return unpack_index_fp4(flat, dim)
-    return flat.float()
+        from hybridkv.cache.formats import index_blocks_to_rows, unpack_index_fp4  # the packed layout
+        return unpack_index_fp4(index_blocks_to_rows(pool, dim).reshape(-1, pool.shape[-1]), dim)
+    return pool.reshape(-1, pool.shape[-1]).float()
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,

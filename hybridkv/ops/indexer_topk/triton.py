@@ -15,7 +15,8 @@ exact causal top-k, returned in ascending entry order (what attention consumes).
    batch (each score is computed by one MMA row whatever the chunking, and either selection gives
    the same entries).
 
-FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales) are read as 17 int32 words. Four codes of a word
+FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales, in the block layout of `hybridkv.cache.formats`:
+a block's codes first, then its scales) are read as int32 words, 16 code words and a scale word. Four codes of a word
 become e4m3 bytes at once (sign to bit 7, e1 e0 m to bits 4..2: the e4m3 value is the E2M1 value
 × 2⁻⁶, E2M1's subnormal 0.5 landing on an e4m3 subnormal), which the hardware widens to fp16; an
 fp16 multiply by 2^(s−smax+6) brings each 32-block to the row's largest scale, and the MMA runs in
@@ -72,21 +73,25 @@ def _float_keys(rows, POOL, s_row, D: tl.constexpr, OUT_T: tl.constexpr):
 
 
 @triton.jit
-def _fp4_keys16(rows, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr):
-    """FP4 key rows as fp16 [BN, D] scaled by 2^(127 − smax) (smax: the row's largest ue8m0 scale,
-    returned [BN]): every value is exact (blocks more than 2²⁰ below the row's largest are dropped:
-    they are below fp32 resolution of the score), and the MMA runs on fp16 directly from the e4m3
-    widening, with no fp32 round trip. The row factor 2^(smax−127) is applied to the score (ReLU
-    commutes with positive scaling)."""
-    BN: tl.constexpr = rows.shape[0]
-    base = POOL + rows.to(tl.int64) * s_row
+def _fp4_keys16(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.constexpr):
+    """FP4 keys `ent` of pool blocks `blk` (a paged pool in the block layout of formats.py: a block
+    holds its EPB keys' codes first, then their scales) as fp16 [BN, D] scaled by
+    2^(127 − smax) (smax: the key's largest ue8m0 scale, returned [BN]): every value is exact (blocks
+    more than 2²⁰ below the key's largest are dropped: they are below fp32 resolution of the score),
+    and the MMA runs on fp16 directly from the e4m3 widening, with no fp32 round trip. The factor
+    2^(smax−127) is applied to the score (ReLU commutes with positive scaling). WORDS: the pool as
+    int32 words with D = 128 (16 code words and one scale word per key; a key's codes are 64
+    aligned bytes, read with 16-byte loads); else bytes, s_row bytes per key."""
+    BN: tl.constexpr = ent.shape[0]
+    blk = blk.to(tl.int64)
     if WORDS:
         NW: tl.constexpr = D // 8
+        block = POOL + blk * (EPB * (NW + 1))       # a constexpr stride: the loads stay 16-byte vectors
         wi = tl.arange(0, NW)
-        words = tl.load(base[:, None] + wi[None, :])                                             # [BN, NW]
-        # the scale word once per row (a load per word repeated it NW times: the kernel was bound by L1
+        words = tl.load((block + ent * NW)[:, None] + wi[None, :])                               # [BN, NW]
+        # the scale word once per key (a load per word repeated it NW times: the kernel was bound by L1
         # load instructions, not by DRAM), then broadcast along the row
-        sw_row = tl.load(base + NW)                                                             # [BN]
+        sw_row = tl.load(block + EPB * NW + ent)                                                # [BN]
         smax = tl.maximum(tl.maximum(sw_row & 255, (sw_row >> 8) & 255),
                           tl.maximum((sw_row >> 16) & 255, (sw_row >> 24) & 255))               # [BN]
         sw = tl.broadcast_to(sw_row[:, None], (BN, NW))                                         # [BN, NW]
@@ -101,9 +106,10 @@ def _fp4_keys16(rows, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr):
         f = tl.where(delta >= -20, f, 0.0)
         k = tl.reshape(val * f[:, :, None], [BN, D])
     else:
+        block = POOL + blk * (EPB * s_row)
         bi = tl.arange(0, D // 2)
-        byte = tl.load(base[:, None] + bi[None, :]).to(tl.int32)
-        e = tl.load(base[:, None] + D // 2 + bi[None, :] // 16).to(tl.int32)                    # [BN, D/2]
+        byte = tl.load((block + ent * (D // 2))[:, None] + bi[None, :]).to(tl.int32)
+        e = tl.load((block + EPB * (D // 2) + ent * (D // 32))[:, None] + bi[None, :] // 16).to(tl.int32)  # [BN, D/2]
         code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15                  # [BN, D/2, 2]
         b8 = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.int8)
         val = b8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -122,6 +128,12 @@ def _q16(q, w):
     e = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 255
     q16 = (qf * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
     return q16, w * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_entry(BT, s_bt, r, j, EPB: tl.constexpr):
+    """(pool block, entry within it) of entries j of request r."""
+    return tl.load(BT + r * s_bt + j // EPB), j % EPB
 
 
 @triton.jit
@@ -156,11 +168,12 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
-            rows = _rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED)   # rows past the end: recomputed, not stored
+            jc = tl.minimum(j, end - 1)                  # entries past the end: recomputed, not stored
             if FP4:
-                k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
+                blk, ent = _block_entry(BT, s_bt, r, jc, EPB)
+                k, smax = _fp4_keys16(blk, ent, POOL, s_pool_row, D, WORDS, EPB)
             else:
-                k = _float_keys(rows, POOL, s_pool_row, D, q.dtype)
+                k = _float_keys(_rows(BT, s_bt, r, jc, EPB, PAGED), POOL, s_pool_row, D, q.dtype)
             s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
             sc = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
             if FP4:
@@ -206,11 +219,12 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
-            rows = _rows(BT, s_bt, r, tl.minimum(j, end - 1), EPB, PAGED)
+            jc = tl.minimum(j, end - 1)
             if FP4:
-                k, smax = _fp4_keys16(rows, POOL, s_pool_row, D, WORDS)
+                blk, ent = _block_entry(BT, s_bt, r, jc, EPB)
+                k, smax = _fp4_keys16(blk, ent, POOL, s_pool_row, D, WORDS, EPB)
             else:
-                k = _float_keys(rows, POOL, s_pool_row, D, q.dtype)
+                k = _float_keys(_rows(BT, s_bt, r, jc, EPB, PAGED), POOL, s_pool_row, D, q.dtype)
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]
             sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
             if FP4:
@@ -368,10 +382,11 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     assert batch.positions.dtype == torch.int32
     if max_visible is None:     # a host sync: pass it under CUDA graphs
         max_visible = (int(batch.positions.max()) + 1) // ratio if batch.positions.numel() else 0
-    fp4 = fmt == "fp4"
+    fp4 = fmt == "fp4"              # packed keys come only in paged pools (their block layout)
     flat = pool.reshape(-1, pool.shape[-1])
-    words = fp4 and flat.shape[1] % 4 == 0 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
+    # blocks of 128-dim keys as int32 words (68 B per key); a key's codes are then 64 aligned bytes
+    words = fp4 and (head_dim or q.shape[-1]) == 128 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
     if words:
-        flat = flat.view(torch.int32)          # 68-B rows as 17 words
+        flat = flat.view(torch.int32)
     return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, batch.positions, topk,
                 max_visible, fp4, True, epb, head_dim or q.shape[-1], words=words, vis_ratio=ratio)
