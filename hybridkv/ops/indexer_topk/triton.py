@@ -73,25 +73,43 @@ def _float_keys(rows, POOL, s_row, D: tl.constexpr, OUT_T: tl.constexpr):
 
 
 @triton.jit
-def _fp4_keys16(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.constexpr):
-    """FP4 keys `ent` of pool blocks `blk` (a paged pool in the block layout of formats.py: a block
-    holds its EPB keys' codes first, then their scales) as fp16 [BN, D] scaled by
-    2^(127 − smax) (smax: the key's largest ue8m0 scale, returned [BN]): every value is exact (blocks
-    more than 2²⁰ below the key's largest are dropped: they are below fp32 resolution of the score),
-    and the MMA runs on fp16 directly from the e4m3 widening, with no fp32 round trip. The factor
-    2^(smax−127) is applied to the score (ReLU commutes with positive scaling). WORDS: the pool as
-    int32 words with D = 128 (16 code words and one scale word per key; a key's codes are 64
-    aligned bytes, read with 16-byte loads); else bytes, s_row bytes per key."""
-    BN: tl.constexpr = ent.shape[0]
+def _fp4_load(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.constexpr):
+    """The packed form of FP4 keys `ent` of pool blocks `blk` (a paged pool in the block layout of
+    formats.py: a block holds its EPB keys' codes first, then their scales), as loaded: (codes,
+    scales) for `_fp4_decode16`. Split from the decoding so that a loop can issue the next tile's
+    loads before it decodes this one. WORDS: the pool as int32 words with D = 128 (16 code words
+    and one scale word per key; a key's codes are 64 aligned bytes, read with 16-byte loads):
+    codes [BN, 16], scales [BN]; else bytes, s_row bytes per key: codes [BN, D/2] and each code
+    byte's block scale [BN, D/2]."""
     blk = blk.to(tl.int64)
     if WORDS:
         NW: tl.constexpr = D // 8
         block = POOL + blk * (EPB * (NW + 1))       # a constexpr stride: the loads stay 16-byte vectors
-        wi = tl.arange(0, NW)
-        words = tl.load((block + ent * NW)[:, None] + wi[None, :])                               # [BN, NW]
+        words = tl.load((block + ent * NW)[:, None] + tl.arange(0, NW)[None, :])                 # [BN, NW]
         # the scale word once per key (a load per word repeated it NW times: the kernel was bound by L1
-        # load instructions, not by DRAM), then broadcast along the row
-        sw_row = tl.load(block + EPB * NW + ent)                                                # [BN]
+        # load instructions, not by DRAM), broadcast along the row when decoding
+        return words, tl.load(block + EPB * NW + ent)                                            # [BN]
+    else:
+        block = POOL + blk * (EPB * s_row)
+        bi = tl.arange(0, D // 2)
+        byte = tl.load((block + ent * (D // 2))[:, None] + bi[None, :]).to(tl.int32)
+        e = tl.load((block + EPB * (D // 2) + ent * (D // 32))[:, None] + bi[None, :] // 16).to(tl.int32)  # [BN, D/2]
+        return byte, e
+
+
+@triton.jit
+def _fp4_decode16(codes, scales, D: tl.constexpr, WORDS: tl.constexpr):
+    """Packed FP4 keys (from `_fp4_load`) as fp16 [BN, D] scaled by 2^(127 − smax) (smax: the key's
+    largest ue8m0 scale, returned [BN]): every value is exact (blocks more than 2²⁰ below the key's
+    largest are dropped: they are below fp32 resolution of the score), and the MMA runs on fp16
+    directly from the e4m3 widening, with no fp32 round trip. The factor 2^(smax−127) is applied to
+    the score (ReLU commutes with positive scaling)."""
+    BN: tl.constexpr = codes.shape[0]
+    if WORDS:
+        NW: tl.constexpr = D // 8
+        words = codes
+        sw_row = scales
+        wi = tl.arange(0, NW)
         smax = tl.maximum(tl.maximum(sw_row & 255, (sw_row >> 8) & 255),
                           tl.maximum((sw_row >> 16) & 255, (sw_row >> 24) & 255))               # [BN]
         sw = tl.broadcast_to(sw_row[:, None], (BN, NW))                                         # [BN, NW]
@@ -106,10 +124,8 @@ def _fp4_keys16(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB
         f = tl.where(delta >= -20, f, 0.0)
         k = tl.reshape(val * f[:, :, None], [BN, D])
     else:
-        block = POOL + blk * (EPB * s_row)
-        bi = tl.arange(0, D // 2)
-        byte = tl.load((block + ent * (D // 2))[:, None] + bi[None, :]).to(tl.int32)
-        e = tl.load((block + EPB * (D // 2) + ent * (D // 32))[:, None] + bi[None, :] // 16).to(tl.int32)  # [BN, D/2]
+        byte = codes
+        e = scales
         code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15                  # [BN, D/2, 2]
         b8 = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.int8)
         val = b8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -118,6 +134,14 @@ def _fp4_keys16(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB
         f = tl.where(delta >= -20, ((delta + 21) << 10).to(tl.int16).to(tl.float16, bitcast=True), 0.0)
         k = tl.reshape(val * f[:, :, None], [BN, D])
     return k, smax
+
+
+@triton.jit
+def _fp4_keys16(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.constexpr):
+    """FP4 keys `ent` of pool blocks `blk` as scaled fp16 and their largest scales: `_fp4_load`
+    then `_fp4_decode16`."""
+    codes, scales = _fp4_load(blk, ent, POOL, s_row, D, WORDS, EPB)
+    return _fp4_decode16(codes, scales, D, WORDS)
 
 
 @triton.jit
@@ -165,13 +189,21 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
             q, w = _q16(q, w)
         qt = tl.trans(q)                                                                         # [D, BLOCK_H]
         end = tl.minimum(n_start + CHUNK, vis)
+        if FP4:
+            # the loads of a tile are issued one iteration ahead (registers, not shared memory), so
+            # that their latency overlaps the decoding and MMA of the tile before (1M, B=8: 164 ->
+            # 149 us on the H200). The prefill tile kernel loads in place: there the extra registers
+            # spill (255 registers and 8 B of stack, sm_90)
+            blk, ent = _block_entry(BT, s_bt, r, tl.minimum(n_start + tl.arange(0, BN), end - 1), EPB)
+            codes, scales = _fp4_load(blk, ent, POOL, s_pool_row, D, WORDS, EPB)
         for n0 in range(n_start, end, BN):
             j = n0 + tl.arange(0, BN)
             jv = j < end
             jc = tl.minimum(j, end - 1)                  # entries past the end: recomputed, not stored
             if FP4:
-                blk, ent = _block_entry(BT, s_bt, r, jc, EPB)
-                k, smax = _fp4_keys16(blk, ent, POOL, s_pool_row, D, WORDS, EPB)
+                k, smax = _fp4_decode16(codes, scales, D, WORDS)
+                blk, ent = _block_entry(BT, s_bt, r, tl.minimum(j + BN, end - 1), EPB)
+                codes, scales = _fp4_load(blk, ent, POOL, s_pool_row, D, WORDS, EPB)
             else:
                 k = _float_keys(_rows(BT, s_bt, r, jc, EPB, PAGED), POOL, s_pool_row, D, q.dtype)
             s = tl.dot(k, qt, input_precision=PREC)                                             # [BN, BLOCK_H]
