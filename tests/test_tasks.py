@@ -71,6 +71,27 @@ def test_save_and_load(tok, tmp_path):
         assert loaded.encode(text) == tok.encode(text) and (loaded.bos_id, loaded.eos_id) == (0, 1)
 
 
+def test_hex_chars_split_hex_runs_with_digits_and_nothing_else(tok, tmp_path):
+    """With hex_chars, every character of a UUID (or of any hex run holding a digit) is one token;
+    text without such runs is split exactly as by the plain tokenizer (words of a-f letters alone
+    included); text round-trips; and a saved tokenizer.json keeps the rule (the engine and server
+    load that file)."""
+    hex_tok = build_tokenizer(vocab_size=1024, seed=0, n_texts=1500, hex_chars=True)
+    pieces = lambda t, text: [t.tokenizer.id_to_token(i).replace("Ġ", " ") for i in t.encode(text)]  # noqa: E731
+    uuid = "5d5b7bcc-e790-447f-8d1f-32d8f194644f"
+    assert pieces(hex_tok, f"The special magic uuid is {uuid}.")[-37:] == [*uuid, "."]
+    assert pieces(hex_tok, "bbad-4e5f x")[:9] == list("bbad-4e5f")     # a letters-only group of a UUID
+    assert any(len(p) > 1 and set(p) <= set("abcdef") for p in pieces(tok, uuid))  # the plain one merges
+    split = lambda t, text: [p for p, _ in t.tokenizer.pre_tokenizer.pre_tokenize_str(text)]  # noqa: E731
+    for text in ("a bad cafe fed-up bed", "deadbeef and faded decade", "The pass key is 71432.",
+                 "VAR ABCDE = 12345.", "Grüße, 日本語!\n\tdone  "):
+        assert split(hex_tok, text) == split(tok, text)
+        assert hex_tok.decode(hex_tok.encode(text)) == text
+    assert split(hex_tok, "ab12cd ef-12ab") == ["a", "b", "1", "2", "c", "d", "Ġ", "e", "f", "-", "1", "2", "a", "b"]
+    loaded = TaskTokenizer.load(hex_tok.save(tmp_path))
+    assert loaded.encode(uuid) == hex_tok.encode(uuid) and len(loaded.encode(uuid)) == len(uuid)
+
+
 def test_engine_loads_and_streams_with_the_task_tokenizer(fixtures, tmp_path):
     """A model directory carrying the task tokenizer: the engine encodes like it, and streamed text
     deltas concatenate to the decoded output."""

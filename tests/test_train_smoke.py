@@ -114,3 +114,12 @@ def test_continuing_a_model_starts_from_its_weights(smoke_run, tmp_path):
     other = replace(cont, model={**recipe.model, "sliding_window": 64})
     with pytest.raises(ValueError, match="sliding_window"):
         train(other, tmp_path / "other", init_from=base, echo=lambda *_: None)
+
+
+def test_a_recipe_with_hex_chars_trains_its_tokenizer_with_them(tmp_path):
+    """The run's tokenizer.json follows the recipe's tokenizer rule (tiny-v4-hex's one change)."""
+    uuid = "ffbd21fe-d631-43b9-a042-e368d5c4c325"
+    for hex_chars in (False, True):
+        tok = prepare_tokenizer(replace(get_recipe("smoke"), hex_chars=hex_chars), tmp_path / str(hex_chars))
+        assert (tmp_path / str(hex_chars) / "tokenizer.json").exists()
+        assert (len(tok.encode(uuid)) == len(uuid)) == hex_chars

@@ -302,9 +302,11 @@ def training_example(seed: int, pools: Pools, length: int,
     return ids, supervised
 
 
-def build_tokenizer(vocab_size: int = 4096, seed: int = 0, n_texts: int = 20_000) -> TaskTokenizer:
-    """The task tokenizer, trained on `tokenizer_corpus(n_texts, seed)`."""
-    return TaskTokenizer.train(tokenizer_corpus(n_texts, seed), vocab_size)
+def build_tokenizer(vocab_size: int = 4096, seed: int = 0, n_texts: int = 20_000,
+                    hex_chars: bool = False) -> TaskTokenizer:
+    """The task tokenizer, trained on `tokenizer_corpus(n_texts, seed)` (hex_chars: see
+    `hybridkv.tasks.tokenizer`)."""
+    return TaskTokenizer.train(tokenizer_corpus(n_texts, seed), vocab_size, hex_chars=hex_chars)
 
 
 if __name__ == "__main__":

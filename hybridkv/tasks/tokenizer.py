@@ -1,15 +1,28 @@
 """The task tokenizer: a byte-level BPE (HF `tokenizers`) with the DeepSeek-V4 special tokens
 (BOS = 0, EOS = 1) and every digit its own token, saved as a `tokenizer.json` that the engine and
-server load like any model directory's tokenizer."""
+server load like any model directory's tokenizer.
+
+Optionally (`hex_chars`) every character of a hex run that holds a digit is its own token too: the
+letters of `5d5b7bcc-e790` are single tokens the way its digits are, while words of a–f letters
+alone (`bad`, `cafe`, `deadbeef`) merge as before. Without it, BPE merges that English taught it
+(`ed`, `ad`, `cf`, `bab`) land inside UUIDs, and the shipped model miscopies UUIDs mostly at those
+tokens, even from inside its sliding window (models/tiny-v4/README.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybridkv.server.chat_format import BOS, EOS, SPECIAL_TOKENS
+
+
+# One character of a hex run (0-9, a-f, and '-' joining the groups of a UUID) that holds a digit:
+# a digit; a letter with a digit ahead in its run; or a letter or dash right after such a character,
+# continuing the previous match (\G: where the last match ended, so a chain starts only at a digit
+# or a letter with a digit ahead). Matches are isolated before the byte-level split.
+HEX_RUN_CHAR = r"[0-9]|[a-f](?=[0-9a-f-]*[0-9])|(?<=[0-9a-f-])\G[a-f-]"
 
 
 class TaskTokenizer:
@@ -25,10 +38,11 @@ class TaskTokenizer:
         return i
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 4096) -> "TaskTokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int = 4096, hex_chars: bool = False) -> "TaskTokenizer":
         tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        steps = [pre_tokenizers.Split(Regex(HEX_RUN_CHAR), behavior="isolated")] if hex_chars else []
+        tok.pre_tokenizer = pre_tokenizers.Sequence(steps + [pre_tokenizers.Digits(individual_digits=True),
+                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
         tok.decoder = decoders.ByteLevel()
         specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,

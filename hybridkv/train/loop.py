@@ -34,7 +34,8 @@ def prepare_tokenizer(recipe: Recipe, run_dir: Path):
     path = run_dir / "tokenizer.json"
     if path.exists():
         return TaskTokenizer.load(path)
-    tok = build_tokenizer(recipe.vocab_size, seed=recipe.seed, n_texts=recipe.tokenizer_texts)
+    tok = build_tokenizer(recipe.vocab_size, seed=recipe.seed, n_texts=recipe.tokenizer_texts,
+                          hex_chars=recipe.hex_chars)
     tok.save(run_dir)
     return tok
 

@@ -18,6 +18,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 - `tiny-v4-copy`: continues a `tiny-v4-keys` model with most steps at 1K-4K, where one sequence
   per example makes UUID answers cheap (trained once: UUID needles 45 → 65 % at 16K, still short of
   the bar, and values lose or repeat their last character; not shipped, see the model card).
+- `tiny-v4-hex`: tiny-v4 with a tokenizer that keeps every character of a hex run holding a digit
+  apart, for UUID copies (not trained yet).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -58,6 +60,7 @@ class Recipe:
     log_every: int = 10
     seed: int = 0
     base: str | None = None   # the recipe whose exported model this one continues (`--init-from`)
+    hex_chars: bool = False   # the tokenizer keeps every character of a hex run with a digit apart
 
     def stage(self, step: int) -> Stage:
         for s in self.stages:
@@ -176,6 +179,17 @@ def _tiny_v4() -> Recipe:
     )
 
 
+def _tiny_v4_hex() -> Recipe:
+    """tiny-v4 with one change, the tokenizer: every character of a hex run holding a digit is its
+    own token (`hybridkv.tasks.tokenizer`). The shipped model copies 7-digit values exactly but
+    UUIDs with a few characters wrong, and the first wrong character sits on a merged letter token
+    (`cf`, `ed`, `bab`) in 8 of the 10 prompts whose UUID lies inside the sliding window when the
+    answer starts, all 10 of which it miscopies (models/tiny-v4/README.md): it is the copy, not the
+    retrieval. Same data seed and curriculum as tiny-v4, so the two bases compare."""
+    from dataclasses import replace
+    return replace(_tiny_v4(), name="tiny-v4-hex", hex_chars=True)
+
+
 # what the `tiny-v4` model still missed: exact 7-digit and UUID copies, and the right
 # key among distractor needles
 _NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "niah_single_3": 0.2,
@@ -281,7 +295,7 @@ def _smoke_v41() -> Recipe:
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
+RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
            "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
 
