@@ -191,9 +191,9 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
         end = tl.minimum(n_start + CHUNK, vis)
         if FP4:
             # the loads of a tile are issued one iteration ahead (registers, not shared memory), so
-            # that their latency overlaps the decoding and MMA of the tile before (1M, B=8: 164 ->
-            # 149 us on the H200). The prefill tile kernel loads in place: there the extra registers
-            # spill (255 registers and 8 B of stack, sm_90)
+            # that their latency overlaps the decoding and MMA of the tile before (indexer at 1M,
+            # B=8: 203 -> 184 us on the H200, benchmarks/attention.py). The prefill tile kernel
+            # loads in place: there the extra registers spill (255 registers and 8 B of stack, sm_90)
             blk, ent = _block_entry(BT, s_bt, r, tl.minimum(n_start + tl.arange(0, BN), end - 1), EPB)
             codes, scales = _fp4_load(blk, ent, POOL, s_pool_row, D, WORDS, EPB)
         for n0 in range(n_start, end, BN):
