@@ -19,7 +19,7 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   per example makes UUID answers cheap (trained once: UUID needles 45 → 65 % at 16K, still short of
   the bar, and values lose or repeat their last character; not shipped, see the model card).
 - `tiny-v4-hex`: tiny-v4 with a tokenizer that keeps every character of a hex run holding a digit
-  apart, for UUID copies (not trained yet).
+  apart, for UUID copies (its run has not finished yet).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
