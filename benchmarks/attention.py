@@ -31,7 +31,7 @@ import time
 import torch
 import triton
 
-from hybridkv.cache.formats import index_blocks_to_rows, unpack_index_fp4, unpack_main_fp8
+from hybridkv.cache.formats import index_block_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.indexer_topk import reference as idx_ref
 from hybridkv.ops.indexer_topk import triton as idx_k
 from hybridkv.ops.paged import PagedBatch
@@ -131,7 +131,7 @@ class Decode:
         bt = self.batch.block_tables.long()
         for r in sorted({0, self.b - 1}):
             j = torch.arange(self.vis, device=DEV)
-            keys = unpack_index_fp4(index_blocks_to_rows(self.ipool, DI)[bt[r, j // 32], j % 32], DI)
+            keys = unpack_index_fp4(index_block_rows(self.ipool, bt[r, j // 32], j % 32, DI), DI)
             s = idx_ref.index_scores(self.qi[r:r + 1].float(), self.wi[r:r + 1], keys)[0]
             got = s[sel[r]].sort(descending=True).values
             want = s.topk(TOPK).values
@@ -336,25 +336,27 @@ def sweep(budget_s: float, ctx: int, prefill_ctx: int, prefill_t: int) -> list:
         x = Decode(ctx, b)
         for kind in ("csa", "hca"):
             fn = x.csa if kind == "csa" else x.hca
-            timed(f"decode {kind} attn {ctx // 1024}K B={b}", "default", fn)
+            group = f"decode {kind} attn {ctx // 1024}K B={b}"
+            timed(group, "default", fn)
             for cfg in [(16, 32, s, 8, 2) for s in (32, 64, 128, 256)] + \
                        [(16, 32, 32, 8, 1), (16, 32, 32, 4, 2), (16, 16, 32, 4, 2), (16, 16, 16, 4, 2)] + \
                        [(64, 32, s, 8, 1) for s in (32, 64, 128, 256, 512, 1024)] + \
                        [(64, 16, 512, 8, 1), (64, 64, 512, 8, 1)]:
-                timed(f"decode {kind} attn {ctx // 1024}K B={b}", str(cfg), lambda cfg=cfg: fn(cfg))
+                timed(group, str(cfg), lambda cfg=cfg: fn(cfg))
+        group = f"decode indexer {ctx // 1024}K B={b}"
         saved = (dict(idx_k.DECODE_CFG), dict(idx_k.SELECT_CFG), idx_k.PROGRAMS_PER_SM)
         for bn, nw, ns in [(64, 4, 1), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
             idx_k.DECODE_CFG.update(BN=bn, num_warps=nw, num_stages=ns)
-            timed(f"decode indexer {ctx // 1024}K B={b}", f"score BN={bn} warps={nw} stages={ns}", x.indexer)
+            timed(group, f"score BN={bn} warps={nw} stages={ns}", x.indexer)
         idx_k.DECODE_CFG.update(saved[0])
         for pps in (2, 8, 16):
             idx_k.PROGRAMS_PER_SM = pps
-            timed(f"decode indexer {ctx // 1024}K B={b}", f"score programs/SM={pps}", x.indexer)
+            timed(group, f"score programs/SM={pps}", x.indexer)
         idx_k.PROGRAMS_PER_SM = saved[2]
         for upd in [dict(TAU_LEVELS=2), dict(TAU_LEVELS=4), dict(TB=32), dict(num_warps=8, TB=32),
                     dict(BLOCK=2048, TB=32, num_warps=8), dict(num_warps=32, TB=128)]:
             idx_k.SELECT_CFG.update(upd)
-            timed(f"decode indexer {ctx // 1024}K B={b}", f"select {upd}", x.indexer)
+            timed(group, f"select {upd}", x.indexer)
             idx_k.SELECT_CFG.update(saved[1])
         del x
         torch.cuda.empty_cache()

@@ -32,7 +32,7 @@ def test_index_fp4_round_trip_exact():
 def test_index_key_blocks_keep_codes_first():
     """A block of packed keys holds its keys' codes (each 64 aligned bytes at 128 dims), then their
     scales; the row form comes back unchanged, and a store writes and reads that layout."""
-    from hybridkv.cache.formats import index_block_views, index_blocks_to_rows, index_rows_to_blocks
+    from hybridkv.cache.formats import index_block_rows, index_block_views, index_blocks_to_rows, index_rows_to_blocks
     rows = pack_index_fp4(fp4_round_trip(hadamard_transform(torch.randn(3 * 32, 128)), 32)).view(3, 32, 68)
     blocks = index_rows_to_blocks(rows, 128)
     assert blocks.shape == rows.shape
@@ -41,6 +41,8 @@ def test_index_key_blocks_keep_codes_first():
     assert torch.equal(index_blocks_to_rows(blocks, 128), rows)
     codes, scales = index_block_views(blocks, 128)
     assert torch.equal(codes, rows[..., :64]) and torch.equal(scales, rows[..., 64:])
+    b, o = torch.tensor([2, 0, 1]), torch.tensor([31, 7, 0])
+    assert torch.equal(index_block_rows(blocks, b, o, 128), rows[b, o])          # rows gathered in place
     codes[2, 5] = 0                                                               # views write through
     assert (blocks[2].flatten()[5 * 64:6 * 64] == 0).all()
 

@@ -96,6 +96,13 @@ def index_block_views(pool: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
     return flat[..., : e * c].unflatten(-1, (e, c)), flat[..., e * c:].unflatten(-1, (e, w - c))
 
 
+def index_block_rows(pool: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor, dim: int) -> torch.Tensor:
+    """The packed rows of entries (blocks, offs) of indexer-key blocks [num_blocks, E, W], gathered
+    from the block layout without converting the whole pool."""
+    codes, scales = index_block_views(pool, dim)
+    return torch.cat([codes[blocks, offs], scales[blocks, offs]], dim=-1)
+
+
 def index_blocks_to_rows(blocks: torch.Tensor, dim: int) -> torch.Tensor:
     """Packed indexer-key blocks [..., E, W] -> the same keys as packed rows [..., E, W]."""
     codes, scales = index_block_views(blocks.contiguous(), dim)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.cache.block_pool import BlockPool
-from hybridkv.cache.formats import (index_block_views, index_blocks_to_rows, index_entry_bytes, main_entry_bytes,
-                                    pack_index_fp4, pack_main_fp8, pack_v41_global, pack_v41_window,
-                                    unpack_index_fp4, unpack_main_fp8,
-                                    unpack_v41_global, unpack_v41_window, v41_global_bytes, v41_window_bytes)
+from hybridkv.cache.formats import (index_block_rows, index_block_views, index_blocks_to_rows, index_entry_bytes,
+                                    main_entry_bytes, pack_index_fp4, pack_main_fp8, pack_v41_global, pack_v41_window,
+                                    unpack_index_fp4, unpack_main_fp8, unpack_v41_global, unpack_v41_window,
+                                    v41_global_bytes, v41_window_bytes)
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
@@ -81,10 +81,7 @@ class _Codec:
 
     def read(self, pool: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Stored rows at (blocks, offs) of a pool [num_blocks, E, width]."""
-        if not self.block_layout:
-            return pool[blocks, offs]
-        codes, scales = index_block_views(pool, self.dim)
-        return torch.cat([codes[blocks, offs], scales[blocks, offs]], dim=-1)
+        return index_block_rows(pool, blocks, offs, self.dim) if self.block_layout else pool[blocks, offs]
 
     def write(self, pool: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor, stored: torch.Tensor) -> None:
         if not self.block_layout:

@@ -26,7 +26,7 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridkv.train.losses import LossWeights
 
@@ -186,7 +186,6 @@ def _tiny_v4_hex() -> Recipe:
     (`cf`, `ed`, `bab`) in 8 of the 10 prompts whose UUID lies inside the sliding window when the
     answer starts, all 10 of which it miscopies (models/tiny-v4/README.md): it is the copy, not the
     retrieval. Same data seed and curriculum as tiny-v4, so the two bases compare."""
-    from dataclasses import replace
     return replace(_tiny_v4(), name="tiny-v4-hex", hex_chars=True)
 
 
@@ -291,7 +290,6 @@ def _smoke() -> Recipe:
 
 def _smoke_v41() -> Recipe:
     """The smoke recipe on a DeepSeek-V4.1 model (CSA2 layer sharing, single-pass mHC, no MTP)."""
-    from dataclasses import replace
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 

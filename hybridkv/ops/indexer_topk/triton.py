@@ -107,8 +107,7 @@ def _fp4_decode16(codes, scales, D: tl.constexpr, WORDS: tl.constexpr):
     BN: tl.constexpr = codes.shape[0]
     if WORDS:
         NW: tl.constexpr = D // 8
-        words = codes
-        sw_row = scales
+        words, sw_row = codes, scales                   # [BN, NW] code words, [BN] scale words
         wi = tl.arange(0, NW)
         smax = tl.maximum(tl.maximum(sw_row & 255, (sw_row >> 8) & 255),
                           tl.maximum((sw_row >> 16) & 255, (sw_row >> 24) & 255))               # [BN]
@@ -124,9 +123,8 @@ def _fp4_decode16(codes, scales, D: tl.constexpr, WORDS: tl.constexpr):
         f = tl.where(delta >= -20, f, 0.0)
         k = tl.reshape(val * f[:, :, None], [BN, D])
     else:
-        byte = codes
         e = scales
-        code = (byte[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15                  # [BN, D/2, 2]
+        code = (codes[:, :, None] >> (tl.arange(0, 2) * 4)[None, None, :]) & 15                  # [BN, D/2, 2]
         b8 = (((code & 7) << 2) | ((code & 8) << 4)).to(tl.int8)
         val = b8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         smax = tl.max(e, 1)
