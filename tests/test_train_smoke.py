@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridkv.model import ContiguousKV, ForwardBatch, Transformer
+from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.export import export_model
 from hybridkv.train.forward import TrainOptions, train_forward
 from hybridkv.train.loop import model_config, prepare_tokenizer, save_portable, train
@@ -100,6 +101,9 @@ def test_continuing_a_model_starts_from_its_weights(smoke_run, tmp_path):
         train(cont, tmp_path / "none", echo=lambda *_: None)
     with pytest.raises(ValueError, match="trains from scratch"):
         train(recipe, tmp_path / "scratch", init_from=base, echo=lambda *_: None)
+    with pytest.raises(ValueError, match="hex_chars"):   # a hex-rule continuation of a model without the rule
+        train(replace(cont, hex_chars=True), tmp_path / "hex", init_from=base, echo=lambda *_: None)
+    assert not (tmp_path / "hex" / "tokenizer.json").exists()
     progress = train(cont, tmp_path / "cont", init_from=base, echo=lambda *_: None)
     assert progress["step"] == 2 and progress["init_from"]["path"] == "base"
     assert (tmp_path / "cont" / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
@@ -123,3 +127,4 @@ def test_a_recipe_with_hex_chars_trains_its_tokenizer_with_them(tmp_path):
         tok = prepare_tokenizer(replace(get_recipe("smoke"), hex_chars=hex_chars), tmp_path / str(hex_chars))
         assert (tmp_path / str(hex_chars) / "tokenizer.json").exists()
         assert (len(tok.encode(uuid)) == len(uuid)) == hex_chars
+        assert tok.hex_chars == hex_chars == TaskTokenizer.load(tmp_path / str(hex_chars)).hex_chars

@@ -10,6 +10,7 @@ tokens, even from inside its sliding window (models/tiny-v4/README.md)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,6 +63,13 @@ class TaskTokenizer:
     def load(cls, path: str | Path) -> "TaskTokenizer":
         path = Path(path)
         return cls(Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path)))
+
+    @property
+    def hex_chars(self) -> bool:
+        """Whether this tokenizer was trained with the `hex_chars` rule (its pre-tokenizer holds the split)."""
+        pre = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", [pre])
+        return any(st.get("type") == "Split" and st.get("pattern") == {"Regex": HEX_RUN_CHAR} for st in steps)
 
     @property
     def vocab_size(self) -> int:

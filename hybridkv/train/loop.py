@@ -143,11 +143,17 @@ def load_base_model(model, config: ModelConfig, init_from: Path) -> str:
     return checkpoint_identity(init_from)
 
 
-def _take_base_tokenizer(init_from: Path, run_dir: Path) -> None:
-    """A continued model keeps its tokenizer: copy it into the run (or check the run's is the same)."""
+def _take_base_tokenizer(recipe: Recipe, init_from: Path, run_dir: Path) -> None:
+    """A continued model keeps its tokenizer: copy it into the run (or check the run's is the same),
+    once it is known to follow the recipe's tokenizer rule."""
+    from hybridkv.tasks.tokenizer import TaskTokenizer
     src, dst = init_from / "tokenizer.json", run_dir / "tokenizer.json"
     if not src.exists():
         raise FileNotFoundError(f"--init-from {init_from}: no tokenizer.json")
+    if TaskTokenizer.load(src).hex_chars != recipe.hex_chars:
+        want, got = ("does", "does not") if recipe.hex_chars else ("does not", "does")
+        raise ValueError(f"--init-from {init_from}: recipe {recipe.name!r} continues a model whose tokenizer {want} "
+                         f"keep hex characters apart (hex_chars), and this model's tokenizer {got}")
     if not dst.exists():
         dst.write_bytes(src.read_bytes())
     elif dst.read_bytes() != src.read_bytes():
@@ -167,7 +173,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     if init_from is not None and not recipe.base:
         raise ValueError(f"recipe {recipe.name!r} trains from scratch; --init-from is for recipes that continue one")
     if init_from is not None and not resume:
-        _take_base_tokenizer(Path(init_from), run_dir)
+        _take_base_tokenizer(recipe, Path(init_from), run_dir)
     t_start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     tok = prepare_tokenizer(recipe, run_dir)

@@ -19,7 +19,11 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   per example makes UUID answers cheap (trained once: UUID needles 45 → 65 % at 16K, still short of
   the bar, and values lose or repeat their last character; not shipped, see the model card).
 - `tiny-v4-hex`: tiny-v4 with a tokenizer that keeps every character of a hex run holding a digit
-  apart, for UUID copies (its run has not finished yet).
+  apart, for UUID copies. `tiny-v4-hex-keys` continues it on tiny-v4-keys' mix, and
+  `tiny-v4-hex-copy` continues that on UUID-heavy short sequences. Trained once each; UUID
+  needles 90 / 70 / 65 % at 4K / 8K / 16K, but multi-key needles at chance. Not shipped; the model
+  card says why. `tiny-v4-hex-multikey` continues `tiny-v4-hex-copy` on multi-key needles (not
+  trained yet).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -197,13 +201,14 @@ _NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "
 
 
 def _continuation(name: str, schedule: list[tuple[int, int, int]], task_weights: dict[str, float], base: str,
-                  seed: int) -> Recipe:
+                  seed: int, hex_chars: bool = False) -> Recipe:
     """A recipe continuing `base`'s export on tiny-v4's model: stages of (until step, length, batch),
     all with the indexer's top-k and the experts' FP4 QAT (the weights start on the FP4 grid they
     ship on), lr 1e-3 after a 30-step warm-up."""
     stages = [Stage(until, seq_len, batch, dense_indexer=False, qat_experts=True) for until, seq_len, batch in schedule]
     return Recipe(name=name, model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=stages[-1].until,
-                  stages=stages, lr=1e-3, warmup=30, log_every=20, task_weights=task_weights, base=base, seed=seed)
+                  stages=stages, lr=1e-3, warmup=30, log_every=20, task_weights=task_weights, base=base, seed=seed,
+                  hex_chars=hex_chars)
 
 
 def _tiny_v4_needles() -> Recipe:
@@ -225,6 +230,14 @@ def _tiny_v4_keys() -> Recipe:
     lengths of their quality bars), indexer top-k and experts' FP4 QAT throughout."""
     return _continuation("tiny-v4-keys", [(500, 4096, 8), (1000, 8192, 4), (1250, 16384, 2)], _KEY_FOCUS,
                          base="tiny-v4-needles", seed=2)
+
+
+def _tiny_v4_hex_keys() -> Recipe:
+    """Continues a `tiny-v4-hex` model straight on `tiny-v4-keys`' mix (UUID and multi-key needles
+    weighted 0.3 each, the solved families kept) at 4K-16K, the lengths of the bars it targets; one
+    H200 command together with the end of the base run."""
+    return _continuation("tiny-v4-hex-keys", [(400, 4096, 8), (800, 8192, 4), (1000, 16384, 2)], _KEY_FOCUS,
+                         base="tiny-v4-hex", seed=2, hex_chars=True)
 
 
 _DISTRACTOR_FOCUS = {"passkey": 0.05, "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_single_3": 0.3,
@@ -252,6 +265,28 @@ def _tiny_v4_copy() -> Recipe:
     move that); here most of the steps are at 1K-4K, then 8K and 16K keep the lengths of the bars."""
     return _continuation("tiny-v4-copy", [(400, 1024, 32), (700, 2048, 16), (1000, 4096, 8), (1200, 8192, 4),
                                           (1300, 16384, 2)], _COPY_FOCUS, base="tiny-v4-keys", seed=5)
+
+
+def _tiny_v4_hex_copy() -> Recipe:
+    """Continues a `tiny-v4-hex-keys` model on tiny-v4-copy's mix at 1K-4K only: with one character
+    per token, its UUID copies still swap, drop or repeat single characters, inside the sliding window
+    too; short sequences give many UUID answers per step (a probe of whether that is learnable)."""
+    return _continuation("tiny-v4-hex-copy", [(250, 1024, 32), (400, 2048, 16), (480, 4096, 8)], _COPY_FOCUS,
+                         base="tiny-v4-hex-keys", seed=6, hex_chars=True)
+
+
+_HEX_KEY_MATCH_FOCUS = {"niah_multikey_1": 0.35, "niah_multikey_hard": 0.15, "niah_single_3": 0.2, "passkey": 0.05,
+                        "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_multiquery": 0.05}
+
+
+def _tiny_v4_hex_multikey() -> Recipe:
+    """Continues a `tiny-v4-hex-copy` model, which copies UUIDs but answers multi-key needles at chance
+    (one of four needles, 20-30 % from 512 tokens to 16K): multi-key needles at half the mix, with
+    the short sequences that taught the copies (1K-2K, many answers per step), then 4K-16K to keep
+    the lengths of the bars (not trained yet)."""
+    return _continuation("tiny-v4-hex-multikey", [(300, 1024, 32), (500, 2048, 16), (700, 4096, 8), (900, 8192, 4),
+                                                  (1000, 16384, 2)], _HEX_KEY_MATCH_FOCUS,
+                         base="tiny-v4-hex-copy", seed=8, hex_chars=True)
 
 
 TINY_V41_MODEL = {
@@ -294,6 +329,8 @@ def _smoke_v41() -> Recipe:
 
 
 RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
+           "tiny-v4-hex-keys": _tiny_v4_hex_keys, "tiny-v4-hex-copy": _tiny_v4_hex_copy,
+           "tiny-v4-hex-multikey": _tiny_v4_hex_multikey,
            "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
 
