@@ -19,6 +19,14 @@ def _kib(b: float | None) -> str:
     return "-" if b is None else f"{b / 1024:,.1f}"
 
 
+# the needle tasks rescored from the stored outputs, stricter than RULER's substring match
+_STRICTER = (
+    ("whole-word match (`word_match_all`: the value itself, not the start of a longer one)", EvalRun.word_accuracy),
+    ("first-answer match (`leading_match_all`: the value is the output's first word, so a list of several "
+     "needles' values counts only when it starts with the asked one)", EvalRun.leading_accuracy),
+)
+
+
 def markdown(runs: list[EvalRun]) -> str:
     """One accuracy table per policy, then device KV per policy and length."""
     out = []
@@ -35,13 +43,12 @@ def markdown(runs: list[EvalRun]) -> str:
             f"**{sum(x for x in m if x is not None) / max(1, sum(x is not None for x in m)):.1f}**" for m in means) + " |")
         out.append("")
         needles = [t for t in run.tasks if t in NEEDLE_TASKS]
-        if needles:
-            out.append(f"whole-word match (`word_match_all`: the value itself, not the start of a longer one), "
-                       f"policy `{run.policy}`\n")
+        for title, rescored in (_STRICTER if needles else ()):
+            out.append(f"{title}, policy `{run.policy}`\n")
             out.append("| task | " + " | ".join(_fmt_len(n) for n in lengths) + " |")
             out.append("|---|" + "---|" * len(lengths))
             for task in needles:
-                cells = [run.word_accuracy(task, n) for n in lengths]
+                cells = [rescored(run, task, n) for n in lengths]
                 out.append(f"| {task} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
             out.append("")
     out.append("### device-resident KV per request (KiB, from the allocator)\n")

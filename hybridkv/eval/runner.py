@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hybridkv.engine import LLM, SamplingParams
-from hybridkv.eval.scoring import mrcr_score, string_match_all, string_match_part, word_match_all
+from hybridkv.eval.scoring import leading_match_all, mrcr_score, string_match_all, string_match_part, word_match_all
 from hybridkv.eval.tasks import NEEDLE_TASKS, EvalSample, make_eval_sample
 from hybridkv.tasks.generators import Pools
 from hybridkv.tasks.tokenizer import TaskTokenizer
@@ -62,8 +62,15 @@ class EvalRun:
 
     def word_accuracy(self, task: str, length: int) -> float | None:
         """The strict score (whole-word match of every reference), from the stored outputs."""
+        return self._rescored(task, length, word_match_all)
+
+    def leading_accuracy(self, task: str, length: int) -> float | None:
+        """The strictest score (the references are the output's first words), from the stored outputs."""
+        return self._rescored(task, length, leading_match_all)
+
+    def _rescored(self, task: str, length: int, scorer) -> float | None:
         rs = self.cell(task, length)
-        return 100 * statistics.fmean(word_match_all(r.output, r.references) for r in rs) if rs else None
+        return 100 * statistics.fmean(scorer(r.output, r.references) for r in rs) if rs else None
 
     def device_kv(self, length: int, kind: str | None = None) -> float | None:
         """Mean device-resident KV bytes per request at this length (all kinds, or one)."""
