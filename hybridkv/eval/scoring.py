@@ -21,13 +21,18 @@ def string_match_all(output: str, references: list[str]) -> float:
     return sum(r.lower() in out for r in references) / len(references) if references else 0.0
 
 
+def _words(output: str) -> list[str]:
+    """The output's words in order, lower-cased; a UUID's dashes stay inside its word."""
+    return re.findall(r"[\w-]+", output.lower())
+
+
 def word_match_all(output: str, references: list[str]) -> float:
-    words = set(re.findall(r"[\w-]+", output.lower()))
+    words = set(_words(output))
     return sum(r.lower() in words for r in references) / len(references) if references else 0.0
 
 
 def leading_match_all(output: str, references: list[str]) -> float:
-    lead = set(re.findall(r"[\w-]+", output.lower())[:len(references)])
+    lead = set(_words(output)[:len(references)])
     return sum(r.lower() in lead for r in references) / len(references) if references else 0.0
 
 
