@@ -35,8 +35,14 @@ def _hex_tokenizer(vocab_size: int, n_texts: int) -> TaskTokenizer:
 @pytest.mark.parametrize("name", [n for n in sorted(RECIPES) if n.startswith("tiny-v4")])
 def test_every_stage_task_fits_its_length(name):
     r = get_recipe(name)
-    # the shipped tokenizer is tiny-v4's; the hex-rule recipes train (or continue) tiny-v4-hex's
-    tok = _hex_tokenizer(r.vocab_size, r.tokenizer_texts) if r.hex_chars else TaskTokenizer.load(SHIPPED_TOKENIZER)
+    # the shipped tokenizer is tiny-v4's; the hex-rule recipes train (or continue) tiny-v4-hex's, or
+    # add the rule to the shipped one
+    if r.adds_hex_chars:
+        tok = TaskTokenizer.load(SHIPPED_TOKENIZER).with_hex_chars()
+    elif r.hex_chars:
+        tok = _hex_tokenizer(r.vocab_size, r.tokenizer_texts)
+    else:
+        tok = TaskTokenizer.load(SHIPPED_TOKENIZER)
     assert tok.hex_chars == r.hex_chars
     assert tok.vocab_size == r.vocab_size
     pools = Pools(tok, seed=0)

@@ -104,6 +104,18 @@ def test_continuing_a_model_starts_from_its_weights(smoke_run, tmp_path):
     with pytest.raises(ValueError, match="hex_chars"):   # a hex-rule continuation of a model without the rule
         train(replace(cont, hex_chars=True), tmp_path / "hex", init_from=base, echo=lambda *_: None)
     assert not (tmp_path / "hex" / "tokenizer.json").exists()
+    # adding the rule to the base's vocabulary: same ids for text without hex runs, one token per
+    # character inside them; a base that already has the rule is refused
+    adds = replace(cont, name="smoke-hexsplit", hex_chars=True, adds_hex_chars=True)
+    train(adds, tmp_path / "adds", init_from=base, echo=lambda *_: None)
+    old, new = TaskTokenizer.load(base), TaskTokenizer.load(tmp_path / "adds")
+    assert new.hex_chars and not old.hex_chars and new.vocab_size == old.vocab_size
+    text, uuid = "The special magic number for bad-cafe is: 4096.", "5d5b7bcc-e790-4f2a-bd1e-0c9a3f7e2b11"
+    assert new.encode(text) == old.encode(text)
+    assert len(new.encode(uuid)) == len(uuid) > len(old.encode(uuid)) and new.decode(new.encode(uuid)) == uuid
+    with pytest.raises(ValueError, match="hex_chars"):
+        train(adds, tmp_path / "adds-again", init_from=tmp_path / "adds", echo=lambda *_: None)
+    assert not (tmp_path / "adds-again" / "tokenizer.json").exists()
     progress = train(cont, tmp_path / "cont", init_from=base, echo=lambda *_: None)
     assert progress["step"] == 2 and progress["init_from"]["path"] == "base"
     assert (tmp_path / "cont" / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()

@@ -24,6 +24,8 @@ from hybridkv.server.chat_format import BOS, EOS, SPECIAL_TOKENS
 # continuing the previous match (\G: where the last match ended, so a chain starts only at a digit
 # or a letter with a digit ahead). Matches are isolated before the byte-level split.
 HEX_RUN_CHAR = r"[0-9]|[a-f](?=[0-9a-f-]*[0-9])|(?<=[0-9a-f-])\G[a-f-]"
+# the rule as tokenizer.json stores it (what `pre_tokenizers.Split(Regex(HEX_RUN_CHAR), "isolated")` saves)
+_HEX_SPLIT_SPEC = {"type": "Split", "pattern": {"Regex": HEX_RUN_CHAR}, "behavior": "Isolated", "invert": False}
 
 
 class TaskTokenizer:
@@ -63,6 +65,19 @@ class TaskTokenizer:
     def load(cls, path: str | Path) -> "TaskTokenizer":
         path = Path(path)
         return cls(Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path)))
+
+    def with_hex_chars(self) -> "TaskTokenizer":
+        """This tokenizer with the `hex_chars` rule put in front of its pre-tokenizer: the vocabulary
+        and merges stay, so every text without a hex run holding a digit encodes to the same ids, and
+        such runs become one token per character (every byte is in a byte-level BPE's vocabulary).
+        A model trained with this tokenizer keeps its embeddings for everything but those runs."""
+        if self.hex_chars:
+            return self
+        spec = json.loads(self.tokenizer.to_str())
+        pre = spec.get("pre_tokenizer") or {"type": "Sequence", "pretokenizers": []}
+        steps = pre["pretokenizers"] if pre.get("type") == "Sequence" else [pre]
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [_HEX_SPLIT_SPEC, *steps]}
+        return TaskTokenizer(Tokenizer.from_str(json.dumps(spec)))
 
     @property
     def hex_chars(self) -> bool:

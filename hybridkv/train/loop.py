@@ -150,14 +150,19 @@ def _take_base_tokenizer(recipe: Recipe, init_from: Path, run_dir: Path) -> None
     src, dst = init_from / "tokenizer.json", run_dir / "tokenizer.json"
     if not src.exists():
         raise FileNotFoundError(f"--init-from {init_from}: no tokenizer.json")
-    if TaskTokenizer.load(src).hex_chars != recipe.hex_chars:
-        want, got = ("does", "does not") if recipe.hex_chars else ("does not", "does")
+    base = TaskTokenizer.load(src)
+    base_has = not recipe.hex_chars if recipe.adds_hex_chars else recipe.hex_chars
+    if base.hex_chars != base_has:
+        want, got = ("does", "does not") if base_has else ("does not", "does")
         raise ValueError(f"--init-from {init_from}: recipe {recipe.name!r} continues a model whose tokenizer {want} "
                          f"keep hex characters apart (hex_chars), and this model's tokenizer {got}")
+    # the base's file as it is, or its tokenizer with the hex rule added (the vocabulary kept)
+    data = base.with_hex_chars().tokenizer.to_str(pretty=True).encode() if recipe.adds_hex_chars else src.read_bytes()
     if not dst.exists():
-        dst.write_bytes(src.read_bytes())
-    elif dst.read_bytes() != src.read_bytes():
-        raise ValueError(f"{dst} differs from {src}: a continued model must keep its tokenizer")
+        dst.write_bytes(data)
+    elif dst.read_bytes() != data:
+        raise ValueError(f"{dst} differs from {src}{' with the hex rule added' if recipe.adds_hex_chars else ''}: "
+                         f"a continued model must keep its tokenizer")
 
 
 def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes: float | None = None,

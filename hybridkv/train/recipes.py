@@ -65,6 +65,7 @@ class Recipe:
     seed: int = 0
     base: str | None = None   # the recipe whose exported model this one continues (`--init-from`)
     hex_chars: bool = False   # the tokenizer keeps every character of a hex run with a digit apart
+    adds_hex_chars: bool = False   # the base's tokenizer lacks that rule: the run adds it, vocabulary kept
 
     def stage(self, step: int) -> Stage:
         for s in self.stages:
@@ -201,14 +202,14 @@ _NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "
 
 
 def _continuation(name: str, schedule: list[tuple[int, int, int]], task_weights: dict[str, float], base: str,
-                  seed: int, hex_chars: bool = False) -> Recipe:
+                  seed: int, hex_chars: bool = False, adds_hex_chars: bool = False) -> Recipe:
     """A recipe continuing `base`'s export on tiny-v4's model: stages of (until step, length, batch),
     all with the indexer's top-k and the experts' FP4 QAT (the weights start on the FP4 grid they
     ship on), lr 1e-3 after a 30-step warm-up."""
     stages = [Stage(until, seq_len, batch, dense_indexer=False, qat_experts=True) for until, seq_len, batch in schedule]
     return Recipe(name=name, model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=stages[-1].until,
                   stages=stages, lr=1e-3, warmup=30, log_every=20, task_weights=task_weights, base=base, seed=seed,
-                  hex_chars=hex_chars)
+                  hex_chars=hex_chars or adds_hex_chars, adds_hex_chars=adds_hex_chars)
 
 
 def _tiny_v4_needles() -> Recipe:
@@ -290,6 +291,23 @@ def _tiny_v4_hex_multikey() -> Recipe:
                          base="tiny-v4-hex-copy", seed=8, hex_chars=True)
 
 
+_UUID_AND_KEYS_FOCUS = {"niah_single_3": 0.35, "niah_multikey_1": 0.25, "niah_multikey_hard": 0.1, "passkey": 0.05,
+                        "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_multiquery": 0.05}
+
+
+def _tiny_v4_hexsplit() -> Recipe:
+    """Continues a `tiny-v4-keys` model (multi-key needles 70 / 45 / 55 % at 4K / 8K / 16K, UUIDs
+    15 / 25 / 45 %) with the hex rule added to its own tokenizer (`TaskTokenizer.with_hex_chars`):
+    the vocabulary stays, every prompt without a UUID encodes as before, and the few letter merges
+    inside UUIDs (`cc`, `bd`) become single letters, which the model already reads between the
+    digits. The tiny-v4-hex chain fixed the copies on a new tokenizer but lost the key matching this
+    model has; here the UUID and multi-key needles share the mix, 1K-2K first (many answers per
+    step), then the lengths of the bars."""
+    return _continuation("tiny-v4-hexsplit", [(300, 1024, 32), (500, 2048, 16), (800, 4096, 8), (1000, 8192, 4),
+                                              (1150, 16384, 2)], _UUID_AND_KEYS_FOCUS, base="tiny-v4-keys", seed=9,
+                         adds_hex_chars=True)
+
+
 TINY_V41_MODEL = {
     **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
     "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
@@ -331,6 +349,7 @@ def _smoke_v41() -> Recipe:
 
 RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
            "tiny-v4-hex-keys": _tiny_v4_hex_keys, "tiny-v4-hex-copy": _tiny_v4_hex_copy,
+           "tiny-v4-hexsplit": _tiny_v4_hexsplit,
            "tiny-v4-hex-multikey": _tiny_v4_hex_multikey,
            "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
 
