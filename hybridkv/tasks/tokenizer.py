@@ -70,7 +70,7 @@ class TaskTokenizer:
         """This tokenizer with the `hex_chars` rule put in front of its pre-tokenizer: the vocabulary
         and merges stay, so every text without a hex run holding a digit encodes to the same ids, and
         such runs become one token per character (every byte is in a byte-level BPE's vocabulary).
-        A model trained with this tokenizer keeps its embeddings for everything but those runs."""
+        A model continued with it reads every other text exactly as before."""
         if self.hex_chars:
             return self
         spec = json.loads(self.tokenizer.to_str())
@@ -81,7 +81,8 @@ class TaskTokenizer:
 
     @property
     def hex_chars(self) -> bool:
-        """Whether this tokenizer was trained with the `hex_chars` rule (its pre-tokenizer holds the split)."""
+        """Whether this tokenizer has the `hex_chars` rule, trained with it or added (its pre-tokenizer
+        holds the split)."""
         pre = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
         steps = pre.get("pretokenizers", [pre])
         return any(st.get("type") == "Split" and st.get("pattern") == {"Regex": HEX_RUN_CHAR} for st in steps)

@@ -151,7 +151,7 @@ def _take_base_tokenizer(recipe: Recipe, init_from: Path, run_dir: Path) -> None
     if not src.exists():
         raise FileNotFoundError(f"--init-from {init_from}: no tokenizer.json")
     base = TaskTokenizer.load(src)
-    base_has = not recipe.hex_chars if recipe.adds_hex_chars else recipe.hex_chars
+    base_has = recipe.hex_chars and not recipe.adds_hex_chars    # the rule the base's tokenizer must have
     if base.hex_chars != base_has:
         want, got = ("does", "does not") if base_has else ("does not", "does")
         raise ValueError(f"--init-from {init_from}: recipe {recipe.name!r} continues a model whose tokenizer {want} "

@@ -5,7 +5,8 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 - `tiny-v4`: from scratch, a task curriculum (passkey alone, then the needle families, then every
   family) before the length curriculum (1K to 32K), trained on one H200 in two commands of ≤ 10
   minutes (`--max-minutes` checkpoints and `--resume` continues). The shipped model
-  (`models/tiny-v4`) is its export continued by `tiny-v4-needles`, then by `tiny-v4-keys`.
+  (`models/tiny-v4`) is its export continued by `tiny-v4-needles`, `tiny-v4-keys`, then
+  `tiny-v4-hexsplit`.
 - `tiny-v41`: the same data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md).
 - `tiny-v4-needles`: continues a `tiny-v4` model (`--init-from`) on the needle families at 4K-32K,
@@ -24,6 +25,9 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   needles 90 / 70 / 65 % at 4K / 8K / 16K, but multi-key needles at chance. Not shipped; the model
   card says why. `tiny-v4-hex-multikey` continues `tiny-v4-hex-copy` on multi-key needles (not
   trained yet).
+- `tiny-v4-hexsplit`: continues a `tiny-v4-keys` model with the hex rule added to its own tokenizer
+  (vocabulary kept), on UUID and multi-key needles from 1K to 16K (one H200 command; the shipped
+  model). `tiny-v4-hexsplit-2`, a second pass, was trained once and not shipped.
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -296,16 +300,27 @@ _UUID_AND_KEYS_FOCUS = {"niah_single_3": 0.35, "niah_multikey_1": 0.25, "niah_mu
 
 
 def _tiny_v4_hexsplit() -> Recipe:
-    """Continues a `tiny-v4-keys` model (multi-key needles 70 / 45 / 55 % at 4K / 8K / 16K, UUIDs
-    15 / 25 / 45 %) with the hex rule added to its own tokenizer (`TaskTokenizer.with_hex_chars`):
-    the vocabulary stays, every prompt without a UUID encodes as before, and the few letter merges
+    """The shipped model's last stage. Continues a `tiny-v4-keys` model (multi-key needles 70 / 45 /
+    55 % at 4K / 8K / 16K, UUIDs 15 / 25 / 45 %) with the hex rule added to its own tokenizer
+    (`TaskTokenizer.with_hex_chars`): the vocabulary stays, every prompt without a UUID encodes as
+    before, and the few letter merges
     inside UUIDs (`cc`, `bd`) become single letters, which the model already reads between the
     digits. The tiny-v4-hex chain fixed the copies on a new tokenizer but lost the key matching this
     model has; here the UUID and multi-key needles share the mix, 1K-2K first (many answers per
-    step), then the lengths of the bars."""
+    step), then the lengths of the bars: UUIDs 60 / 65 / 75 %, multi-key needles 65 / 70 / 60 %
+    (models/tiny-v4/README.md)."""
     return _continuation("tiny-v4-hexsplit", [(300, 1024, 32), (500, 2048, 16), (800, 4096, 8), (1000, 8192, 4),
                                               (1150, 16384, 2)], _UUID_AND_KEYS_FOCUS, base="tiny-v4-keys", seed=9,
                          adds_hex_chars=True)
+
+
+def _tiny_v4_hexsplit_2() -> Recipe:
+    """A second pass of `tiny-v4-hexsplit`'s mix on its export (fresh examples, data seed 10), with
+    more of the steps at 1K-4K, where UUID and multi-key answers are cheap. Trained once, not
+    shipped: it writes every value as a UUID-shaped string (models/tiny-v4/README.md)."""
+    return _continuation("tiny-v4-hexsplit-2", [(300, 1024, 32), (550, 2048, 16), (800, 4096, 8), (950, 8192, 4),
+                                                (1050, 16384, 2)], _UUID_AND_KEYS_FOCUS, base="tiny-v4-hexsplit",
+                         seed=10, hex_chars=True)
 
 
 TINY_V41_MODEL = {
@@ -347,11 +362,14 @@ def _smoke_v41() -> Recipe:
     return replace(_smoke(), name="smoke-v41", model=SMOKE_V41_MODEL)
 
 
-RECIPES = {"tiny-v4": _tiny_v4, "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
-           "tiny-v4-hex-keys": _tiny_v4_hex_keys, "tiny-v4-hex-copy": _tiny_v4_hex_copy,
-           "tiny-v4-hexsplit": _tiny_v4_hexsplit,
-           "tiny-v4-hex-multikey": _tiny_v4_hex_multikey,
-           "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy, "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41}
+RECIPES = {
+    "tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
+    "tiny-v4-hexsplit": _tiny_v4_hexsplit, "tiny-v4-hexsplit-2": _tiny_v4_hexsplit_2,
+    "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy,
+    "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-hex-keys": _tiny_v4_hex_keys, "tiny-v4-hex-copy": _tiny_v4_hex_copy,
+    "tiny-v4-hex-multikey": _tiny_v4_hex_multikey,
+    "tiny-v41": _tiny_v41, "tiny-v4-r1": _tiny_v4_r1, "smoke": _smoke, "smoke-v41": _smoke_v41,
+}
 
 
 def get_recipe(name: str) -> Recipe:
