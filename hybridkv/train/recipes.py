@@ -303,9 +303,8 @@ def _tiny_v4_hexsplit() -> Recipe:
     """The shipped model's last stage. Continues a `tiny-v4-keys` model (multi-key needles 70 / 45 /
     55 % at 4K / 8K / 16K, UUIDs 15 / 25 / 45 %) with the hex rule added to its own tokenizer
     (`TaskTokenizer.with_hex_chars`): the vocabulary stays, every prompt without a UUID encodes as
-    before, and the few letter merges
-    inside UUIDs (`cc`, `bd`) become single letters, which the model already reads between the
-    digits. The tiny-v4-hex chain fixed the copies on a new tokenizer but lost the key matching this
+    before, and the few letter merges inside UUIDs (`cc`, `bd`) become single letters, which the
+    model already reads between the digits. The tiny-v4-hex chain fixed the copies on a new tokenizer but lost the key matching this
     model has; here the UUID and multi-key needles share the mix, 1K-2K first (many answers per
     step), then the lengths of the bars: UUIDs 60 / 65 / 75 %, multi-key needles 65 / 70 / 60 %
     (models/tiny-v4/README.md)."""
@@ -317,7 +316,8 @@ def _tiny_v4_hexsplit() -> Recipe:
 def _tiny_v4_hexsplit_2() -> Recipe:
     """A second pass of `tiny-v4-hexsplit`'s mix on its export (fresh examples, data seed 10), with
     more of the steps at 1K-4K, where UUID and multi-key answers are cheap. Trained once, not
-    shipped: it writes every value as a UUID-shaped string (models/tiny-v4/README.md)."""
+    shipped: at 16K it writes every multi-key value as a UUID-shaped string and runs most UUIDs on
+    past their end (models/tiny-v4/README.md)."""
     return _continuation("tiny-v4-hexsplit-2", [(300, 1024, 32), (550, 2048, 16), (800, 4096, 8), (950, 8192, 4),
                                                 (1050, 16384, 2)], _UUID_AND_KEYS_FOCUS, base="tiny-v4-hexsplit",
                          seed=10, hex_chars=True)
