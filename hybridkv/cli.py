@@ -139,9 +139,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return eval_main(a.args)
 
 
-def cmd_train(a: argparse.Namespace) -> int:
+def train_recipe(a: argparse.Namespace):
+    """The recipe `hybridkv train` runs: the named one with the command line's overrides."""
     from dataclasses import replace
-    from pathlib import Path
 
     from hybridkv.train.recipes import get_recipe
 
@@ -152,6 +152,15 @@ def cmd_train(a: argparse.Namespace) -> int:
         recipe = replace(recipe, lr=a.lr)
     if a.seed is not None:
         recipe = replace(recipe, seed=a.seed)
+    if a.answer_weight is not None:
+        recipe = replace(recipe, loss=replace(recipe.loss, answer=a.answer_weight))
+    return recipe
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    recipe = train_recipe(a)
     run_dir = Path(a.out or f"runs/{recipe.name}")
     if not a.export_only:
         from hybridkv.train.loop import save_portable, train
@@ -248,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     t.add_argument("--seed", type=int, default=None,
                    help="override the recipe's data seed (a second pass of a continuation sees new examples)")
+    t.add_argument("--answer-weight", type=float, default=None,
+                   help="override the recipe's extra weight on the answer tokens' loss")
     t.add_argument("--portable-state", default=None,
                    help="also write the weights and progress in files of <= 15 MiB to this directory")
     t.add_argument("--export", default=None, help="write the trained model in the release format here")

@@ -6,11 +6,16 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
+
+from hybridkv.cli import build_parser, train_recipe
 
 from hybridkv.tasks.generators import GENERATED_TASKS, TASKS, Pools, build_tokenizer, training_example
 from hybridkv.tasks.tokenizer import TaskTokenizer
+from hybridkv.train.data import TaskBatches
 from hybridkv.train.loop import model_config
 from hybridkv.train.recipes import RECIPES, get_recipe
 
@@ -70,3 +75,38 @@ def test_every_stage_task_fits_its_length(name):
         for task in s.tasks or r.task_weights:
             ids, sup = training_example(7, pools, s.seq_len, {task: 1.0})
             assert len(ids) == s.seq_len and sup.any()
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(RECIPES) if get_recipe(n).filler_seed is not None])
+def test_a_continuation_keeping_filler_keeps_its_bases(name):
+    """`filler_seed` exists so that a continuation sees the filler its base already learned: it must
+    be the seed the base drew its filler with."""
+    r = get_recipe(name)
+    base = get_recipe(r.base)
+    assert r.filler_seed == (base.filler_seed if base.filler_seed is not None else base.seed)
+    assert r.seed != r.filler_seed      # and fresh examples
+
+
+def test_filler_seed_keeps_the_haystack_material_and_draws_new_examples():
+    tok = _tiny_v4_tokenizer().with_hex_chars()
+    base, kept, fresh = TaskBatches(tok, 9), TaskBatches(tok, 11, filler_seed=9), TaskBatches(tok, 11)
+    try:
+        assert np.array_equal(kept.pools.sentences.flat, base.pools.sentences.flat)
+        assert not np.array_equal(fresh.pools.sentences.flat, base.pools.sentences.flat)
+        mix = {"niah_single_3": 1.0}
+        ids_base, sup_base = base.get(0, 2, 1024, mix)
+        ids_kept, sup_kept = kept.get(0, 2, 1024, mix)
+        # new answers (UUIDs) on the base's filler
+        assert not torch.equal(ids_kept[sup_kept], ids_base[sup_base])
+    finally:
+        for b in (base, kept, fresh):
+            b.close()
+
+
+def test_train_command_line_overrides_the_recipe():
+    a = build_parser().parse_args(["train", "--recipe", "tiny-v4-polish", "--lr", "3e-4", "--answer-weight", "1",
+                                   "--seed", "12"])
+    r, default = train_recipe(a), get_recipe("tiny-v4-polish")
+    assert (r.lr, r.loss.answer, r.seed) == (3e-4, 1.0, 12)
+    assert (default.lr, default.loss.answer, default.seed) == (5e-4, 4.0, 11)
+    assert r.loss.mtp == default.loss.mtp and r.filler_seed == default.filler_seed
