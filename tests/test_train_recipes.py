@@ -12,7 +12,6 @@ import torch
 from tokenizers import Tokenizer
 
 from hybridkv.cli import build_parser, train_recipe
-
 from hybridkv.tasks.generators import GENERATED_TASKS, TASKS, Pools, build_tokenizer, training_example
 from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.data import TaskBatches
@@ -83,13 +82,13 @@ def test_a_continuation_keeping_filler_keeps_its_bases(name):
     be the seed the base drew its filler with."""
     r = get_recipe(name)
     base = get_recipe(r.base)
-    assert r.filler_seed == (base.filler_seed if base.filler_seed is not None else base.seed)
+    assert r.filler_seed == base.pool_seed
     assert r.seed != r.filler_seed      # and fresh examples
 
 
 def test_filler_seed_keeps_the_haystack_material_and_draws_new_examples():
     tok = _tiny_v4_tokenizer().with_hex_chars()
-    base, kept, fresh = TaskBatches(tok, 9), TaskBatches(tok, 11, filler_seed=9), TaskBatches(tok, 11)
+    base, kept, fresh = TaskBatches(tok, 9), TaskBatches(tok, 11, pool_seed=9), TaskBatches(tok, 11)
     try:
         assert np.array_equal(kept.pools.sentences.flat, base.pools.sentences.flat)
         assert not np.array_equal(fresh.pools.sentences.flat, base.pools.sentences.flat)

@@ -12,9 +12,9 @@ from hybridkv.tasks.generators import Pools, training_example
 
 
 class TaskBatches:
-    def __init__(self, tok, seed: int, filler_seed: int | None = None):
-        """`seed` draws the examples; `filler_seed` (default `seed`) the haystack material."""
-        self.pools = Pools(tok, seed=seed if filler_seed is None else filler_seed)
+    def __init__(self, tok, seed: int, pool_seed: int | None = None):
+        """`seed` draws the examples; `pool_seed` (default `seed`) the haystack material."""
+        self.pools = Pools(tok, seed=seed if pool_seed is None else pool_seed)
         self.seed = seed
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._ahead: tuple[tuple, Future] | None = None

@@ -78,6 +78,11 @@ class Recipe:
     hex_chars: bool = False   # the tokenizer keeps every character of a hex run with a digit apart
     adds_hex_chars: bool = False   # the base's tokenizer lacks that rule: the run adds it, vocabulary kept
 
+    @property
+    def pool_seed(self) -> int:
+        """The seed the run's filler sentences and distractor needles are drawn with."""
+        return self.seed if self.filler_seed is None else self.filler_seed
+
     def stage(self, step: int) -> Stage:
         for s in self.stages:
             if step < s.until:
