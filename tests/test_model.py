@@ -52,8 +52,14 @@ def test_ragged_batch_equals_requests_alone(tiny):
                 got[r].append(logits[seg.rows])
     for r in range(4):
         mine = torch.cat(got[r])
-        err = (mine - alone[r]).pow(2).mean().sqrt() / alone[r].pow(2).mean().sqrt()
-        assert err < 1e-4, (r, float(err))
+        scale = alone[r].pow(2).mean().sqrt()
+        err = (mine - alone[r]).pow(2).mean().sqrt() / scale
+        per_position = (mine - alone[r]).pow(2).mean(-1).sqrt() / scale
+        # GEMMs over a different number of rows round differently; with 2 threads on an AVX2 CPU two
+        # of request 3's 260 positions spike to 3e-3 (an FP8 rounding flip or an index top-k near-tie)
+        # while the rest stay near 1e-5. A request mixed up with another is wrong everywhere.
+        assert err < 1e-3, (r, float(err))
+        assert (per_position > 1e-4).float().mean() < 0.05, (r, per_position)
         assert torch.equal(mine.argmax(-1), alone[r].argmax(-1))
 
 

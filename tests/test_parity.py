@@ -1,6 +1,7 @@
 """The model against the official reference outputs (tests/fixtures/*/golden.safetensors).
 
-One-shot prefill reproduces the reference bit for bit. Other chunkings and mixed batches change
+One-shot prefill reproduces the reference to float32 round-off (bit for bit on a CPU whose GEMMs
+round like the reference's machine, ~1e-7 elsewhere). Other chunkings and mixed batches change
 float summation order; the reference's FP8/FP4 round trips turn rare last-bit differences into
 whole-quantum flips that compound across blocks (the reference itself, run token by token, is
 3e-3 away from its own one-shot output on v4-tiny), so those runs are checked layerwise: every
@@ -8,9 +9,8 @@ block on the reference's input stream, decode free-running on the state the chun
 """
 
 import pytest
-import torch
 
-from hybridkv.tools.parity import compare, load_golden, main, replay
+from hybridkv.tools.parity import ONE_SHOT_TOL, compare, load_golden, main, replay
 from hybridkv.weights import load_model
 
 TOL = 1e-3
@@ -32,12 +32,9 @@ def _check(rows):
 
 
 @pytest.mark.parametrize("name", ["v4-tiny", "v4-tiny-fp8"])
-def test_one_shot_is_bit_exact(fixtures, name):
+def test_one_shot_matches_to_round_off(fixtures, name):
     model, golden, prefill = _setup(fixtures, name)
-    out = replay(model, golden["input_ids"], prefill)
-    for key in ("prefill_hidden", "decode_logits", "mtp_last_logits"):
-        assert torch.equal(out[key], golden[key]), key
-    _check(compare(golden, out, 1e-6))
+    _check(compare(golden, replay(model, golden["input_ids"], prefill), ONE_SHOT_TOL))
 
 
 CHUNKINGS = {

@@ -1,6 +1,7 @@
 """DeepSeek-V4.1 against the reference outputs (tests/fixtures/v41-tiny*/golden.safetensors).
 
-One-shot prefill and decode reproduce the reference bit for bit. Other chunkings change the float
+One-shot prefill and decode reproduce the reference to float32 round-off (bit for bit on a CPU whose
+GEMMs round like the reference's machine, ~1e-7 elsewhere). Other chunkings change the float
 round-off (CPU GEMMs round differently for 2 rows than for 500), and the FP8/FP4 round trips turn
 a last-bit difference at an exact rounding midpoint into a whole quantum. The reference is not
 chunk-stable either: run token by token it is 0.13 (relative RMS) away from its own one-shot
@@ -13,7 +14,7 @@ reference's pre mix (V4.1 hands the mHC pre mix from block to block; see
 import pytest
 import torch
 
-from hybridkv.tools.parity import compare, load_golden, main, reference_mixes, replay
+from hybridkv.tools.parity import ONE_SHOT_TOL, compare, load_golden, main, reference_mixes, replay
 from hybridkv.weights import load_model
 
 TOL = 1e-3
@@ -33,7 +34,7 @@ def _setup(fixtures, name):
 
 def _layerwise(fixtures, name, chunks, batch_mix=False, states=None):
     model, golden, prefill, mixes = _setup(fixtures, name)
-    assert mixes is not None, "the one-shot teacher-forced prefill is no longer bit-exact"
+    assert mixes is not None, "the one-shot teacher-forced prefill no longer reproduces the reference"
     out = replay(model, golden["input_ids"], prefill, chunks, batch_mix=batch_mix, teacher=golden["prefill_hidden"],
                  teacher_mix=mixes, states=states)
     rows = compare(golden, out, TOL)
@@ -42,13 +43,14 @@ def _layerwise(fixtures, name, chunks, batch_mix=False, states=None):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_one_shot_is_bit_exact(fixtures, name):
+def test_one_shot_matches_to_round_off(fixtures, name):
     """Also pins the deliberate deviation from the reference: every decode step reads each source
-    layer's current indexer keys, including steps that complete no ratio-2 group."""
+    layer's current indexer keys, including steps that complete no ratio-2 group (the reference's
+    own behaviour is up to 0.5 away there)."""
     model, golden, prefill, _ = _setup(fixtures, name)
-    out = replay(model, golden["input_ids"], prefill)
-    for key in ("prefill_hidden", "prefill_last_logits", "decode_logits"):
-        assert torch.equal(out[key], golden[key]), key
+    rows = compare(golden, replay(model, golden["input_ids"], prefill), ONE_SHOT_TOL)
+    assert {r["tensor"] for r in rows} == {"prefill_last_logits", "decode_logits", "prefill_hidden"}
+    assert all(r["ok"] for r in rows), rows
 
 
 CHUNKINGS = {

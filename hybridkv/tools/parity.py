@@ -181,17 +181,24 @@ def replay(model: Transformer, input_ids: torch.Tensor, prefill_len: int, chunks
     return out
 
 
-def reference_mixes(model: Transformer, input_ids: torch.Tensor, prefill_len: int, golden: dict[str, torch.Tensor]
-                    ) -> torch.Tensor | None:
+# A one-shot prefill reproduces the reference to float32 round-off: bit for bit on a CPU whose
+# kernels round like the one the goldens were made on, about 1e-7 (relative RMS) on others (AVX2
+# against AVX-512 GEMMs). A real semantic error is orders of magnitude larger.
+ONE_SHOT_TOL = 1e-5
+
+
+def reference_mixes(model: Transformer, input_ids: torch.Tensor, prefill_len: int, golden: dict[str, torch.Tensor],
+                    tol: float = ONE_SHOT_TOL) -> torch.Tensor | None:
     """V4.1: the pre mixes the reference hands from block to block over the prefill, for
     `replay(teacher_mix=...)`. The golden file holds only the stream, so they come from a one-shot
-    teacher-forced prefill, after checking that it reproduces the golden stream bit for bit (then
-    its mixes are the reference's). None for V4 models or when that check fails."""
+    teacher-forced prefill, after checking that it reproduces the golden stream to round-off
+    (relative RMS ≤ `tol`; then its mixes are the reference's up to that round-off). None for V4
+    models or when that check fails."""
     if not getattr(model, "single_pass", False) or "prefill_hidden" not in golden:
         return None
     ids = input_ids[:, :prefill_len]
     out = replay(model, ids, prefill_len, teacher=golden["prefill_hidden"], with_mtp=False, with_mixes=True)
-    if not torch.equal(out["prefill_hidden"], golden["prefill_hidden"].to(out["prefill_hidden"].dtype)):
+    if rel_rms(golden["prefill_hidden"], out["prefill_hidden"]) > tol:
         return None
     return out["prefill_mixes"]
 
@@ -275,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         if teacher is not None and not a.free_running:
             mix = reference_mixes(model, ids, prefill, golden)
             if cfg.family == "v4.1" and mix is None:
-                notes.append("the one-shot prefill does not reproduce the golden stream bit for bit, so the layerwise "
-                             "run cannot teacher-force the pre mixes between blocks")
+                notes.append(f"the one-shot prefill is more than {ONE_SHOT_TOL:g} (relative RMS) from the golden stream, "
+                             "so the layerwise run cannot teacher-force the pre mixes between blocks")
             runs["layerwise"] = replay(model, ids, prefill, chunks, a.batch_mix, teacher, teacher_mix=mix, **want)
     except (HybridKVError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
