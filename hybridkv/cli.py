@@ -154,6 +154,8 @@ def train_recipe(a: argparse.Namespace):
         recipe = replace(recipe, seed=a.seed)
     if a.answer_weight is not None:
         recipe = replace(recipe, loss=replace(recipe.loss, answer=a.answer_weight))
+    if a.answer_end_weight is not None:
+        recipe = replace(recipe, loss=replace(recipe.loss, answer_end=a.answer_end_weight))
     return recipe
 
 
@@ -259,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the recipe's data seed (a second pass of a continuation sees new examples)")
     t.add_argument("--answer-weight", type=float, default=None,
                    help="override the recipe's extra weight on the answer tokens' loss")
+    t.add_argument("--answer-end-weight", type=float, default=None,
+                   help="override the recipe's extra weight on the answers' closing tokens (period, EOS)")
     t.add_argument("--portable-state", default=None,
                    help="also write the weights and progress in files of <= 15 MiB to this directory")
     t.add_argument("--export", default=None, help="write the trained model in the release format here")

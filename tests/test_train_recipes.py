@@ -109,3 +109,7 @@ def test_train_command_line_overrides_the_recipe():
     assert (r.lr, r.loss.answer, r.seed) == (3e-4, 1.0, 12)
     assert (default.lr, default.loss.answer, default.seed) == (5e-4, 4.0, 11)
     assert r.loss.mtp == default.loss.mtp and r.filler_seed == default.filler_seed
+    assert r.loss.answer_end == default.loss.answer_end == 0.0
+    stop = train_recipe(build_parser().parse_args(["train", "--recipe", "tiny-v4-stop", "--answer-end-weight", "8"]))
+    assert (stop.loss.answer_end, get_recipe("tiny-v4-stop").loss.answer_end) == (8.0, 4.0)
+    assert stop.base == "tiny-v4-polish" and stop.pool_seed == get_recipe("tiny-v4-polish").pool_seed

@@ -78,8 +78,11 @@ def compress_sequence(comp: Compressor, x: torch.Tensor, ctx: _Ctx, inv_freq: to
     b, s, r = ctx.b, ctx.s, comp.ratio
     n = s // r
     kv, score = comp.project(x, ctx.positions.repeat(b))
-    kv = kv.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
-    score = score.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
+    kv = kv.float().view(b, s, -1)
+    score = score.float().view(b, s, -1)
+    # explicit last dims: a sequence shorter than the ratio has no block (n = 0)
+    kv = kv[:, : n * r].reshape(b, n, r, kv.shape[-1])
+    score = score[:, : n * r].reshape(b, n, r, score.shape[-1])
     if comp.overlap:  # block j pools block j-1 through the first half of the channels
         d = kv.shape[-1] // 2
         prev_kv = torch.cat([kv.new_zeros(b, 1, r, d), kv[:, :-1, :, :d]], 1)
@@ -108,8 +111,11 @@ def latent_sequence(comp: Compressor, x: torch.Tensor, ctx: "_Ctx") -> torch.Ten
     if score is None:
         return kv.view(b, s, -1)
     n = s // r
-    kv = kv.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
-    score = score.float().view(b, s, -1)[:, : n * r].reshape(b, n, r, -1)
+    kv = kv.float().view(b, s, -1)
+    score = score.float().view(b, s, -1)
+    # explicit last dims: a sequence shorter than the ratio has no block (n = 0)
+    kv = kv[:, : n * r].reshape(b, n, r, kv.shape[-1])
+    score = score[:, : n * r].reshape(b, n, r, score.shape[-1])
     return comp.norm((kv * score.softmax(dim=2)).sum(2).to(comp.out_dtype))
 
 

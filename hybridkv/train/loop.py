@@ -104,15 +104,18 @@ def plot_log(log_path: Path, png: Path) -> None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     steps = [r["step"] for r in rows]
-    for key in ("lm", "answer", "mtp0", "indexer_kl"):
+    for key in ("lm", "answer", "answer_end", "mtp0", "indexer_kl"):
         if key in rows[0]:
             axes[0].plot(steps, [r.get(key, math.nan) for r in rows], label=key)
     axes[0].set_yscale("log")
     axes[0].set_xlabel("step")
     axes[0].legend()
     axes[0].set_title("losses")
-    axes[1].plot(steps, [r["answer_exact"] for r in rows])
-    axes[1].set_title("answer exact match (teacher forced)")
+    axes[1].plot(steps, [r["answer_exact"] for r in rows], label="whole answer")
+    if "answer_end_acc" in rows[0]:
+        axes[1].plot(steps, [r.get("answer_end_acc", math.nan) for r in rows], label="closing tokens")
+    axes[1].legend()
+    axes[1].set_title("answer match (teacher forced)")
     axes[1].set_xlabel("step")
     axes[2].plot(steps, [r["seq_len"] for r in rows], label="seq_len")
     axes[2].set_title("length curriculum")
@@ -272,7 +275,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 log.write(json.dumps(logs) + "\n")
                 log.flush()
                 echo(f"step {logs['step']:5d}  len {st.seq_len:5d}  loss {logs['loss']:.3f}  lm {logs['lm']:.3f}  "
-                     f"answer {logs['answer']:.3f}  exact {logs['answer_exact']:.2f}  "
+                     f"answer {logs['answer']:.3f}  exact {logs['answer_exact']:.2f}  end {logs['answer_end_acc']:.2f}  "
                      f"kl {logs.get('indexer_kl', 0):.3f}  load {logs['expert_max_over_mean']:.2f}  "
                      f"lr {lr:.2e}  {logs['tok_per_s'] / 1e3:.0f}K tok/s")
             out_of_time = ((deadline is not None and time.perf_counter() > deadline)

@@ -2,6 +2,9 @@
 
 - LM loss: next-token cross entropy over every token, plus an answer loss over the supervised
   tokens (the task completions) that the recipe weights up, and their teacher-forced exact match;
+- answer-end loss: the completion's closing tokens (the period after the value, then EOS) once more,
+  for a model that copies a value but does not stop after it; their teacher-forced accuracy is
+  logged whatever the weight;
 - MTP loss: the MTP block at row t predicts token t + 2;
 - indexer KL: the DSA signal, mean over the CSA layers' terms the forward left;
 - aux-loss-free balance: after each step every non-hash gate's selection bias moves by ±rate
@@ -21,8 +24,18 @@ from hybridkv.train.forward import TrainOutput
 @dataclass
 class LossWeights:
     answer: float = 1.0      # extra weight of the supervised (answer) tokens' loss
+    answer_end: float = 0.0  # extra weight of the completion's closing tokens (period, EOS)
     mtp: float = 0.3
     indexer_kl: float = 1.0
+
+
+CLOSING_TOKENS = 2   # every completion ends with "." and EOS (`training_example`)
+
+
+def closing_targets(supervised: torch.Tensor) -> torch.Tensor:
+    """[B, S] -> [B, S]: the last `CLOSING_TOKENS` supervised tokens of each row."""
+    from_end = supervised.flip(-1).cumsum(-1).flip(-1)
+    return supervised & (from_end <= CLOSING_TOKENS)
 
 
 def _ce_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -40,12 +53,17 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
     lm = ce.mean()
     n_sup = sup.sum().clamp(min=1)
     answer = (ce * sup).sum() / n_sup
-    total = lm + weights.answer * answer
+    closing = closing_targets(supervised)[:, 1:].float()
+    end = (ce * closing).sum() / closing.sum().clamp(min=1)
+    total = lm + weights.answer * answer + weights.answer_end * end
     with torch.no_grad():
-        hit = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | ~supervised[:, 1:]
+        right = logits[:, :-1].argmax(-1) == ids[:, 1:]
+        hit = right | ~supervised[:, 1:]
         has = supervised[:, 1:].any(-1)
         exact = (hit.all(-1) & has).sum() / has.sum().clamp(min=1)
-    logs = {"lm": float(lm.detach()), "answer": float(answer.detach()), "answer_exact": float(exact)}
+        end_acc = (right.float() * closing).sum() / closing.sum().clamp(min=1)
+    logs = {"lm": float(lm.detach()), "answer": float(answer.detach()), "answer_exact": float(exact),
+            "answer_end": float(end.detach()), "answer_end_acc": float(end_acc)}
     for depth, h in enumerate(out.mtp_streams):
         ahead = 2 + depth
         if s <= ahead:
