@@ -72,17 +72,20 @@ class _Ctx:
 
 # ----- compressed entries -----
 
+def _whole_blocks(t: torch.Tensor, b: int, s: int, r: int) -> torch.Tensor:
+    """[B·S, d] -> [B, S // r, r, d] in float32: each sequence's complete blocks of `r` tokens
+    (none for a sequence shorter than `r`, hence the explicit last dim)."""
+    t = t.float().view(b, s, -1)
+    return t[:, : (s // r) * r].reshape(b, s // r, r, t.shape[-1])
+
+
 def compress_sequence(comp: Compressor, x: torch.Tensor, ctx: _Ctx, inv_freq: torch.Tensor, kind: str) -> torch.Tensor:
     """All complete blocks of each sequence -> finished entries [B, S // ratio, d] ("main": FP8 nope
     round trip; "index": Hadamard then FP4 round trip when training with QAT)."""
     b, s, r = ctx.b, ctx.s, comp.ratio
     n = s // r
     kv, score = comp.project(x, ctx.positions.repeat(b))
-    kv = kv.float().view(b, s, -1)
-    score = score.float().view(b, s, -1)
-    # explicit last dims: a sequence shorter than the ratio has no block (n = 0)
-    kv = kv[:, : n * r].reshape(b, n, r, kv.shape[-1])
-    score = score[:, : n * r].reshape(b, n, r, score.shape[-1])
+    kv, score = _whole_blocks(kv, b, s, r), _whole_blocks(score, b, s, r)
     if comp.overlap:  # block j pools block j-1 through the first half of the channels
         d = kv.shape[-1] // 2
         prev_kv = torch.cat([kv.new_zeros(b, 1, r, d), kv[:, :-1, :, :d]], 1)
@@ -110,12 +113,7 @@ def latent_sequence(comp: Compressor, x: torch.Tensor, ctx: "_Ctx") -> torch.Ten
     kv, score = comp.project(x, ctx.positions.repeat(b))
     if score is None:
         return kv.view(b, s, -1)
-    n = s // r
-    kv = kv.float().view(b, s, -1)
-    score = score.float().view(b, s, -1)
-    # explicit last dims: a sequence shorter than the ratio has no block (n = 0)
-    kv = kv[:, : n * r].reshape(b, n, r, kv.shape[-1])
-    score = score[:, : n * r].reshape(b, n, r, score.shape[-1])
+    kv, score = _whole_blocks(kv, b, s, r), _whole_blocks(score, b, s, r)
     return comp.norm((kv * score.softmax(dim=2)).sum(2).to(comp.out_dtype))
 
 
