@@ -29,10 +29,15 @@ def test_closing_targets_are_the_last_two_supervised_tokens():
     assert torch.equal(closing_targets(sup), want)
 
 
+@pytest.fixture(scope="module")
+def pools():
+    return Pools(TaskTokenizer.load(SHIPPED), seed=0)
+
+
 @pytest.mark.parametrize("task", ["niah_single_3", "niah_multikey_1", "passkey", "vt", "copy"])
-def test_closing_targets_of_a_training_example_are_period_and_eos(task):
-    tok = TaskTokenizer.load(SHIPPED)
-    ids, sup = training_example(3, Pools(tok, seed=0), 512, {task: 1.0})
+def test_closing_targets_of_a_training_example_are_period_and_eos(pools, task):
+    tok = pools.tok
+    ids, sup = training_example(3, pools, 512, {task: 1.0})
     closing = closing_targets(torch.from_numpy(sup)[None])[0].numpy()
     assert closing.sum() == 2 and sup[closing].all()
     period, eos = ids[closing]
@@ -48,22 +53,22 @@ def test_answer_end_weight_adds_the_closing_tokens_loss(fixtures):
     sup[0, -6:] = True
     sup[1, -3:] = True
 
-    def run(end_weight):   # the generator fixes the indexer KL's sampled query positions
-        out = train_forward(model, ids, TrainOptions(dense_indexer=False), torch.Generator().manual_seed(0))
-        return compute_losses(model, ids, sup, out, LossWeights(answer=2.0, answer_end=end_weight))
-
     with torch.no_grad():
-        base, logs = run(0.0)
-        weighted, logs_w = run(3.0)
-        logits = model.logits(train_forward(model, ids, TrainOptions(dense_indexer=False)).stream).view(2, 64, -1)
+        out = train_forward(model, ids, TrainOptions(dense_indexer=False))
+        base, logs = compute_losses(model, ids, sup, out, LossWeights(answer=2.0))
+        weighted, _ = compute_losses(model, ids, sup, out, LossWeights(answer=2.0, answer_end=3.0))
+        logits = model.logits(out.stream).view(2, 64, -1)
     # the closing targets are the last two tokens of each row: predicted from positions 61 and 62
     ce = F.cross_entropy(logits[:, -3:-1].reshape(4, -1).float(), ids[:, -2:].reshape(-1))
     assert logs["answer_end"] == pytest.approx(float(ce), rel=1e-5)
     assert float(weighted - base) == pytest.approx(3.0 * logs["answer_end"], rel=1e-4)
     right = (logits[:, -3:-1].argmax(-1) == ids[:, -2:]).float().mean()
-    assert logs_w["answer_end_acc"] == pytest.approx(float(right))
-    # the term has a gradient
-    model.zero_grad()
-    loss, _ = run(1.0)
-    loss.backward()
-    assert model.head.weight.grad is not None and model.head.weight.grad.abs().sum() > 0
+    assert logs["answer_end_acc"] == pytest.approx(float(right))
+    # the term has a gradient of its own: the weight changes the head's gradient
+    grads = []
+    for end_weight in (0.0, 1.0):
+        model.zero_grad()
+        out = train_forward(model, ids, TrainOptions(dense_indexer=False), torch.Generator().manual_seed(0))
+        compute_losses(model, ids, sup, out, LossWeights(answer_end=end_weight))[0].backward()
+        grads.append(model.head.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])

@@ -54,14 +54,15 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
     n_sup = sup.sum().clamp(min=1)
     answer = (ce * sup).sum() / n_sup
     closing = closing_targets(supervised)[:, 1:].float()
-    end = (ce * closing).sum() / closing.sum().clamp(min=1)
+    n_closing = closing.sum().clamp(min=1)
+    end = (ce * closing).sum() / n_closing
     total = lm + weights.answer * answer + weights.answer_end * end
     with torch.no_grad():
         right = logits[:, :-1].argmax(-1) == ids[:, 1:]
         hit = right | ~supervised[:, 1:]
         has = supervised[:, 1:].any(-1)
         exact = (hit.all(-1) & has).sum() / has.sum().clamp(min=1)
-        end_acc = (right.float() * closing).sum() / closing.sum().clamp(min=1)
+        end_acc = (right.float() * closing).sum() / n_closing
     logs = {"lm": float(lm.detach()), "answer": float(answer.detach()), "answer_exact": float(exact),
             "answer_end": float(end.detach()), "answer_end_acc": float(end_acc)}
     for depth, h in enumerate(out.mtp_streams):

@@ -339,6 +339,10 @@ def _tiny_v4_hexsplit_2() -> Recipe:
                          seed=10, hex_chars=True)
 
 
+# hexsplit's lengths in the same proportions, 800 steps: (until step, length, batch)
+_POLISH_SCHEDULE = [(200, 1024, 32), (350, 2048, 16), (550, 4096, 8), (700, 8192, 4), (800, 16384, 2)]
+
+
 def _tiny_v4_polish() -> Recipe:
     """Continues a `tiny-v4-hexsplit` model on its mix with fresh examples (data seed 11) and the
     filler of that run (`filler_seed` 9). Every earlier continuation drew new filler sentences with
@@ -349,8 +353,7 @@ def _tiny_v4_polish() -> Recipe:
     character or two) and to the key matching; hexsplit's lengths in the same proportions. UUIDs
     75 / 90 / 85 % at 4K / 8K / 16K, multi-key needles 65 / 70 / 65 %, but most UUIDs run on past
     their end (models/tiny-v4/README.md)."""
-    return _continuation("tiny-v4-polish", [(200, 1024, 32), (350, 2048, 16), (550, 4096, 8), (700, 8192, 4),
-                                            (800, 16384, 2)], _UUID_AND_KEYS_FOCUS, base="tiny-v4-hexsplit",
+    return _continuation("tiny-v4-polish", _POLISH_SCHEDULE, _UUID_AND_KEYS_FOCUS, base="tiny-v4-hexsplit",
                          seed=11, hex_chars=True, filler_seed=9, answer_weight=4.0, lr=5e-4)
 
 
@@ -364,8 +367,7 @@ def _tiny_v4_stop() -> Recipe:
     puts the period after it in 13; in the other 7 it repeats the UUID's last character with
     probability 0.55-1.0, and greedy decoding through the engine gives the same tokens (3 prompts
     compared). The training log's `answer_end_acc` follows this (not trained yet)."""
-    return _continuation("tiny-v4-stop", [(200, 1024, 32), (350, 2048, 16), (550, 4096, 8), (700, 8192, 4),
-                                          (800, 16384, 2)], _UUID_AND_KEYS_FOCUS, base="tiny-v4-polish",
+    return _continuation("tiny-v4-stop", _POLISH_SCHEDULE, _UUID_AND_KEYS_FOCUS, base="tiny-v4-polish",
                          seed=12, hex_chars=True, filler_seed=9, answer_weight=4.0, answer_end_weight=4.0, lr=3e-4)
 
 
