@@ -204,6 +204,27 @@ def test_training_examples(tok, pools):
     assert ids[sup].tolist() != make_sample("passkey", 0, pools, 1024).completion
 
 
+def test_training_examples_with_a_next_document_end_their_answers_anywhere(tok, pools):
+    ends = []
+    for seed in range(60):
+        plain_ids, plain_sup = training_example(seed, pools, 1024)
+        ids, sup = training_example(seed, pools, 1024, next_document=128)
+        assert ids.dtype == np.int32 and ids.shape == sup.shape == (1024,)
+        # the same task and answer as without, then BOS and filler the loss does not count as answer
+        assert ids[sup].tolist() == plain_ids[plain_sup].tolist()
+        eos = int(np.flatnonzero(sup)[-1])
+        assert ids[eos] == tok.eos_id and (ids == tok.eos_id).sum() == 1
+        assert sup[eos - int(sup.sum()) + 1:eos + 1].all() and not sup[eos + 1:].any()
+        if eos < 1023:
+            assert ids[eos + 1] == tok.bos_id and (ids[eos + 2:] != tok.bos_id).all()
+        ends.append(1023 - eos)
+    # the answers end at many places of the last 128-token block, at every phase of a CSA block
+    assert 0 <= min(ends) and max(ends) <= 127 and len(set(ends)) > 30
+    assert {e % 4 for e in ends} == {0, 1, 2, 3}
+    again = training_example(7, pools, 1024, next_document=128)
+    assert (again[0] == training_example(7, pools, 1024, next_document=128)[0]).all()
+
+
 def test_too_short_or_unknown(pools):
     with pytest.raises(ValueError, match="too short"):
         make_sample("niah_multiquery", 0, pools, 64)

@@ -72,8 +72,10 @@ def test_every_stage_task_fits_its_length(name):
     pools = Pools(tok, seed=0)
     for s in r.stages:
         for task in s.tasks or r.task_weights:
-            ids, sup = training_example(7, pools, s.seq_len, {task: 1.0})
+            ids, sup = training_example(7, pools, s.seq_len, {task: 1.0}, r.next_document)
             assert len(ids) == s.seq_len and sup.any()
+            if r.next_document:    # the longest next document leaves the prompt the least room
+                assert training_example(7, pools, s.seq_len - r.next_document, {task: 1.0})[1].any()
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(RECIPES) if get_recipe(n).filler_seed is not None])
@@ -113,3 +115,19 @@ def test_train_command_line_overrides_the_recipe():
     stop = train_recipe(build_parser().parse_args(["train", "--recipe", "tiny-v4-stop", "--answer-end-weight", "8"]))
     assert (stop.loss.answer_end, get_recipe("tiny-v4-stop").loss.answer_end) == (8.0, 4.0)
     assert stop.base == "tiny-v4-polish" and stop.pool_seed == get_recipe("tiny-v4-polish").pool_seed
+
+
+def test_batches_of_a_next_document_recipe_end_their_answers_before_the_row_end():
+    r = get_recipe("tiny-v4-anypos")
+    assert r.next_document == 128
+    tok = _tiny_v4_tokenizer().with_hex_chars()
+    data = TaskBatches(tok, r.seed, r.pool_seed, r.next_document)
+    try:
+        ids, sup = data.get(0, 8, 1024, r.task_mix(0))
+        after_eos = [int((sup[row].flip(0).cumsum(0) == 0).sum()) for row in range(8)]
+        assert max(after_eos) > 0 and all(a < 128 for a in after_eos)
+        for row, a in enumerate(after_eos):
+            if a:
+                assert ids[row, -a] == tok.bos_id
+    finally:
+        data.close()

@@ -7,7 +7,8 @@ nearest their depths, and the question. Nothing long is ever re-tokenised, so a 
 takes a few milliseconds.
 
 Lengths: `make_sample(..., length)` returns a prompt of EXACTLY `length` tokens (the completion
-comes on top); `training_example(..., length)` returns prompt + completion of exactly `length`.
+comes on top); `training_example(..., length)` returns prompt + completion (+ the start of a next document) of
+exactly `length`.
 Depth is the fraction of the haystack (0 = right after the instruction, 1 = right before the
 question) at which the first needle sits.
 """
@@ -285,20 +286,31 @@ def make_sample(task: str, seed: int, pools: Pools, length: int, depth: float | 
     return Sample(task, prompt.tolist(), spec.answers, completion, spec.inserts[0][1], {**spec.meta, **meta})
 
 
-def training_example(seed: int, pools: Pools, length: int,
-                     weights: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def training_example(seed: int, pools: Pools, length: int, weights: dict[str, float] | None = None,
+                     next_document: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(ids, supervised): a task drawn by `weights` (uniform over TRAIN_TASKS by default), prompt +
     completion + EOS of exactly `length` int32 tokens (the haystack absorbs the difference); the mask
-    is True on the completion tokens, EOS included."""
+    is True on the completion tokens, EOS included.
+
+    `next_document` > 0: the row goes on after the EOS with the start of a next document (BOS +
+    filler) of 0 to `next_document` - 1 tokens, drawn per example. Without it every answer ends at
+    the row's end, at a fixed position within the compression blocks (rows are multiples of 128),
+    and a model can learn to copy and stop by that position, which a prompt of any other length
+    does not share."""
     tasks = list(weights) if weights else list(TRAIN_TASKS)
     pick = random.Random(f"{pools.seed}:train-task:{seed}:{length}")
     task = pick.choices(tasks, weights=[weights[t] for t in tasks] if weights else None)[0]
+    after = pick.randrange(next_document) if next_document > 0 else 0
     spec, rng = _spec(task, seed, pools, length, None, stream="train")
     completion = np.append(spec.completion, np.int32(pools.tok.eos_id)).astype(np.int32)
-    prompt, _ = _assemble(spec, pools, rng, length - len(completion))
-    ids = np.concatenate([prompt, completion])
+    prompt, _ = _assemble(spec, pools, rng, length - len(completion) - after)
+    pieces = [prompt, completion]
+    if after:
+        filler, _ = pools.sentences.fill(np.random.default_rng(rng.getrandbits(64)), after - 1)
+        pieces += [np.array([pools.tok.bos_id], np.int32), filler.astype(np.int32)]
+    ids = np.concatenate(pieces)
     supervised = np.zeros(length, bool)
-    supervised[len(prompt):] = True
+    supervised[len(prompt):len(prompt) + len(completion)] = True
     return ids, supervised
 
 

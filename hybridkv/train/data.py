@@ -12,10 +12,11 @@ from hybridkv.tasks.generators import Pools, training_example
 
 
 class TaskBatches:
-    def __init__(self, tok, seed: int, pool_seed: int | None = None):
-        """`seed` draws the examples; `pool_seed` (default `seed`) the haystack material."""
+    def __init__(self, tok, seed: int, pool_seed: int | None = None, next_document: int = 0):
+        """`seed` draws the examples; `pool_seed` (default `seed`) the haystack material;
+        `next_document`: see `training_example`."""
         self.pools = Pools(tok, seed=seed if pool_seed is None else pool_seed)
-        self.seed = seed
+        self.seed, self.next_document = seed, next_document
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._ahead: tuple[tuple, Future] | None = None
 
@@ -23,7 +24,8 @@ class TaskBatches:
         ids = np.empty((batch, seq_len), dtype=np.int64)
         sup = np.empty((batch, seq_len), dtype=bool)
         for r in range(batch):
-            ids[r], sup[r] = training_example((self.seed * 1_000_003 + step) * 64 + r, self.pools, seq_len, mix)
+            ids[r], sup[r] = training_example((self.seed * 1_000_003 + step) * 64 + r, self.pools, seq_len, mix,
+                                              self.next_document)
         return torch.from_numpy(ids), torch.from_numpy(sup)
 
     def get(self, step: int, batch: int, seq_len: int, mix: dict[str, float] | None = None,

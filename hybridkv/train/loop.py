@@ -225,7 +225,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
         log_path.unlink()
     progress["commands"] += 1
     model.train()
-    data = TaskBatches(tok, recipe.seed, recipe.pool_seed)
+    data = TaskBatches(tok, recipe.seed, recipe.pool_seed, recipe.next_document)
     gen = torch.Generator(device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else None
     deadline = t_start + max_minutes * 60 if max_minutes else None

@@ -6,7 +6,7 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   family) before the length curriculum (1K to 32K), trained on one H200 in two commands of ≤ 10
   minutes (`--max-minutes` checkpoints and `--resume` continues). The shipped model
   (`models/tiny-v4`) is its export continued by `tiny-v4-needles`, `tiny-v4-keys`,
-  `tiny-v4-hexsplit`, then `tiny-v4-polish`.
+  `tiny-v4-hexsplit`, `tiny-v4-polish`, then `tiny-v4-anypos`.
 - `tiny-v41`: the same data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md).
 - `tiny-v4-needles`: continues a `tiny-v4` model (`--init-from`) on the needle families at 4K-32K,
@@ -30,9 +30,12 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
   `tiny-v4-hexsplit-2`, a second pass, was trained once and not shipped.
 - `tiny-v4-polish`: continues a `tiny-v4-hexsplit` model on the filler that run learned (the
   examples fresh), with the answers' loss weighted four times, at half its learning rate (one
-  H200 command; the shipped model).
+  H200 command).
 - `tiny-v4-stop`: continues a `tiny-v4-polish` model with the answers' closing tokens (period, EOS)
-  weighted up, for UUIDs that run on past their end (not trained yet).
+  weighted up, for UUIDs that run on past their end (trained once; not shipped: it did not stop them).
+- `tiny-v4-anypos`: continues a `tiny-v4-polish` model with each row going on after its answer
+  with a next document's start, so that answers end anywhere within the compression blocks (one
+  H200 command; the shipped model).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -79,6 +82,9 @@ class Recipe:
     base: str | None = None   # the recipe whose exported model this one continues (`--init-from`)
     hex_chars: bool = False   # the tokenizer keeps every character of a hex run with a digit apart
     adds_hex_chars: bool = False   # the base's tokenizer lacks that rule: the run adds it, vocabulary kept
+    # > 0: each row goes on after its answer's EOS with a next document's start of up to this many
+    # tokens, so that answers end anywhere within the compression blocks (`training_example`)
+    next_document: int = 0
 
     @property
     def pool_seed(self) -> int:
@@ -221,7 +227,8 @@ _NEEDLE_FOCUS = {"passkey": 0.1, "niah_single_1": 0.15, "niah_single_2": 0.15, "
 
 def _continuation(name: str, schedule: list[tuple[int, int, int]], task_weights: dict[str, float], base: str,
                   seed: int, hex_chars: bool = False, adds_hex_chars: bool = False, filler_seed: int | None = None,
-                  answer_weight: float = 1.0, answer_end_weight: float = 0.0, lr: float = 1e-3) -> Recipe:
+                  answer_weight: float = 1.0, answer_end_weight: float = 0.0, lr: float = 1e-3,
+                  next_document: int = 0) -> Recipe:
     """A recipe continuing `base`'s export on tiny-v4's model: stages of (until step, length, batch),
     all with the indexer's top-k and the experts' FP4 QAT (the weights start on the FP4 grid they
     ship on), lr 1e-3 (unless given) after a 30-step warm-up."""
@@ -229,7 +236,7 @@ def _continuation(name: str, schedule: list[tuple[int, int, int]], task_weights:
     return Recipe(name=name, model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000, steps=stages[-1].until,
                   stages=stages, lr=lr, warmup=30, log_every=20, task_weights=task_weights, base=base, seed=seed,
                   filler_seed=filler_seed, loss=LossWeights(answer=answer_weight, answer_end=answer_end_weight),
-                  hex_chars=hex_chars or adds_hex_chars, adds_hex_chars=adds_hex_chars)
+                  hex_chars=hex_chars or adds_hex_chars, adds_hex_chars=adds_hex_chars, next_document=next_document)
 
 
 def _tiny_v4_needles() -> Recipe:
@@ -366,10 +373,27 @@ def _tiny_v4_stop() -> Recipe:
     little weight. Teacher-forced on the 20 evaluation prompts at 4K with the right UUID, polish
     puts the period after it in 13; in the other 7 it repeats the UUID's last character with
     probability 0.55-1.0, and greedy decoding through the engine gives the same tokens (3 prompts
-    compared). The training log's `answer_end_acc` follows this (not trained yet)."""
+    compared). Trained once (not shipped): its `answer_end_acc` was 1.00 at every logged step, and
+    at 8K it wrote 6 of 20 UUIDs alone against polish's 2 (RULER scoring 90 % for both) — the
+    closing tokens were never the trouble in training; where the answer ends was
+    (`tiny-v4-anypos`)."""
     return _continuation("tiny-v4-stop", _POLISH_SCHEDULE, _UUID_AND_KEYS_FOCUS, base="tiny-v4-polish",
                          seed=12, hex_chars=True, filler_seed=9, answer_weight=4.0, answer_end_weight=4.0, lr=3e-4)
 
+
+
+def _tiny_v4_anypos() -> Recipe:
+    """Continues a `tiny-v4-polish` model (the shipped one) on its mix, filler and answer weight with
+    fresh examples (data seed 13), each row going on after its answer's EOS with the start of a next
+    document of 0-127 tokens. Every earlier recipe ended each answer at its row's end, and rows are
+    multiples of 128 tokens: an answer's last token always sat at the same place in its HCA block
+    (and CSA block), and the models learned to copy and stop by that place. Teacher-forced on 10
+    UUID prompts at 4K, polish copies 8 whole and stops after all 10 when the answer ends where it
+    trained to; with the prompt one token longer it copies none whole, two or four tokens shorter it
+    stops after none, 128 shorter it copies and stops again (`python -m hybridkv.train.answer_phase`;
+    `tiny-v4-stop` trained on the answer's end and did not change this)."""
+    return _continuation("tiny-v4-anypos", _POLISH_SCHEDULE, _UUID_AND_KEYS_FOCUS, base="tiny-v4-polish",
+                         seed=13, hex_chars=True, filler_seed=9, answer_weight=4.0, lr=5e-4, next_document=128)
 
 TINY_V41_MODEL = {
     **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
@@ -414,7 +438,7 @@ RECIPES = {
     "tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
     "tiny-v4-hexsplit": _tiny_v4_hexsplit, "tiny-v4-hexsplit-2": _tiny_v4_hexsplit_2,
     "tiny-v4-polish": _tiny_v4_polish,
-    "tiny-v4-stop": _tiny_v4_stop,
+    "tiny-v4-stop": _tiny_v4_stop, "tiny-v4-anypos": _tiny_v4_anypos,
     "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy,
     "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-hex-keys": _tiny_v4_hex_keys, "tiny-v4-hex-copy": _tiny_v4_hex_copy,
     "tiny-v4-hex-multikey": _tiny_v4_hex_multikey,

@@ -1,0 +1,68 @@
+"""Does a model's answer depend on where in the compression blocks it falls? Teacher-forced on task
+prompts with the reference completion after them, for prompts `shift` tokens shorter than
+`--length`: how many answers the model would copy whole (every completion token its argmax) and
+how many it would close (the period and EOS after the value its argmax).
+
+    python -m hybridkv.train.answer_phase MODEL_DIR [--task niah_single_3] [--length 4096]
+        [--samples 10] [--shifts 0,38,39,41,43,167]
+
+A model trained on rows whose answers all end at the row's end (a multiple of 128 tokens) can
+learn that place instead of the answer: shift = the completion's length reproduces it, the
+other shifts move the answer within the HCA (128) and CSA (4) blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hybridkv.train.export import float_model
+from hybridkv.train.forward import TrainOptions, train_forward
+from hybridkv.train.losses import CLOSING_TOKENS
+
+
+@torch.no_grad()
+def answer_checks(model, prompt: list[int], completion: list[int]) -> tuple[bool, bool]:
+    """(whole, closed): teacher-forced, is every completion token the model's argmax, and are its
+    last `CLOSING_TOKENS`?"""
+    ids = torch.tensor([prompt + completion])
+    out = train_forward(model, ids, TrainOptions(dense_indexer=False, qat_experts=True, qat_indexer=True))
+    logits = model.logits(out.stream).view(1, ids.shape[1], -1)[0]
+    n = len(completion)
+    right = logits[-n - 1:-1].argmax(-1) == ids[0, -n:]
+    return bool(right.all()), bool(right[-CLOSING_TOKENS:].all())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridkv.train.answer_phase")
+    p.add_argument("model_dir")
+    p.add_argument("--task", default="niah_single_3")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--shifts", default="0,38,39,41,43,167", help="prompts this many tokens shorter than --length")
+    p.add_argument("--seed", type=int, default=0, help="the filler pool's seed (the evaluation's by default)")
+    a = p.parse_args(argv)
+    from hybridkv.tasks.generators import Pools, make_sample
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+    shifts = [int(x) for x in a.shifts.split(",")]
+    if any(s < 0 or s >= a.length for s in shifts):
+        raise SystemExit(f"--shifts must lie in [0, {a.length})")
+    model = float_model(a.model_dir).eval()
+    pools = Pools(TaskTokenizer.load(a.model_dir), seed=a.seed)
+    print(f"{a.task}, {a.samples} prompts of {a.length} - shift tokens, teacher-forced")
+    print("| shift | answer ends at (mod 128) | copied whole | closed |")
+    print("|---:|---:|---:|---:|")
+    for shift in shifts:
+        whole = closed = 0
+        for i in range(a.samples):
+            s = make_sample(a.task, i, pools, a.length - shift, (i + 0.5) / a.samples)
+            w, c = answer_checks(model, s.prompt, s.completion)
+            whole, closed = whole + w, closed + c
+            end = (len(s.prompt) + len(s.completion) - 1) % 128
+        print(f"| {shift} | {end} | {whole}/{a.samples} | {closed}/{a.samples} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
