@@ -19,8 +19,10 @@ _REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = _REPO / "models" / "tiny-v4"
 
 
-def greedy_generate(model, prompt: torch.Tensor, max_tokens: int, chunk: int) -> tuple[list[int], ContiguousKV, dict]:
-    """Prefill `prompt` [n] in chunks of `chunk`, then decode greedily. Returns (new ids, state, timings)."""
+def greedy_generate(model, prompt: torch.Tensor, max_tokens: int, chunk: int,
+                    stop_id: int | None = None) -> tuple[list[int], ContiguousKV, dict]:
+    """Prefill `prompt` [n] in chunks of `chunk`, then decode greedily up to `max_tokens` or through
+    `stop_id`. Returns (new ids, state, timings)."""
     kv = ContiguousKV(model.config, model.dtype, prompt.device)
     t0 = time.perf_counter()
     pos = 0
@@ -32,7 +34,7 @@ def greedy_generate(model, prompt: torch.Tensor, max_tokens: int, chunk: int) ->
         next_id = int(model.logits(h[-1:]).argmax(-1))
         t1 = time.perf_counter()
         out = [next_id]
-        while len(out) < max_tokens:
+        while len(out) < max_tokens and next_id != stop_id:
             h = model(torch.tensor([next_id], device=prompt.device), ForwardBatch.build([(kv, pos, 1)], prompt.device))
             pos += 1
             next_id = int(model.logits(h).argmax(-1))
@@ -94,11 +96,11 @@ def run_demo(model_dir: str | None, max_tokens: int, chunk: int, prompt_tokens: 
         sample = make_sample("passkey", 0, Pools(tok, seed=0), prompt_tokens, depth=0.5)
         prompt, expected = torch.tensor(sample.prompt), sample.answers
         print(f"prompt: a {prompt.numel()}-token passkey task (needle at half depth), prefill in chunks of {chunk}, "
-              f"{max_tokens} greedy tokens")
+              f"up to {max_tokens} greedy tokens (stopping at EOS)")
     else:
         prompt = torch.randint(2, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
         print(f"prompt: {prompt.numel()} token ids (seeded), prefill in chunks of {chunk}, {max_tokens} greedy tokens")
-    out, kv, tm = greedy_generate(model, prompt, max_tokens, chunk)
+    out, kv, tm = greedy_generate(model, prompt, max_tokens, chunk, tok.eos_id if tok is not None else None)
     if tok is not None:
         text = tok.decode(out)
         verdict = ("retrieved" if word_match_all(text, expected) else

@@ -104,3 +104,13 @@ def test_demo_runs(fixtures):
     out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "demo", "--max-tokens", "4", "--model",
                           str(fixtures / "v4-tiny")], capture_output=True, text=True, check=True).stdout
     assert "generated ids: [" in out and "CSA indexer" in out
+
+
+def test_demo_decoding_stops_at_the_stop_id(tiny):
+    from hybridkv.demo import greedy_generate
+    model, _ = tiny
+    prompt = torch.arange(2, 40)
+    free, _, _ = greedy_generate(model, prompt, 6, 16)
+    assert len(free) == 6
+    stopped, _, _ = greedy_generate(model, prompt, 6, 16, stop_id=free[2])
+    assert stopped == free[:free.index(free[2]) + 1]
