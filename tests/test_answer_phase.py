@@ -33,3 +33,6 @@ def test_command_prints_one_row_per_shift():
     r = subprocess.run([sys.executable, "-m", "hybridkv.train.answer_phase", str(SHIPPED), "--shifts", "5000"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "--shifts must lie in" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "hybridkv.train.answer_phase", str(SHIPPED), "--task", "nope",
+                        "--length", "384", "--samples", "1", "--shifts", "0"], capture_output=True, text=True)
+    assert r.returncode != 0 and "unknown task 'nope'" in r.stderr and "Traceback" not in r.stderr

@@ -45,22 +45,33 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from hybridkv.tasks.generators import Pools, make_sample
     from hybridkv.tasks.tokenizer import TaskTokenizer
-    shifts = [int(x) for x in a.shifts.split(",")]
+    try:
+        shifts = [int(x) for x in a.shifts.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shifts takes comma-separated integers, got {a.shifts!r}") from None
     if any(s < 0 or s >= a.length for s in shifts):
         raise SystemExit(f"--shifts must lie in [0, {a.length})")
+    if a.samples < 1:
+        raise SystemExit("--samples must be at least 1")
     model = float_model(a.model_dir).eval()
+    block = max(model.config.compress_ratios)   # the largest compression block (HCA's)
     pools = Pools(TaskTokenizer.load(a.model_dir), seed=a.seed)
     print(f"{a.task}, {a.samples} prompts of {a.length} - shift tokens, teacher-forced")
-    print("| shift | answer ends at (mod 128) | copied whole | closed |")
+    print(f"| shift | answer's last token, offset in its {block}-block | copied whole | closed |")
     print("|---:|---:|---:|---:|")
     for shift in shifts:
         whole = closed = 0
+        offsets = set()
         for i in range(a.samples):
-            s = make_sample(a.task, i, pools, a.length - shift, (i + 0.5) / a.samples)
+            try:
+                s = make_sample(a.task, i, pools, a.length - shift, (i + 0.5) / a.samples)
+            except ValueError as e:     # an unknown task, or a prompt too short for it
+                raise SystemExit(f"--task {a.task} at {a.length - shift} tokens: {e}") from None
             w, c = answer_checks(model, s.prompt, s.completion)
             whole, closed = whole + w, closed + c
-            end = (len(s.prompt) + len(s.completion) - 1) % 128
-        print(f"| {shift} | {end} | {whole}/{a.samples} | {closed}/{a.samples} |", flush=True)
+            offsets.add((len(s.prompt) + len(s.completion) - 1) % block)
+        at = ", ".join(str(o) for o in sorted(offsets))
+        print(f"| {shift} | {at} | {whole}/{a.samples} | {closed}/{a.samples} |", flush=True)
     return 0
 
 
