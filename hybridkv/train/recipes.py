@@ -36,6 +36,10 @@ length curriculum with the DSA warm-up and the late FP4 QAT switch, and the opti
 - `tiny-v4-anypos`: continues a `tiny-v4-polish` model with each row going on after its answer
   with a next document's start, so that answers end anywhere within the compression blocks (one
   H200 command; the shipped model).
+- `tiny-v4-long`: continues a `tiny-v4-anypos` model on the same mix with three times its 16K
+  steps, where its UUID copies still miss a character or two (one H200 command). Its export
+  alone gains UUIDs at 16K and loses multi-key needles at 8K; the shipped model is the average of
+  the two (`python -m hybridkv.train.average`).
 - `tiny-v4-r1`: the first tiny-v4 recipe, twelve task families mixed from step 0; kept because
   the model it trained never retrieved, which is what the task curriculum of `tiny-v4` fixes.
 """
@@ -395,6 +399,22 @@ def _tiny_v4_anypos() -> Recipe:
     return _continuation("tiny-v4-anypos", _POLISH_SCHEDULE, _UUID_AND_KEYS_FOCUS, base="tiny-v4-polish",
                          seed=13, hex_chars=True, filler_seed=9, answer_weight=4.0, lr=5e-4, next_document=128)
 
+# anypos' schedule gave 16K rows 100 of its 800 steps; this one gives them 300 of 700
+_LONG_SCHEDULE = [(100, 2048, 16), (250, 4096, 8), (400, 8192, 4), (700, 16384, 2)]
+
+
+def _tiny_v4_long() -> Recipe:
+    """Continues a `tiny-v4-anypos` model on its mix, filler, answer weight and next documents, with
+    fresh examples (data seed 14) and three times the 16K steps. Anypos copies UUIDs whole at 85 / 90
+    / 85 % at 4K / 8K / 16K; the misses are one or two characters replaced or swapped, and a CSA
+    entry holds four tokens, so the copy must read each character back out of a compressed entry
+    (or of the window). Its 16K rows were 100 steps of 2: some 70 UUID answers at that length.
+    Trained once with this lr and once with 5e-4: UUIDs at 16K 90 and 85 %, and the first gave up
+    multi-key needles at 8K (75 -> 65 %; docs/eval-tiny-v4/long-runs/)."""
+    return _continuation("tiny-v4-long", _LONG_SCHEDULE, _UUID_AND_KEYS_FOCUS, base="tiny-v4-anypos",
+                         seed=14, hex_chars=True, filler_seed=9, answer_weight=4.0, lr=3e-4, next_document=128)
+
+
 TINY_V41_MODEL = {
     **{k: v for k, v in TINY_V4_MODEL.items() if k not in ("num_hash_layers", "num_nextn_predict_layers")},
     "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
@@ -438,7 +458,7 @@ RECIPES = {
     "tiny-v4": _tiny_v4, "tiny-v4-needles": _tiny_v4_needles, "tiny-v4-keys": _tiny_v4_keys,
     "tiny-v4-hexsplit": _tiny_v4_hexsplit, "tiny-v4-hexsplit-2": _tiny_v4_hexsplit_2,
     "tiny-v4-polish": _tiny_v4_polish,
-    "tiny-v4-stop": _tiny_v4_stop, "tiny-v4-anypos": _tiny_v4_anypos,
+    "tiny-v4-stop": _tiny_v4_stop, "tiny-v4-anypos": _tiny_v4_anypos, "tiny-v4-long": _tiny_v4_long,
     "tiny-v4-distractors": _tiny_v4_distractors, "tiny-v4-copy": _tiny_v4_copy,
     "tiny-v4-hex": _tiny_v4_hex, "tiny-v4-hex-keys": _tiny_v4_hex_keys, "tiny-v4-hex-copy": _tiny_v4_hex_copy,
     "tiny-v4-hex-multikey": _tiny_v4_hex_multikey,
