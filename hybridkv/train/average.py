@@ -13,18 +13,16 @@ hold no weights to average: they must be equal.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
 import torch
 
-from hybridkv.train.export import float_model, release_state
-
-SHARD_BYTES = 15 << 20
+from hybridkv.train.export import SHARD_BYTES, float_model, release_state
 
 
 def _config_dict(model_dir: Path) -> dict:
-    import json
     return json.loads((model_dir / "config.json").read_text())
 
 
