@@ -30,8 +30,9 @@ def _config_dict(model_dir: Path) -> dict:
 def average_models(a_dir: str | Path, b_dir: str | Path, weight: float, out_dir: str | Path) -> Path:
     """Write `(1 - weight) * A + weight * B` to out_dir in A's release format (config, shards,
     tokenizer). Raises ValueError when the two are not the same architecture and tokenizer."""
+    from hybridkv.config import ModelConfig
     from hybridkv.model import Transformer
-    from hybridkv.weights import load_model, save_checkpoint
+    from hybridkv.weights import save_checkpoint
     a_dir, b_dir, out_dir = Path(a_dir), Path(b_dir), Path(out_dir)
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"weight must lie in [0, 1], got {weight}")
@@ -57,7 +58,7 @@ def average_models(a_dir: str | Path, b_dir: str | Path, weight: float, out_dir:
         else:
             raise ValueError(f"{name} differs between {a_dir} and {b_dir} and is not a weight to average "
                              f"({ta.dtype}): these are not two trainings of one model")
-    _, config = load_model(a_dir)
+    config = ModelConfig.from_json(a_dir)
     release = Transformer(config, dtype=torch.bfloat16)
     release.load_state_dict(release_state(mixed, release))
     save_checkpoint(release, config, out_dir, max_shard_bytes=SHARD_BYTES)
