@@ -21,6 +21,24 @@ from hybridkv.train.recipes import RECIPES, get_recipe
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
 
+def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
+    """models/tiny-v4 is the average of tiny-v4-anypos and tiny-v4-long, each continuing the one
+    before from tiny-v4; the steps and tokens of each run are the ones the model card reports
+    (docs/training-log.md has the runs)."""
+    chain, r = [], get_recipe("tiny-v4-long")
+    while r is not None:
+        chain.append((r.name, r.steps, round(r.tokens() / 1e6, 1), r.seed))
+        r = get_recipe(r.base) if r.base else None
+    assert chain[::-1] == [("tiny-v4", 2750, 90.1, 0), ("tiny-v4-needles", 1400, 45.9, 1),
+                           ("tiny-v4-keys", 1250, 41.0, 2), ("tiny-v4-hexsplit", 1150, 37.7, 9),
+                           ("tiny-v4-polish", 800, 26.2, 11), ("tiny-v4-anypos", 800, 26.2, 13),
+                           ("tiny-v4-long", 700, 22.9, 14)]
+    tiny_v41 = get_recipe("tiny-v41")
+    assert (tiny_v41.steps, round(tiny_v41.tokens() / 1e6, 1), tiny_v41.base) == (2750, 80.3, None)
+    # only the recipes behind shipped or compared models, and the smoke recipes
+    assert set(RECIPES) == {name for name, *_ in chain} | {"tiny-v41", "smoke", "smoke-v41"}
+
+
 @functools.cache
 def _tiny_v4_tokenizer() -> TaskTokenizer:
     """tiny-v4's tokenizer: the shipped one without the hex rule that `tiny-v4-hexsplit` added to it
@@ -50,23 +68,11 @@ def test_recipe_is_well_formed(name):
     assert cfg.vocab_size == r.vocab_size
 
 
-@functools.cache
-def _hex_tokenizer(vocab_size: int, n_texts: int) -> TaskTokenizer:
-    """tiny-v4-hex's tokenizer (seed 0), which its continuations keep."""
-    return build_tokenizer(vocab_size, 0, n_texts, hex_chars=True)
-
-
 @pytest.mark.parametrize("name", [n for n in sorted(RECIPES) if n.startswith("tiny-v4")])
 def test_every_stage_task_fits_its_length(name):
     r = get_recipe(name)
-    # tiny-v4's tokenizer; the hex-rule recipes train (or continue) tiny-v4-hex's, or add the rule to
-    # tiny-v4's (tiny-v4-hexsplit and what continues it)
-    if _adds_hex_chars_in_chain(r):
-        tok = _tiny_v4_tokenizer().with_hex_chars()
-    elif r.hex_chars:
-        tok = _hex_tokenizer(r.vocab_size, r.tokenizer_texts)
-    else:
-        tok = _tiny_v4_tokenizer()
+    # tiny-v4's tokenizer, with the hex rule from tiny-v4-hexsplit on (the recipe that adds it)
+    tok = _tiny_v4_tokenizer().with_hex_chars() if _adds_hex_chars_in_chain(r) else _tiny_v4_tokenizer()
     assert tok.hex_chars == r.hex_chars
     assert tok.vocab_size == r.vocab_size
     pools = Pools(tok, seed=0)
@@ -112,9 +118,9 @@ def test_train_command_line_overrides_the_recipe():
     assert (default.lr, default.loss.answer, default.seed) == (5e-4, 4.0, 11)
     assert r.loss.mtp == default.loss.mtp and r.filler_seed == default.filler_seed
     assert r.loss.answer_end == default.loss.answer_end == 0.0
-    stop = train_recipe(build_parser().parse_args(["train", "--recipe", "tiny-v4-stop", "--answer-end-weight", "8"]))
-    assert (stop.loss.answer_end, get_recipe("tiny-v4-stop").loss.answer_end) == (8.0, 4.0)
-    assert stop.base == "tiny-v4-polish" and stop.pool_seed == get_recipe("tiny-v4-polish").pool_seed
+    end = train_recipe(build_parser().parse_args(["train", "--recipe", "tiny-v4-anypos", "--answer-end-weight", "8"]))
+    assert (end.loss.answer_end, get_recipe("tiny-v4-anypos").loss.answer_end) == (8.0, 0.0)
+    assert end.base == "tiny-v4-polish" and end.pool_seed == get_recipe("tiny-v4-polish").pool_seed
 
 
 def test_batches_of_a_next_document_recipe_end_their_answers_before_the_row_end():

@@ -139,7 +139,7 @@ def test_continuing_a_model_starts_from_its_weights(smoke_run, tmp_path):
 
 
 def test_a_recipe_with_hex_chars_trains_its_tokenizer_with_them(tmp_path):
-    """The run's tokenizer.json follows the recipe's tokenizer rule (tiny-v4-hex's one change)."""
+    """The run's tokenizer.json follows the recipe's tokenizer rule (the hex rule of tiny-v4-hexsplit)."""
     uuid = "ffbd21fe-d631-43b9-a042-e368d5c4c325"
     for hex_chars in (False, True):
         tok = prepare_tokenizer(replace(get_recipe("smoke"), hex_chars=hex_chars), tmp_path / str(hex_chars))
