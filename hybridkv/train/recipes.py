@@ -130,6 +130,7 @@ _KEY_FOCUS = {"passkey": 0.05, "niah_single_1": 0.1, "niah_single_2": 0.1, "niah
 _UUID_AND_KEYS_FOCUS = {"niah_single_3": 0.35, "niah_multikey_1": 0.25, "niah_multikey_hard": 0.1, "passkey": 0.05,
                         "niah_single_1": 0.1, "niah_single_2": 0.1, "niah_multiquery": 0.05}
 
+
 SMOKE_V41_MODEL = {
     "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
     "hidden_size": 128, "num_hidden_layers": 6, "num_hash_layers": 0, "num_nextn_predict_layers": 0,
@@ -146,7 +147,6 @@ SMOKE_V41_MODEL = {
     "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
     "torch_dtype": "float32", "expert_dtype": "fp4",
 }
-
 
 
 def _tiny_v4() -> Recipe:
