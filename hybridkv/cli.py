@@ -130,7 +130,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from hybridkv.server.serve import run
 
     server = server_from_args(a)
-    print(f"serving {server.config.model_name} on http://{a.host}:{a.port} "
+    dtype = str(server.engine.model.dtype).removeprefix("torch.")
+    print(f"serving {server.config.model_name} ({dtype} on {a.device}) on http://{a.host}:{a.port} "
           f"(web page at /, metrics at /metrics)", file=sys.stderr)
     run(server, a.host, a.port, a.log_level)
     return 0
