@@ -110,7 +110,7 @@ def main() -> int:
     tok = a.tokenizer
     if tok is None and not (Path(a.model) / "tokenizer.json").exists():
         tok = str(ROOT / "tests/fixtures/tokenizer-tiny/tokenizer.json")
-    server = build_server(a.model, tokenizer_path=tok, device=a.device, max_concurrency=a.max_concurrency,
+    server = build_server(a.model, tokenizer_path=tok, device=a.device, max_num_seqs=a.max_concurrency,
                           num_blocks=a.num_blocks, max_queued=4 * a.clients)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

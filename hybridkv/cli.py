@@ -61,19 +61,16 @@ def cmd_kv_calc(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from hybridkv.demo import run_demo
 
-    return run_demo(a.model, a.max_tokens, a.chunk, a.prompt_tokens)
+    return run_demo(a.model, a.max_tokens, a.chunk, a.prompt_tokens, device=a.device, dtype=a.dtype)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     import time
 
-    from hybridkv.engine import LLM, SamplingParams
+    from hybridkv.engine import LLM, EngineConfig, SamplingParams
     from hybridkv.errors import RequestError
 
-    from hybridkv.cache.tiers import tier_config_from_args
-
-    llm = LLM(a.model_dir, device=a.device, kv_format=a.kv_format, window_policy=a.window_policy,
-              num_blocks=a.num_blocks, max_num_batched_tokens=a.max_batched_tokens, tiers=tier_config_from_args(a))
+    llm = LLM(a.model_dir, device=a.device, dtype=a.dtype, engine_config=EngineConfig.from_args(a))
     if a.prompt_ids is not None:
         prompt = [int(x) for x in a.prompt_ids.replace(",", " ").split()]
     elif a.prompt_file is not None:
@@ -112,22 +109,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
+def server_from_args(a: argparse.Namespace):
+    """The server `hybridkv serve` runs (model, engine, app), not yet listening."""
     import os
 
-    from hybridkv.server.serve import build_server, run
+    from hybridkv.engine import EngineConfig
+    from hybridkv.server.serve import build_server
 
     api_key = a.api_key or os.environ.get("HYBRIDKV_API_KEY") or None
     if a.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {a.host} without an API key (--api-key or HYBRIDKV_API_KEY)", file=sys.stderr)
-    server = build_server(a.model_dir, tokenizer_path=a.tokenizer, device=a.device,
-                          served_model_name=a.served_model_name, api_key=api_key, prefix_cache=a.prefix_cache,
-                          max_concurrency=a.max_concurrency,
-                          num_blocks=a.num_blocks, kv_format=a.kv_format, max_batched_tokens=a.max_batched_tokens,
-                          max_model_len=a.max_model_len, max_queued=a.max_queued, max_body_bytes=a.max_body_bytes,
-                          max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
-                          default_thinking=a.thinking)
-    print(f"serving {server.config.model_name} on http://{a.host}:{a.port} "
+    return build_server(a.model_dir, engine_config=EngineConfig.from_args(a), device=a.device, dtype=a.dtype,
+                        tokenizer_path=a.tokenizer, served_model_name=a.served_model_name, api_key=api_key,
+                        max_queued=a.max_queued, max_body_bytes=a.max_body_bytes,
+                        max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
+                        default_thinking=a.thinking)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from hybridkv.server.serve import run
+
+    server = server_from_args(a)
+    dtype = str(server.engine.model.dtype).removeprefix("torch.")
+    print(f"serving {server.config.model_name} ({dtype} on {a.device}) on http://{a.host}:{a.port} "
           f"(web page at /, metrics at /metrics)", file=sys.stderr)
     run(server, a.host, a.port, a.log_level)
     return 0
@@ -184,6 +188,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridkv.engine.config import EngineConfig, add_model_arguments
+
     p = argparse.ArgumentParser(prog="hybridkv", description="DeepSeek-V4-family models and their KV memory system")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -209,14 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--kv-format", choices=["native", "bf16", "fp8", "v41"], default="native")
-    g.add_argument("--window-policy", default="full", help="full | checkpoint(N) | zero")
-    g.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 128 positions")
-    g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--device", default="cpu")
-    from hybridkv.cache.tiers.config import add_tier_arguments
-
-    add_tier_arguments(g)
+    EngineConfig.add_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server with the V4 chat format, metrics and a web page")
@@ -224,21 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set HYBRIDKV_API_KEY)")
-    s.add_argument("--prefix-cache", default="full", help="off | full | checkpoint(N) | zero (window policy)")
-    s.add_argument("--max-concurrency", type=int, default=16, help="requests running at once")
     s.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those before 429")
     s.add_argument("--max-body-bytes", type=int, default=16 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: what the engine can hold")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: context)")
-    s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: MODEL_DIR/tokenizer.json)")
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
     s.add_argument("--thinking", action="store_true", help="thinking mode unless a request says otherwise")
-    s.add_argument("--kv-format", choices=["native", "bf16", "fp8", "v41"], default="native")
-    s.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 128 positions")
-    s.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
-    s.add_argument("--device", default="cpu")
     s.add_argument("--log-level", default="info")
+    EngineConfig.add_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("eval", help="long-context evaluation (RULER, MRCR, passkey) under memory policies; "
@@ -274,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=16)
     d.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     d.add_argument("--prompt-tokens", type=int, default=2048, help="length of the passkey prompt")
+    add_model_arguments(d)
     d.set_defaults(func=cmd_demo)
     return p
 

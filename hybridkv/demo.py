@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hybridkv.cache.layout import default_format, entry_bytes, kv_layout
+from hybridkv.engine.config import resolve_dtype
 from hybridkv.errors import CheckpointError
 from hybridkv.eval.scoring import string_match_all, word_match_all
 from hybridkv.model import ContiguousKV, ForwardBatch
@@ -79,26 +80,27 @@ def kv_accounting(kv: ContiguousKV, fmt: str | None = None) -> list[tuple[str, i
     return rows
 
 
-def run_demo(model_dir: str | None, max_tokens: int, chunk: int, prompt_tokens: int = 2048) -> int:
+def run_demo(model_dir: str | None, max_tokens: int, chunk: int, prompt_tokens: int = 2048, device: str = "cpu",
+             dtype: str | torch.dtype | None = "auto") -> int:
     path = Path(model_dir) if model_dir else DEFAULT_MODEL
     if not path.exists():
         raise CheckpointError(f"model directory {path} does not exist; pass --model DIR")
     t = time.perf_counter()
-    model, cfg = load_model(path)
+    model, cfg = load_model(path, device=device, dtype=resolve_dtype(dtype, device))
     load_s = time.perf_counter() - t
     print(f"model {path} ({cfg.family}, {cfg.num_hidden_layers} layers, ratios {list(cfg.compress_ratios)}), "
-          f"loaded in {load_s:.2f}s")
+          f"loaded in {load_s:.2f}s on {device} ({str(model.dtype).removeprefix('torch.')})")
     tok, expected = None, None
     if (path / "tokenizer.json").exists():  # a passkey prompt in the model's own tokenizer
         from hybridkv.tasks.generators import Pools, make_sample
         from hybridkv.tasks.tokenizer import TaskTokenizer
         tok = TaskTokenizer.load(path)
         sample = make_sample("passkey", 0, Pools(tok, seed=0), prompt_tokens, depth=0.5)
-        prompt, expected = torch.tensor(sample.prompt), sample.answers
+        prompt, expected = torch.tensor(sample.prompt, device=device), sample.answers
         print(f"prompt: a {prompt.numel()}-token passkey task (needle at half depth), prefill in chunks of {chunk}, "
               f"up to {max_tokens} greedy tokens (stopping at EOS)")
     else:
-        prompt = torch.randint(2, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+        prompt = torch.randint(2, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).to(device)
         print(f"prompt: {prompt.numel()} token ids (seeded), prefill in chunks of {chunk}, {max_tokens} greedy tokens")
     out, kv, tm = greedy_generate(model, prompt, max_tokens, chunk, tok.eos_id if tok is not None else None)
     if tok is not None:

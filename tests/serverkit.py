@@ -22,8 +22,8 @@ TOKENIZER = FIXTURES / "tokenizer-tiny" / "tokenizer.json"
 
 class LiveServer:
     def __init__(self, **options):
-        opts = dict(tokenizer_path=TOKENIZER, served_model_name="tiny", max_concurrency=4, num_blocks=64,
-                    max_batched_tokens=256)
+        opts = dict(tokenizer_path=TOKENIZER, served_model_name="tiny", max_num_seqs=4, num_blocks=64,
+                    max_num_batched_tokens=256)
         opts.update(options)
         self.server = build_server(FIXTURES / "v4-tiny", **opts)
         self.engine, self.driver = self.server.engine, self.server.driver

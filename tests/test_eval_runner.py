@@ -16,7 +16,7 @@ MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 def eval_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
     subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--tasks", "passkey,niah_single_2,qa",
-                    "--lengths", "1024", "--samples", "2", "--policy", "full,recency-256", "--out", str(out)],
+                    "--lengths", "1024", "--samples", "2", "--memory-policy", "full,recency-256", "--out", str(out)],
                    check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     return out
 
@@ -126,7 +126,7 @@ def test_eval_workers_give_the_single_process_results(eval_dir, tmp_path):
     and, at the same thread count, the same greedy outputs as one process."""
     out = tmp_path / "workers"
     subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--tasks", "passkey,niah_single_2",
-                    "--lengths", "1024,512", "--samples", "2", "--policy", "full,recency-256", "--workers", "2",
+                    "--lengths", "1024,512", "--samples", "2", "--memory-policy", "full,recency-256", "--workers", "2",
                     "--threads-per-worker", "2", "--out", str(out)], check=True, capture_output=True, text=True)
     got = {r["policy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
     whole = {r["policy"]: r for r in json.loads((eval_dir / "results.json").read_text())["runs"]}

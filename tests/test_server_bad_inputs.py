@@ -15,7 +15,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 def strict():
     from serverkit import LiveServer
 
-    server = LiveServer(api_key=KEY, max_concurrency=1, max_queued=1, max_body_bytes=64 * 1024,
+    server = LiveServer(api_key=KEY, max_num_seqs=1, max_queued=1, max_body_bytes=64 * 1024,
                         max_prompt_tokens=300, max_tokens_limit=512, max_model_len=512)
     yield server
     server.close()
@@ -124,7 +124,7 @@ def test_queue_full_answers_429_then_recovers(strict):
     body = {"messages": OK_MSG, "max_tokens": 400, "stream": True}
     streams = []
     try:
-        for _ in range(2):        # one running + one queued fill this server (max_concurrency 1, max_queued 1)
+        for _ in range(2):        # one running + one queued fill this server (max_num_seqs 1, max_queued 1)
             cm = httpx.stream("POST", strict.url + "/v1/chat/completions", json=body, headers=h, timeout=60)
             r = cm.__enter__()
             streams.append((cm, r, r.iter_lines()))

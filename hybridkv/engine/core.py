@@ -6,15 +6,16 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore
 from hybridkv.cache.prefix import PrefixCache, WindowPolicy, root_hash
-from hybridkv.cache.tiers import TierConfig, TieredStore
+from hybridkv.cache.tiers import TieredStore
 from hybridkv.cache.tiers.convert import layout_identity
 from hybridkv.config import ModelConfig
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.sampling import SamplingParams, sample
 from hybridkv.engine.scheduler import Chunk, Scheduler
@@ -24,32 +25,6 @@ from hybridkv.errors import ConfigError, RequestError
 from hybridkv.memory import PolicyContext, parse_policy
 from hybridkv.model import ForwardBatch, Transformer
 from hybridkv.model.state import AttentionCapture
-
-
-@dataclass
-class EngineConfig:
-    kv_format: str = "native"            # native | bf16 | fp8
-    window_policy: str = "full"          # full | checkpoint(N) | zero
-    num_blocks: int = 512                # logical blocks of block_tokens positions
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
-    enable_prefix_caching: bool | None = None   # default: on, unless the memory policy offloads
-    max_model_len: int | None = None     # longest request (default: max_position_embeddings)
-    memory_policy: str = "full"          # full | recency-N | random-p | oracle-K (CSA KV kept on the device)
-    resident_pages: int | None = None    # device pages for resident CSA KV when the policy offloads
-    oracle_query_tokens: int = 64        # prompt-end queries whose attention an oracle policy ranks by
-    indexer: str = "native"              # native | random (ablation: CSA top-k replaced by a random set)
-    indexer_seed: int = 0
-    cuda_graphs: bool = True             # replay captured decode steps on CUDA (engine/graphs.py); also
-                                         # off with the environment variable HYBRIDKV_CUDA_GRAPHS=0
-    tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
-
-    def __post_init__(self) -> None:
-        if isinstance(self.tiers, dict):
-            self.tiers = TierConfig(**self.tiers)
-        elif self.tiers is None:
-            self.tiers = TierConfig(dram_bytes=0)
 
 
 @dataclass
@@ -82,7 +57,7 @@ class EngineCore:
                  config: EngineConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.config: ModelConfig = model.config
-        self.ec = config or EngineConfig()
+        self.ec = replace(config) if config is not None else EngineConfig()   # a copy: the caller's stays as given
         # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it;
         # decode steps run as one-token segments (the batched decode path is V4's)
         self.v41 = self.config.family == "v4.1"
@@ -92,13 +67,11 @@ class EngineCore:
         if self.memory.offloads and self.v41:
             raise ConfigError(f"memory policy {self.memory} moves CSA main entries off the device; V4.1 checkpoints "
                               f"have none (shared global KV): use 'full'")
-        if self.memory.offloads:
-            if self.ec.enable_prefix_caching:
-                raise ConfigError(f"memory policy {self.memory} keeps part of each request's KV off the device; "
-                                  f"prefix caching cannot be combined with it (leave enable_prefix_caching unset)")
-            self.ec.enable_prefix_caching = False
-        elif self.ec.enable_prefix_caching is None:
-            self.ec.enable_prefix_caching = True
+        if self.memory.offloads and self.ec.enable_prefix_caching:
+            raise ConfigError(f"memory policy {self.memory} keeps part of each request's KV off the device; "
+                              f"prefix caching cannot be combined with it (leave enable_prefix_caching unset)")
+        if self.ec.enable_prefix_caching is None:
+            self.ec = replace(self.ec, enable_prefix_caching=not self.memory.offloads)
         graphs = (self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
                   and self.device.type == "cuda")
         # CUDA-graph decode reserves a slot for its padding rows
@@ -121,8 +94,6 @@ class EngineCore:
 
     def _set_indexer(self, mode: str, seed: int) -> None:
         from hybridkv.model.indexer import Indexer
-        if mode not in ("native", "random"):
-            raise ConfigError(f"indexer {mode!r}: choose 'native' or 'random'")
         indexers = [m for m in self.model.modules() if isinstance(m, Indexer)]
         if mode == "random" and not indexers:
             raise ConfigError("indexer 'random' replaces the V4 Lightning Indexer's top-k; this checkpoint has none")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from hybridkv.engine.core import EngineConfig, EngineCore, Event
+from hybridkv.engine.config import EngineConfig, resolve_dtype
+from hybridkv.engine.core import EngineCore, Event
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.sequence import Sequence
 from hybridkv.engine.tokenizer import Tokenizer
@@ -42,13 +43,15 @@ class RequestOutput:
 class LLM:
     """Offline generation with continuous batching, chunked prefill and prefix caching."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                 **engine_options):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = "auto",
+                 engine_config: EngineConfig | None = None, **engine_options):
+        """`dtype` "auto" (or None) computes in bfloat16 on CUDA and float32 elsewhere; the engine's
+        options are `engine_config`, with `engine_options` (EngineConfig fields) over it."""
         self.model_dir = Path(model_dir)
-        self.model, self.config = load_model(self.model_dir, device=device, dtype=dtype)
+        self.model, self.config = load_model(self.model_dir, device=device, dtype=resolve_dtype(dtype, device))
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
-        self.engine = EngineCore(self.model, self.tokenizer, checkpoint_identity(self.model_dir),
-                                 EngineConfig(**engine_options))
+        ec = replace(engine_config, **engine_options) if engine_config is not None else EngineConfig(**engine_options)
+        self.engine = EngineCore(self.model, self.tokenizer, checkpoint_identity(self.model_dir), ec)
 
     def close(self) -> None:
         """Finish pending prefix-cache writes (disk, Redis) and release the tiers."""

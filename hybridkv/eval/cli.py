@@ -8,8 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
+from hybridkv.engine.config import EngineConfig, engine_options
 from hybridkv.eval.report import compare, load, load_with_command, markdown, merge, plots
 from hybridkv.eval.runner import build_samples, run_policy
 from hybridkv.eval.tasks import expand_tasks
@@ -32,10 +31,11 @@ def _load(parser: argparse.ArgumentParser, path: str, with_command: bool = False
         parser.error(f"cannot read evaluation results from {path}: {type(e).__name__}: {e}")
 
 
-def _run_cells_in_workers(a, tasks: list[str], lengths: list[int]) -> list:
+def _run_cells_in_workers(a, argv: list[str], tasks: list[str], lengths: list[int]) -> list:
     """Every (task, length) cell as its own `hybridkv eval` process, `a.workers` at a time (longest
     prompts first), each with `a.threads_per_worker` threads; the parts merged. A cell's prompts
-    depend only on (task, length, sample, seed), so the result is the one a single process gives."""
+    depend only on (task, length, sample, seed), so the result is the one a single process gives.
+    Each worker gets this command line with its cell's options last (the last of an option wins)."""
     import os
     import subprocess
     import tempfile
@@ -44,18 +44,14 @@ def _run_cells_in_workers(a, tasks: list[str], lengths: list[int]) -> list:
     threads = a.threads_per_worker or max(1, (os.cpu_count() or 1) // a.workers)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cells = sorted(((t, n) for t in tasks for n in lengths), key=lambda c: -c[1])
-    common = ["--samples", str(a.samples), "--policy", a.policy, "--device", a.device, "--dtype", a.dtype,
-              "--max-num-seqs", str(a.max_num_seqs), "--seed", str(a.seed), "--indexer", a.indexer]
-    if a.tokenizer:
-        common += ["--tokenizer", a.tokenizer]
     with tempfile.TemporaryDirectory(prefix="hybridkv-eval-") as tmp:
         pending, running, done, failed = list(enumerate(cells)), {}, [], []
         while pending or running:
             while pending and len(running) < a.workers:
                 i, (task, length) = pending.pop(0)
                 out = Path(tmp) / f"cell{i}"
-                cmd = [sys.executable, "-m", "hybridkv.cli", "eval", a.model_dir, "--tasks", task, "--lengths",
-                       str(length), *common, "--out", str(out)]
+                cmd = [sys.executable, "-m", "hybridkv.cli", "eval", *argv, "--tasks", task, "--lengths",
+                       str(length), "--out", str(out), "--workers", "1"]
                 log = open(Path(tmp) / f"cell{i}.log", "w")
                 running[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out, log,
                               (task, length))
@@ -78,6 +74,32 @@ def _run_cells_in_workers(a, tasks: list[str], lengths: list[int]) -> list:
         r.tasks = [t for t in tasks if t in r.tasks]
         r.lengths = sorted(r.lengths)
     return runs
+
+
+# engine options the evaluation sets itself unless told: the device pool, the longest request and
+# the step budget are sized to its prompts (None), fewer requests run at once, and no prefix-cache
+# tier below the device keeps what the prompts computed
+ENGINE_DEFAULTS = dict(num_blocks=None, max_model_len=None, max_num_batched_tokens=None, max_num_seqs=8,
+                       kv_dram_size="0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `hybridkv eval MODEL_DIR ...` (an evaluation run)."""
+    p = argparse.ArgumentParser(prog="hybridkv eval", description="long-context evaluation through the engine")
+    p.add_argument("model_dir")
+    p.add_argument("--tasks", default="ruler,mrcr,passkey", help="suites (ruler, mrcr, passkey) or task names")
+    p.add_argument("--lengths", default="4k,8k,16k,32k")
+    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model directory's)")
+    p.add_argument("--out", default=None, help="output directory (default: MODEL_DIR/eval)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="run each (task, length) cell as its own process, this many at a time")
+    p.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads of each worker (default: the CPU count / workers)")
+    EngineConfig.add_arguments(p)
+    p.set_defaults(**ENGINE_DEFAULTS)
+    return p
 
 
 def main(argv: list[str]) -> int:
@@ -131,26 +153,7 @@ def main(argv: list[str]) -> int:
         print(markdown(runs))
         print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(written)} plots", file=sys.stderr)
         return 0
-    p = argparse.ArgumentParser(prog="hybridkv eval", description="long-context evaluation through the engine")
-    p.add_argument("model_dir")
-    p.add_argument("--tasks", default="ruler,mrcr,passkey", help="suites (ruler, mrcr, passkey) or task names")
-    p.add_argument("--lengths", default="4k,8k,16k,32k")
-    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
-    p.add_argument("--policy", default="full", help="memory policies, comma separated: full, recency-N, random-p, "
-                                                    "oracle-K")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model directory's)")
-    p.add_argument("--out", default=None, help="output directory (default: MODEL_DIR/eval)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the model's compute dtype (on a GPU bfloat16: the attention kernels run on tensor cores)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--indexer", choices=["native", "random"], default="native",
-                   help="random: the CSA top-k is a random set of the same size (the indexer ablation)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="run each (task, length) cell as its own process, this many at a time")
-    p.add_argument("--threads-per-worker", type=int, default=None,
-                   help="torch threads of each worker (default: the CPU count / workers)")
+    p = build_parser()
     a = p.parse_args(argv)
     if a.workers < 1:
         p.error("--workers must be at least 1")
@@ -160,9 +163,12 @@ def main(argv: list[str]) -> int:
 
     tok = TaskTokenizer.load(a.tokenizer or a.model_dir)
     tasks, lengths = expand_tasks(a.tasks), _lengths(a.lengths)
-    policies = [x.strip() for x in a.policy.split(",") if x.strip()]
+    options = engine_options(a)
+    policies = [x.strip() for x in options.pop("memory_policy").split(",") if x.strip()]
+    for policy in policies:     # a bad option fails now, not after the prompts and the first runs
+        EngineConfig(**options, memory_policy=policy)
     if a.workers > 1:
-        runs = _run_cells_in_workers(a, tasks, lengths)
+        runs = _run_cells_in_workers(a, argv, tasks, lengths)
     else:
         total = len(tasks) * len(lengths) * a.samples
         with tqdm(total=total, desc="generating prompts", unit="prompt") as bar:
@@ -171,8 +177,7 @@ def main(argv: list[str]) -> int:
         for policy in policies:
             with tqdm(total=len(samples), desc=f"policy {policy}", unit="req") as bar:
                 runs.append(run_policy(a.model_dir, policy, samples, tok, tasks, lengths, a.samples, a.device,
-                                       a.max_num_seqs, progress=bar.update, indexer=a.indexer,
-                                       dtype=getattr(torch, a.dtype)))
+                                       progress=bar.update, dtype=a.dtype, **options))
     out = Path(a.out) if a.out else Path(a.model_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv),

@@ -104,19 +104,22 @@ def build_samples(tok: TaskTokenizer, tasks: list[str], lengths: list[int], n: i
 
 
 def run_policy(model_dir: str | Path, policy: str, samples: list[tuple[int, EvalSample]], tok: TaskTokenizer,
-               tasks: list[str], lengths: list[int], n: int, device: str = "cpu", max_num_seqs: int = 8,
-               progress=None, **engine_options) -> EvalRun:
+               tasks: list[str], lengths: list[int], n: int, device: str = "cpu", progress=None,
+               dtype: str | torch.dtype | None = "auto", **engine_options) -> EvalRun:
+    """One policy's run over `samples`. `engine_options` are EngineConfig fields; the device pool,
+    the longest request and the step budget are sized to the samples and the tiers below the device
+    are off, unless given."""
     longest = max(len(s.prompt) + s.max_new_tokens for _, s in samples)
     block = 128
-    blocks = max_num_seqs * (-(-longest // block) + 1) + 8
-    llm = LLM(model_dir, device=device, memory_policy=policy, num_blocks=blocks, max_num_seqs=max_num_seqs,
-              max_model_len=max(longest + 1, 4096), max_num_batched_tokens=max(2048, min(longest, 16384)),
-              tiers={"dram_bytes": 0}, **engine_options)
+    seqs = engine_options.get("max_num_seqs", 8)
+    sized = dict(max_num_seqs=seqs, num_blocks=seqs * (-(-longest // block) + 1) + 8,
+                 max_model_len=max(longest + 1, 4096), max_num_batched_tokens=max(2048, min(longest, 16384)),
+                 tiers={"dram_bytes": 0})
+    llm = LLM(model_dir, device=device, dtype=dtype, **{**sized, **engine_options, "memory_policy": policy})
     indexer = engine_options.get("indexer", "native")
     label = policy if indexer == "native" else f"{policy}+{indexer}-indexer"
-    dtype = engine_options.get("dtype")
-    if dtype is not None and dtype != torch.float32:       # results of another compute dtype stay apart
-        label += f"+{str(dtype).removeprefix('torch.')}"
+    if llm.model.dtype != torch.float32:       # results of another compute dtype stay apart
+        label += f"+{str(llm.model.dtype).removeprefix('torch.')}"
     run = EvalRun(str(model_dir), label, tasks, lengths, n)
     t0 = time.perf_counter()
     eng = llm.engine

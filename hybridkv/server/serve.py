@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from hybridkv.engine.core import EngineConfig, EngineCore
+from hybridkv.engine.config import EngineConfig, resolve_dtype
+from hybridkv.engine.core import EngineCore
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.errors import CheckpointError
 from hybridkv.server.app import ServerConfig, create_app
@@ -26,12 +28,8 @@ class Server:
     config: ServerConfig
 
 
-def prefix_cache_options(text: str) -> dict:
-    """--prefix-cache: off | full | checkpoint(N) | zero (the window policy of prefix hits)."""
-    t = text.strip().lower()
-    if t == "off":
-        return {"enable_prefix_caching": False}
-    return {"enable_prefix_caching": True, "window_policy": t}
+# build_server's keyword arguments before they took EngineConfig's field names
+_RENAMED = {"max_concurrency": "max_num_seqs", "max_batched_tokens": "max_num_batched_tokens"}
 
 
 def _generation_defaults(model_dir: Path) -> dict:
@@ -47,22 +45,28 @@ def _generation_defaults(model_dir: Path) -> dict:
     return out
 
 
-def build_server(model_dir: str | Path, *, tokenizer_path: str | Path | None = None, device: str = "cpu",
-                 served_model_name: str | None = None, api_key: str | None = None, prefix_cache: str = "full",
-                 max_concurrency: int = 16, num_blocks: int = 512, kv_format: str = "native",
-                 max_batched_tokens: int = 2048, max_model_len: int | None = None, **server_options) -> Server:
+def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = None, device: str = "cpu",
+                 dtype: str | None = "auto", tokenizer_path: str | Path | None = None,
+                 served_model_name: str | None = None, api_key: str | None = None, **options) -> Server:
+    """The server of a model directory. `options` are EngineConfig fields (over `engine_config`) and
+    ServerConfig fields (limits, defaults); `dtype` "auto" is bfloat16 on CUDA, float32 elsewhere."""
     from hybridkv.weights import checkpoint_identity, load_model
 
+    for old, new in _RENAMED.items():
+        if old in options:
+            warnings.warn(f"build_server({old}=...) is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
+            options[new] = options.pop(old)
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    engine_options = {k: v for k, v in options.items() if k in engine_fields}
+    server_options = {k: v for k, v in options.items() if k not in engine_fields}
+    ec = replace(engine_config or EngineConfig(), **engine_options)
     model_dir = Path(model_dir)
     tok_file = Path(tokenizer_path) if tokenizer_path else model_dir / "tokenizer.json"
     if not tok_file.exists():
         raise CheckpointError(f"{tok_file} not found: the server needs the model's tokenizer.json "
                               f"(or pass --tokenizer PATH)")
     tokenizer = Tokenizer(tok_file)
-    model, config = load_model(model_dir, device=device)
-    ec = EngineConfig(kv_format=kv_format, num_blocks=num_blocks, max_num_seqs=max_concurrency,
-                      max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
-                      **prefix_cache_options(prefix_cache))
+    model, config = load_model(model_dir, device=device, dtype=resolve_dtype(dtype, device))
     engine = EngineCore(model, tokenizer, checkpoint_identity(model_dir), ec)
     name = served_model_name or model_dir.resolve().name
     eos_id = tokenizer.token_to_id(EOS)

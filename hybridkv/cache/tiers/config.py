@@ -104,7 +104,7 @@ class TierConfig:
 def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     """The --kv-* options of every command that runs an engine."""
     g = p.add_argument_group("prefix-cache tiers")
-    g.add_argument("--kv-dram-size", default="1G", help="host DRAM pool (0 = off; default 1G)")
+    g.add_argument("--kv-dram-size", default="1G", help="host DRAM pool (0 = off; default %(default)s)")
     g.add_argument("--kv-dram-ttl", default=None, help="per kind since last use, e.g. block=72h,state=10m")
     g.add_argument("--kv-disk-dir", default=None, help="persist the prefix cache in this directory (off by default)")
     g.add_argument("--kv-disk-size", default="16G", help="disk tier size limit, LRU within it (default 16G)")
