@@ -84,12 +84,13 @@ def _decode(llm, prompts, graphs: bool, steps: int):
     eng.store.kernel_formats = ("fp8", "fp4") if eng.store.fmt == "fp8" else ("bf16", "bf16")
     eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False) if graphs else None
     eng.record_logits = True
+    eng.finished = {}
     before = eng.stats.graph_steps
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
     finally:
         eng.store.kernel_formats, eng.graphs = None, None
-    seqs = [eng.requests[o.request_id] for o in outs]
+    seqs = [eng.finished[o.request_id] for o in outs]
     return outs, [torch.stack(s.step_logits).float() for s in seqs], eng.stats.graph_steps - before, seqs
 
 

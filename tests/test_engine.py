@@ -242,8 +242,9 @@ def test_stream_deltas_hold_multibyte_characters(fixtures, tmp_path):
     tok = llm.tokenizer
     cjk = tok.encode("日本語のテキスト")
     assert len(cjk) > 3  # byte-level pieces: characters span several tokens
+    llm.engine.finished = {}
     events = list(llm.stream([cjk * 3], SamplingParams(max_tokens=24, temperature=1.0, seed=5)))
-    seq = next(iter(llm.engine.requests.values()))
+    seq = next(iter(llm.engine.finished.values()))
     assert "".join(e.text for e in events) == seq.text == tok.decode(seq.output_ids)
     # an incomplete character is never emitted half-way (a random model may also emit invalid bytes,
     # which decode to U+FFFD for good and are released once later text follows them)

@@ -27,8 +27,9 @@ def _generate(model, prompts, paged: bool, max_tokens: int, **kw):
         # the formats the paged ops read this store in (CUDA decides this itself; see PagedKVStore)
         llm.engine.store.kernel_formats = ("fp8", "fp4") if kw.get("kv_format") == "fp8" else ("bf16", "bf16")
     llm.engine.record_logits = True
+    llm.engine.finished = {}
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    logits = {s.request_id: torch.stack(s.step_logits).float() for s in llm.engine.requests.values()}
+    logits = {s.request_id: torch.stack(s.step_logits).float() for s in llm.engine.finished.values()}
     return outs, logits
 
 

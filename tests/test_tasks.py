@@ -104,8 +104,9 @@ def test_engine_loads_and_streams_with_the_task_tokenizer(fixtures, tmp_path):
     llm = LLM(model_dir, num_blocks=16, max_num_seqs=2)
     sample = make_sample("passkey", 0, Pools(tok, n_sentences=64, n_needles=16), 256)
     assert llm.tokenizer.encode(tok.decode(sample.prompt[1:])) == sample.prompt[1:]
+    llm.engine.finished = {}
     events = list(llm.stream([sample.prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=3)))
-    seq = next(iter(llm.engine.requests.values()))
+    seq = next(iter(llm.engine.finished.values()))
     assert "".join(e.text for e in events) == seq.text == llm.tokenizer.decode(seq.output_ids)
     assert llm.tokenizer.decode([*tok.encode(" 123."), tok.eos_id]) == " 123." + EOS
 

@@ -86,7 +86,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
         self.model_identity = model_identity
         self.max_model_len = self.ec.max_model_len or self.config.max_position_embeddings
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}      # the live ones: a request leaves when it finishes
+        # Set to {} to keep finished sequences for inspection (tests, debugging); off by default,
+        # since it grows with every request.
+        self.finished: dict[str, Sequence] | None = None
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
         self.graphs = DecodeGraphs(model, self.store) if graphs else None
@@ -125,7 +128,7 @@ class EngineCore:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV pool holds {pool_tokens}; "
                                f"start the engine with more blocks")
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests and self.requests[rid].status is not Status.FINISHED:
+        if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, ids, params, root_hash(self.model_identity, params.cache_salt))
         self.requests[rid] = seq
@@ -136,7 +139,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks and slot."""
         seq = self.requests.get(request_id)
-        if seq is not None and seq.status is not Status.FINISHED:
+        if seq is not None:
             self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
@@ -344,5 +347,8 @@ class EngineCore:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        if self.finished is not None:
+            self.finished[seq.request_id] = seq
         self.stats.requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1

@@ -32,6 +32,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise RequestError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
 

@@ -91,6 +91,10 @@ def create_app(driver: EngineDriver, tokenizer: Tokenizer, config: ServerConfig,
             metrics.rejected(e.status)
         return _error_response(e)
 
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError):     # e.g. text the tokenizer cannot take
+        return _error_response(bad(str(e)))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -228,17 +232,18 @@ def create_app(driver: EngineDriver, tokenizer: Tokenizer, config: ServerConfig,
         raw = await read_body(request)
         try:
             is_chat = "messages" in json.loads(raw)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             is_chat = False     # parse_body names the problem
         if is_chat:
             req = parse_body(raw, ChatRequest)
-            prompt = plan_chat(req, config.default_thinking).prompt
+            plan = plan_chat(req, config.default_thinking)
+            prompt, ids = plan.prompt, tokenizer.encode_segments(plan.segments)
         else:
             req = parse_body(raw, CompletionRequest)
             if not isinstance(req.prompt, str):
                 raise bad("prompt must be a string here", "prompt")
             prompt = req.prompt
-        ids = tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt)
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "prompt": prompt}
 
     @app.post("/v1/chat/completions")
@@ -248,7 +253,7 @@ def create_app(driver: EngineDriver, tokenizer: Tokenizer, config: ServerConfig,
         req = parse_body(await read_body(request), ChatRequest)
         check_model(req.model)
         plan = plan_chat(req, config.default_thinking)
-        ids = tokenizer.encode(plan.prompt)
+        ids = tokenizer.encode_segments(plan.segments)
         check_prompt(ids, "messages")
         if req.top_logprobs and not req.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from hybridkv.server.chat_format import encode_messages
+from hybridkv.server.chat_format import render_segments
 from hybridkv.server.dsml import ToolCall
 from hybridkv.server.protocol import ChatRequest, bad, normalize_messages, validate_tools
 
@@ -15,9 +15,13 @@ EFFORT_TO_ENCODER = {"high": "high", "xhigh": "high", "max": "max"}
 
 @dataclass
 class ChatPlan:
-    prompt: str
+    segments: list[tuple[str, bool]]    # the prompt as (text, trusted): Tokenizer.encode_segments
     thinking: bool           # the reply starts inside <think>
     parse_tools: bool
+
+    @property
+    def prompt(self) -> str:
+        return "".join(text for text, _ in self.segments)
 
 
 def _flag(value, param: str) -> bool:
@@ -81,9 +85,9 @@ def plan_chat(req: ChatRequest, default_thinking: bool) -> ChatPlan:
     continues = messages[-1]["role"] == "assistant"
     if continues:
         messages[-1]["wo_eos"] = True     # continue the last assistant message (prefix completion)
-    prompt = encode_messages(messages, "thinking" if thinking else "chat", drop_thinking=drop,
-                             reasoning_effort=effort)
-    return ChatPlan(prompt, thinking and not continues, bool(extras.get("tools")))
+    segments = render_segments(messages, "thinking" if thinking else "chat", drop_thinking=drop,
+                               reasoning_effort=effort)
+    return ChatPlan(segments, thinking and not continues, bool(extras.get("tools")))
 
 
 # ----- responses -----

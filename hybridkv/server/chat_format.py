@@ -15,6 +15,11 @@ Layout (see the official encoder's documentation for the full description):
 Messages are plain dicts (the OpenAI wire shape plus `reasoning_content`, and the internal
 fields `task`, `wo_eos` and `content_blocks`). `encode_messages` reproduces the official encoder
 byte for byte on its published test cases.
+
+`render_segments` gives the same prompt as segments `(text, trusted)`: the template's text
+(trusted: the only place special tokens may come from) and the messages' content (not trusted:
+tokenised as plain text, so a message that spells `<｜User｜>` cannot forge a turn; see
+`hybridkv.engine.tokenizer.Tokenizer.encode_segments`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import copy
 import json
 from typing import Any
 
-from hybridkv.server.dsml import DSML, render_tool_calls
+from hybridkv.server.dsml import DSML, Parts, tool_call_parts
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -77,13 +82,21 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True)
 
 
+def _tools_parts(tools: list[dict]) -> Parts:
+    parts: Parts = [(_TOOLS_HEADER, True)]
+    for i, t in enumerate(tools):
+        parts += [("\n" if i else "", True), (to_json(t["function"]), False)]
+    return parts + [(_TOOLS_FOOTER, True)]
+
+
 def render_tools(tools: list[dict]) -> str:
     """The tools section: OpenAI `tools` entries ({"type": "function", "function": {...}})."""
-    return _TOOLS_HEADER + "\n".join(to_json(t["function"]) for t in tools) + _TOOLS_FOOTER
+    return "".join(text for text, _ in _tools_parts(tools))
 
 
-def _response_format(schema: Any) -> str:
-    return "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" + to_json(schema)
+def _response_format_parts(schema: Any) -> Parts:
+    return [("## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n", True),
+            (to_json(schema), False)]
 
 
 def _text_of_tool_content(content: Any) -> str:
@@ -163,51 +176,61 @@ def _drop_old_thinking(messages: list[dict]) -> list[dict]:
 
 
 # ----- rendering -----
-def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, effort: str | None) -> str:
+def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, effort: str | None) -> Parts:
     msg = messages[i]
     role = msg.get("role")
     content = msg.get("content")
     last_user = _last_user_index(messages)
-    out = MAX_EFFORT_PREFIX if (i == 0 and thinking and effort == "max") else ""
+    out: Parts = [(MAX_EFFORT_PREFIX, True)] if (i == 0 and thinking and effort == "max") else []
+
+    def text(value: Any) -> None:     # the caller's content
+        out.append((value or "", False))
 
     if role in ("system", "developer"):
         if role == "developer":
             if not content:
                 raise ValueError("a developer message needs content")
-            out += USER
-        out += content or ""
+            out.append((USER, True))
+        text(content)
         if msg.get("tools"):
-            out += "\n\n" + render_tools(msg["tools"])
+            out.append(("\n\n", True))
+            out.extend(_tools_parts(msg["tools"]))
         if msg.get("response_format"):
-            out += "\n\n" + _response_format(msg["response_format"])
+            out.append(("\n\n", True))
+            out.extend(_response_format_parts(msg["response_format"]))
     elif role == "user":
-        out += USER
+        out.append((USER, True))
         blocks = msg.get("content_blocks")
         if blocks:
-            parts = []
-            for b in blocks:
+            for j, b in enumerate(blocks):
+                if j:
+                    out.append(("\n\n", True))
                 kind = b.get("type")
                 if kind == "text":
-                    parts.append(b.get("text", ""))
+                    text(b.get("text", ""))
                 elif kind == "tool_result":
-                    parts.append(f"<tool_result>{_text_of_tool_content(b.get('content', ''))}</tool_result>")
+                    out.append(("<tool_result>", True))
+                    text(_text_of_tool_content(b.get("content", "")))
+                    out.append(("</tool_result>", True))
                 else:
-                    parts.append(f"[Unsupported {kind}]")
-            out += "\n\n".join(parts)
+                    text(f"[Unsupported {kind}]")
         else:
-            out += content or ""
+            text(content)
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + (content or "")
+        out.append((LATEST_REMINDER, True))
+        text(content)
     elif role == "assistant":
-        reasoning = ""
         after_task = i > 0 and messages[i - 1].get("task") is not None
         if thinking and not after_task and (not drop_thinking or i > last_user):
-            reasoning = (msg.get("reasoning_content") or "") + THINK_END
+            text(msg.get("reasoning_content"))
+            out.append((THINK_END, True))
+        text(content)
         calls = msg.get("tool_calls")
-        tool_part = "\n\n" + render_tool_calls([c["function"] for c in calls]) if calls else ""
-        out += reasoning + (content or "") + tool_part
+        if calls:
+            out.append(("\n\n", True))
+            out.extend(tool_call_parts([c["function"] for c in calls]))
         if not msg.get("wo_eos", False):
-            out += EOS
+            out.append((EOS, True))
     elif role == "tool":
         raise ValueError("tool messages must be merged into user turns first")
     else:
@@ -221,19 +244,19 @@ def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, e
         if task not in TASK_TOKENS:
             raise ValueError(f"unknown task {task!r}; one of {', '.join(TASK_TOKENS)}")
         if task == "action":
-            out += ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
+            out += [(ASSISTANT, True), (THINK_START if thinking else THINK_END, True), (TASK_TOKENS[task], True)]
         else:
-            out += TASK_TOKENS[task]
+            out.append((TASK_TOKENS[task], True))
     elif role in ("user", "developer"):
         opens_thinking = thinking and (not drop_thinking or i >= last_user)
-        out += ASSISTANT + (THINK_START if opens_thinking else THINK_END)
+        out += [(ASSISTANT, True), (THINK_START if opens_thinking else THINK_END, True)]
     return out
 
 
-def encode_messages(messages: list[dict], thinking_mode: str = "chat", drop_thinking: bool = True,
-                    reasoning_effort: str | None = None, add_bos: bool = True) -> str:
-    """The prompt for `messages` (roles system, developer, user, assistant, tool, latest_reminder).
-    A conversation that ends with a user or tool turn ends with the opening of the reply."""
+def render_segments(messages: list[dict], thinking_mode: str = "chat", drop_thinking: bool = True,
+                    reasoning_effort: str | None = None, add_bos: bool = True) -> Parts:
+    """The prompt for `messages` as `(text, trusted)` segments, in order: the template's text is
+    trusted, the messages' content is not. Joined, they are `encode_messages`' string."""
     if thinking_mode not in THINKING_MODES:
         raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
     if reasoning_effort not in REASONING_EFFORTS:
@@ -243,5 +266,14 @@ def encode_messages(messages: list[dict], thinking_mode: str = "chat", drop_thin
     drop = drop_thinking and not any(m.get("tools") for m in msgs)
     if thinking and drop:
         msgs = _drop_old_thinking(msgs)
-    return (BOS if add_bos else "") + "".join(_render(i, msgs, thinking, drop, reasoning_effort)
-                                              for i in range(len(msgs)))
+    parts: Parts = [(BOS, True)] if add_bos else []
+    for i in range(len(msgs)):
+        parts.extend(_render(i, msgs, thinking, drop, reasoning_effort))
+    return [(t, trusted) for t, trusted in parts if t]
+
+
+def encode_messages(messages: list[dict], thinking_mode: str = "chat", drop_thinking: bool = True,
+                    reasoning_effort: str | None = None, add_bos: bool = True) -> str:
+    """The prompt for `messages` (roles system, developer, user, assistant, tool, latest_reminder).
+    A conversation that ends with a user or tool turn ends with the opening of the reply."""
+    return "".join(t for t, _ in render_segments(messages, thinking_mode, drop_thinking, reasoning_effort, add_bos))

@@ -9,7 +9,13 @@
 
 String arguments are written as they are (`string="true"`); every other JSON value is written
 as JSON (`string="false"`). Arguments that are not a JSON object are passed as one string
-parameter named `arguments`.
+parameter named `arguments`. A value that holds the DSML marker itself (a forged closing tag,
+a second invoke) is written as a JSON string with the marker's characters escaped
+(`\\uff5cDSML\\uff5c`, `string="false"`), so that it parses back to itself and never to markup;
+names that markup cannot hold (a quote, a newline, an angle bracket, the marker) are refused.
+
+Rendering yields parts `(text, trusted)`: the markup is the template's, names and values are the
+caller's content (see chat_format's segments).
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ _PARAM = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">(
 
 
 class DSMLError(ValueError):
-    """A DSML block that does not parse."""
+    """A DSML block that does not parse, or a tool call that DSML cannot hold."""
+
+
+_ESCAPED_DSML = json.dumps(DSML, ensure_ascii=True)[1:-1]     # \uff5cDSML\uff5c
+_BAD_NAME = re.compile(rf'["\n<>]|{DSML}')
+
+Parts = list[tuple[str, bool]]
 
 
 @dataclass
@@ -44,26 +56,51 @@ def _json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True)
 
 
-def render_arguments(arguments: str) -> str:
+def writable_name(name: Any) -> bool:
+    """Whether DSML markup can hold `name` as a tool or argument name."""
+    return isinstance(name, str) and not _BAD_NAME.search(name)
+
+
+def _name(name: Any, what: str) -> str:
+    if not writable_name(name):
+        raise DSMLError(f"{what} {name!r} cannot be written in DSML: it must be a string without quotes, "
+                        f"newlines, angle brackets or {DSML!r}")
+    return name
+
+
+def _argument_parts(arguments: str) -> Parts:
     try:
         values = json.loads(arguments)
     except (TypeError, ValueError):
         values = {"arguments": arguments}
     if not isinstance(values, dict):
         values = {"arguments": arguments}
-    lines = []
-    for key, value in values.items():
-        is_str = isinstance(value, str)
-        text = value if is_str else _json(value)
-        lines.append(f'<{DSML}parameter name="{key}" string="{"true" if is_str else "false"}">{text}</{DSML}parameter>')
-    return "\n".join(lines)
+    parts: Parts = []
+    for i, (key, value) in enumerate(values.items()):
+        is_str = isinstance(value, str) and DSML not in value
+        text = value if is_str else _json(value).replace(DSML, _ESCAPED_DSML)
+        parts += [("\n" if i else "", True), (f'<{DSML}parameter name="', True),
+                  (_name(key, "argument name"), False), (f'" string="{"true" if is_str else "false"}">', True),
+                  (text, False), (f"</{DSML}parameter>", True)]
+    return parts
+
+
+def render_arguments(arguments: str) -> str:
+    return "".join(text for text, _ in _argument_parts(arguments))
+
+
+def tool_call_parts(calls: list[dict]) -> Parts:
+    """The DSML block of calls given as {"name": ..., "arguments": "<json object>"}, as parts."""
+    parts: Parts = [(f"{CALLS_OPEN}\n", True)]
+    for i, c in enumerate(calls):
+        parts += [("\n" if i else "", True), (f'<{DSML}invoke name="', True), (_name(c.get("name"), "tool name"), False),
+                  ('">\n', True), *_argument_parts(c.get("arguments") or "{}"), (f"\n</{DSML}invoke>", True)]
+    return parts + [(f"\n{CALLS_CLOSE}", True)]
 
 
 def render_tool_calls(calls: list[dict]) -> str:
     """The DSML block of calls given as {"name": ..., "arguments": "<json object>"}."""
-    invokes = [f'<{DSML}invoke name="{c["name"]}">\n{render_arguments(c.get("arguments") or "{}")}\n</{DSML}invoke>'
-               for c in calls]
-    return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+    return "".join(text for text, _ in tool_call_parts(calls))
 
 
 def parse_tool_calls(block: str) -> list[ToolCall]:

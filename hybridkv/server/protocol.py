@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hybridkv.server.dsml import writable_name
+
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|.*\[.*\])$", re.I)
 
@@ -43,7 +45,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)     # what torch's generators take
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -92,6 +94,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         data = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -153,6 +157,10 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
             parsed = None
         if not isinstance(parsed, dict):
             raise bad(f"'{p}.function.arguments' must be a JSON object encoded as a string", f"{p}.function.arguments")
+        for key in parsed:
+            if not writable_name(key):
+                raise bad(f"'{p}.function.arguments' has an argument named {key!r}: argument names may not hold "
+                          "quotes, newlines, angle brackets or the DSML marker", f"{p}.function.arguments")
         out.append({"id": c.get("id") if isinstance(c.get("id"), str) else "", "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out

@@ -20,8 +20,9 @@ def _run(model, prompts, max_tokens, graphs: bool, **kw):
     llm = LLM(model, device="cuda", dtype=torch.bfloat16, num_blocks=512, max_num_seqs=len(prompts),
               max_num_batched_tokens=8192, cuda_graphs=graphs, **kw)
     llm.engine.record_logits = True
+    llm.engine.finished = {}
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    logits = [torch.stack(llm.engine.requests[o.request_id].step_logits).float() for o in outs]
+    logits = [torch.stack(llm.engine.finished[o.request_id].step_logits).float() for o in outs]
     return llm.engine, outs, logits
 
 
@@ -60,7 +61,7 @@ def test_graph_replays_publish_snapshots_that_serve_later_requests():
     first = [float((a[1] - b[1]).norm() / a[1].norm()) for a, b in zip(eager, graphed)]
     print(f"\nfirst decode step, relative difference: {', '.join(f'{x:.2e}' for x in first)}")
     assert eng.stats.graph_steps >= 7
-    seq = next(s for s in eng.requests.values() if len(s.prompt_ids) == 1020)
+    seq = next(s for s in eng.finished.values() if len(s.prompt_ids) == 1020)
     assert eng.prefix.snapshots.get(seq.block_hashes[1024 // 128 - 1]) is not None   # published by a replay
     # a new request with that prompt and the decoded tokens is served from the cache past 1024
     follow = eng.add_request(seq.token_ids[:1026], SamplingParams(max_tokens=1, ignore_eos=True))

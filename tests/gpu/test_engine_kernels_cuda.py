@@ -20,8 +20,9 @@ def _generate(model, prompts, max_tokens, **kw):
     llm = LLM(model, device="cuda", dtype=torch.bfloat16, num_blocks=512, max_num_seqs=len(prompts),
               max_num_batched_tokens=8192, **kw)
     llm.engine.record_logits = True
+    llm.engine.finished = {}
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    logits = [torch.stack(llm.engine.requests[o.request_id].step_logits).float() for o in outs]
+    logits = [torch.stack(llm.engine.finished[o.request_id].step_logits).float() for o in outs]
     return llm.engine.store.kernel_formats, outs, logits
 
 
