@@ -177,6 +177,11 @@ class EngineCore:
         loaded and evicted, and what each holds now."""
         return self.prefix.stats()
 
+    def tier_usage(self) -> dict[str, dict[str, int | None]]:
+        """The prefix-cache tiers below the device (dram, disk, redis; {} without them): bytes
+        and entries held, capacity, hits, misses, evictions and expirations of each."""
+        return self.tiers.usage() if self.tiers is not None else {}
+
     def close(self) -> None:
         """Finish the lower tiers' pending writes and release them, and drop the captured decode
         graphs with their memory (idempotent; later steps launch eagerly)."""

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv.cache.tiers import TierConfig
 from hybridkv.engine.core import EngineConfig, EngineCore
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.errors import CheckpointError
@@ -50,7 +51,8 @@ def _generation_defaults(model_dir: Path) -> dict:
 def build_server(model_dir: str | Path, *, tokenizer_path: str | Path | None = None, device: str = "cpu",
                  served_model_name: str | None = None, api_key: str | None = None, prefix_cache: str = "full",
                  max_concurrency: int = 16, num_blocks: int = 512, kv_format: str = "native",
-                 max_batched_tokens: int = 2048, max_model_len: int | None = None, **server_options) -> Server:
+                 max_batched_tokens: int = 2048, max_model_len: int | None = None, tiers: TierConfig | None = None,
+                 **server_options) -> Server:
     from hybridkv.weights import checkpoint_identity, load_model
 
     model_dir = Path(model_dir)
@@ -62,7 +64,7 @@ def build_server(model_dir: str | Path, *, tokenizer_path: str | Path | None = N
     model, config = load_model(model_dir, device=device)
     ec = EngineConfig(kv_format=kv_format, num_blocks=num_blocks, max_num_seqs=max_concurrency,
                       max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
-                      **prefix_cache_options(prefix_cache))
+                      tiers=TierConfig() if tiers is None else tiers, **prefix_cache_options(prefix_cache))
     engine = EngineCore(model, tokenizer, checkpoint_identity(model_dir), ec)
     name = served_model_name or model_dir.resolve().name
     eos_id = tokenizer.token_to_id(EOS)
