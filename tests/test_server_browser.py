@@ -104,3 +104,21 @@ def test_page_streams_a_reply_and_shows_memory(live_server, browser, tmp_path):
     wait_for(lambda: browser.find_element(By.ID, "hit-rate").text not in ("–", "0.0%"), what="a prefix hit rate")
     browser.save_screenshot(str(tmp_path / "page.png"))
     live_server.wait_idle()
+
+
+def test_page_shows_the_lower_tiers(live_server, browser):
+    """The tier table lists the host-DRAM tier of the prefix cache with the bytes it holds."""
+    import httpx
+    from selenium.webdriver.common.by import By
+
+    prompt = list(range(2, 300))          # two complete blocks, written through to the DRAM tier
+    assert httpx.post(live_server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                      timeout=60).status_code == 200
+    browser.get(live_server.url + "/")
+
+    def dram_bytes():
+        rows = [r for r in browser.find_elements(By.CSS_SELECTOR, "#tier-table tbody tr")
+                if r.get_attribute("data-tier") == "dram"]
+        return rows and int(rows[0].get_attribute("data-bytes") or 0)
+    assert wait_for(dram_bytes, what="the DRAM tier's bytes in the tier table") > 0
+    live_server.wait_idle()

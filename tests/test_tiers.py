@@ -407,6 +407,25 @@ def test_chain_promotes_lower_hits(tmp_path, redis_url):
     s2.close()
 
 
+def test_chain_usage_per_tier(tmp_path, redis_url):
+    """usage(): what DRAM and disk hold with their capacities and counters; Redis reports its
+    server's maxmemory and leaves out holdings it cannot know (other engines share it)."""
+    s = TieredStore.build(TierConfig(dram_bytes=1 << 24, disk_dir=str(tmp_path), redis_url=redis_url,
+                                     redis_prefix="t4"), ID)
+    s.put(rec(1))
+    assert s.flush(30)
+    assert s.get(key(1), "block") is not None and s.get(key(2), "block") is None
+    u = s.usage()
+    assert list(u) == ["dram", "disk", "redis"]
+    size = rec(1).nbytes
+    assert (u["dram"]["bytes"], u["dram"]["entries"], u["dram"]["capacity"], u["dram"]["hits"]) == (size, 1, 1 << 24, 1)
+    assert u["disk"]["bytes"] > size and u["disk"]["entries"] == 1 and u["disk"]["capacity"] == 16 << 30
+    assert u["disk"]["hits"] == 0 and u["dram"]["misses"] == 1 and u["disk"]["misses"] == 1
+    assert u["redis"]["capacity"] == 256 << 20 and u["redis"]["bytes"] is None and u["redis"]["entries"] is None
+    assert u["redis"]["stored"] == 1
+    s.close()
+
+
 def test_a_collected_store_has_ended_its_writer_thread():
     """A store dropped without close() finishes its queued writes and ends the writer thread before
     the collection returns (a writer still ending at process exit aborted the process on CUDA)."""

@@ -16,6 +16,7 @@ from hybridkv.cache.tiers import TieredStore
 from hybridkv.cache.tiers.convert import layout_identity
 from hybridkv.config import ModelConfig
 from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.detokenize import release
 from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.sampling import SamplingParams, sample
 from hybridkv.engine.scheduler import Chunk, Scheduler
@@ -150,6 +151,11 @@ class EngineCore:
         loaded and evicted, and what each holds now."""
         return self.prefix.stats()
 
+    def tier_usage(self) -> dict[str, dict[str, int | None]]:
+        """The prefix-cache tiers below the device (dram, disk, redis; {} without them): bytes
+        and entries held, capacity, hits, misses, evictions and expirations of each."""
+        return self.tiers.usage() if self.tiers is not None else {}
+
     def close(self) -> None:
         """Finish the lower tiers' pending writes and release them, and drop the captured decode
         graphs with their memory (idempotent; later steps launch eagerly)."""
@@ -277,20 +283,16 @@ class EngineCore:
         if s.top_logprobs is not None:
             seq.top_logprobs.append(s.top_logprobs)
         self.stats.generation_tokens += 1
-        delta = ""
-        if self.tokenizer is not None:
-            delta = self._text_delta(seq)
         if self.memory.offloads:
             self._after_token(seq)
         reason = self._stop_reason(seq, s.token_id)
-        if reason and self.tokenizer is not None:
-            delta += self._text_delta(seq, final=True)
-        if reason == "stop" and seq.params.stop and seq.text:
-            cut = min((i for i in (seq.text.find(x) for x in seq.params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                emitted_before = len(seq.text) - len(delta)
-                seq.text = seq.text[:cut]
-                delta = delta[:max(0, cut - emitted_before)]
+        delta = ""
+        if self.tokenizer is not None:
+            # the token that stops the request is not text
+            ids = seq.output_ids[:-1] if reason == "stop" else seq.output_ids
+            delta, stopped = release(self.tokenizer.decode(ids), seq.text, seq.params.stop, reason is not None)
+            seq.text += delta
+            reason = "stop" if stopped else reason
         if reason:
             self._finish(seq, reason)
         return Event(seq.request_id, s.token_id, delta, reason is not None, reason)
@@ -315,22 +317,10 @@ class EngineCore:
         self.stats.pages_loaded += loaded
         self.stats.pages_evicted += evicted
 
-    def _text_delta(self, seq: Sequence, final: bool = False) -> str:
-        """New text since the last event. A character whose bytes span several tokens decodes to
-        U+FFFD until its last byte arrives, so trailing U+FFFD is held back until then (or the end)."""
-        text = self.tokenizer.decode(seq.output_ids)
-        if not final:
-            text = text.rstrip("\ufffd")
-        common = len(seq.text) if text.startswith(seq.text) else len(os.path.commonprefix([text, seq.text]))
-        delta = text[common:]
-        seq.text = text
-        return delta
-
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why the request ends with this token, stop strings aside (`release` finds those)."""
         p = seq.params
         if (not p.ignore_eos and token == self.config.eos_token_id) or token in p.stop_token_ids:
-            return "stop"
-        if p.stop and any(x in seq.text for x in p.stop):
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -36,7 +36,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    text: str = ""
+    text: str = ""                                 # released so far (engine/detokenize.py); final once finished
     finish_reason: str | None = None
     error: str | None = None
     first_token_time: float | None = None

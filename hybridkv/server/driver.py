@@ -2,8 +2,8 @@
 
 Request handlers (asyncio) talk to it through a command queue (add, abort); the thread admits
 commands between steps, runs `step()`, and hands each request's outputs to that request's asyncio
-queue. Text is released only when it is final: a trailing partial UTF-8 character and a possible
-beginning of a stop string are held back, and the end-of-sentence marker is dropped. An exception
+queue. Text is the engine's (`Event.text`, engine/detokenize.py), so the server and `LLM.stream`
+release the same text. An exception
 inside a step fails the requests of that step (their blocks are freed) and the loop goes on.
 The thread also publishes a snapshot of the memory system for /metrics and the web page.
 """
@@ -73,26 +73,13 @@ class _Live:
     seq: Sequence
     arrival: float
     want_tokens: bool
-    sent: int = 0
     first_time: float | None = None
     last_time: float | None = None
 
 
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that could start one of the stop strings."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 class EngineDriver:
-    def __init__(self, engine: EngineCore, metrics=None, eos_text: str | None = None,
-                 snapshot_interval: float = 0.2):
-        self.engine, self.metrics, self.eos_text = engine, metrics, eos_text
+    def __init__(self, engine: EngineCore, metrics=None, snapshot_interval: float = 0.2):
+        self.engine, self.metrics = engine, metrics
         self.snapshot_interval = snapshot_interval
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
@@ -230,20 +217,7 @@ class EngineDriver:
 
     def _deliver(self, live: _Live, ev: Event) -> None:
         seq, now = live.seq, time.perf_counter()
-        text = seq.text
-        if ev.finished:
-            if ev.finish_reason == "stop" and self.eos_text and text.endswith(self.eos_text):
-                text = text[:-len(self.eos_text)]
-            end = len(text)
-        else:
-            end = len(text)
-            while end > live.sent and text[end - 1] == "\ufffd":   # an incomplete UTF-8 character
-                end -= 1
-            if seq.params.stop:
-                end = min(end, len(text) - _partial_stop(text, seq.params.stop))
-        new = text[live.sent:end] if end > live.sent else ""
-        live.sent += len(new)
-        out = Output(new, [ev.token_id] if ev.token_id is not None else [], finished=ev.finished,
+        out = Output(ev.text, [ev.token_id] if ev.token_id is not None else [], finished=ev.finished,
                      finish_reason=ev.finish_reason, prompt_tokens=len(seq.prompt_ids),
                      cached_tokens=seq.num_cached_tokens, completion_tokens=len(seq.output_ids))
         if ev.token_id is not None:

@@ -7,9 +7,9 @@ Bytes are reported per tier and per kind, in three states:
 - `capacity`: what the tier has allocated for the kind (window-state snapshots are allocated on
   demand, up to the engine's `snapshot_bytes` budget, reported as `snapshot_budget`).
 
-The device tier is read from the engine's paged store. Other tiers plug in through an optional
-`engine.tier_usage()` returning the same shape ({tier: {kind: {"active", "cached", "capacity"}}}),
-so a DRAM or disk tier shows up in the metrics and on the page without changes here.
+The device tier is read from the engine's paged store. The prefix-cache tiers below it (host
+DRAM, disk, Redis) are reported as `engine.tier_usage()` gives them, under `lower_tiers`: per tier,
+bytes and entries held, capacity, hits, misses, evictions, expirations (None where unknown).
 """
 
 from __future__ import annotations
@@ -43,12 +43,9 @@ def device_tier(engine: EngineCore) -> dict[str, dict[str, int]]:
 
 def memory_snapshot(engine: EngineCore) -> dict:
     pool, sched = engine.store.pool, engine.scheduler
-    tiers = {"device": device_tier(engine)}
-    extra = getattr(engine, "tier_usage", None)
-    if callable(extra):
-        tiers.update(extra())
     return {
-        "tiers": tiers,
+        "tiers": {"device": device_tier(engine)},
+        "lower_tiers": engine.tier_usage(),
         "blocks": {"total": pool.num_blocks, "active": pool.num_used,
                    "cached": sum(1 for b in pool.blocks if b.ref_count == 0 and b.hash is not None),
                    "block_tokens": engine.store.block_tokens, "evictions": pool.evictions},

@@ -1,6 +1,8 @@
 """Prometheus metrics. Where vLLM has a counterpart the name is vLLM's (`vllm:...`, label
 `model_name`), so dashboards and autoscalers written for vLLM read them unchanged; the memory
-system's own series are `hybridkv:...` with `tier` and `kind` labels.
+system's own series are `hybridkv:...` with `tier` and `kind` labels: the device's KV by kind
+(`hybridkv:kv_cache_bytes`, `hybridkv:kv_blocks`) and each prefix-cache tier below it
+(`hybridkv:kv_tier_bytes`, `hybridkv:kv_tier_hits_total`, `hybridkv:kv_tier_evictions_total`, ...).
 
 Counters and histograms are updated by the engine thread as tokens come out; gauges are read
 from the driver's latest memory snapshot when Prometheus scrapes.
@@ -9,7 +11,7 @@ from the driver's latest memory snapshot when Prometheus scrapes.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -19,6 +21,34 @@ disable_created_metrics()   # no *_created series (vLLM's exporter has none eith
 
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
+
+# the lower tiers' series: (key of engine.tier_usage(), name, counter?, help)
+TIER_SERIES = (
+    ("bytes", "hybridkv:kv_tier_bytes", False, "Bytes held by a prefix-cache tier below the device."),
+    ("capacity", "hybridkv:kv_tier_capacity_bytes", False, "Bytes a prefix-cache tier may hold."),
+    ("entries", "hybridkv:kv_tier_entries", False, "Records (KV blocks, window states) held by a tier."),
+    ("hits", "hybridkv:kv_tier_hits", True, "Records found in a tier and loaded."),
+    ("misses", "hybridkv:kv_tier_misses", True, "Loads asked of a tier that found no usable record."),
+    ("evictions", "hybridkv:kv_tier_evictions", True, "Records removed from a tier for space (LRU)."),
+    ("evicted_bytes", "hybridkv:kv_tier_evicted_bytes", True, "Bytes removed from a tier for space."),
+    ("expired", "hybridkv:kv_tier_expirations", True, "Records removed when their kind's lifetime ran out."),
+    ("stored_bytes", "hybridkv:kv_tier_stored_bytes", True, "Bytes written to a tier."),
+    ("loaded_bytes", "hybridkv:kv_tier_loaded_bytes", True, "Bytes loaded from a tier."),
+    ("bad", "hybridkv:kv_tier_bad_entries", True, "Corrupted, truncated or foreign entries found and removed."),
+    ("errors", "hybridkv:kv_tier_errors", True, "I/O failures of a tier (it pauses; requests go on)."),
+    ("dropped", "hybridkv:kv_tier_dropped_writes", True, "Writes a tier skipped (paused, or a record too large)."),
+)
+
+
+def tier_families(model_name: str, usage: dict[str, dict[str, int | None]]):
+    """The TIER_SERIES of a memory snapshot's `lower_tiers` (a value of None is left out)."""
+    for key, metric, is_counter, doc in TIER_SERIES:
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(metric, doc,
+                                                                             labels=["model_name", "tier"])
+        for tier, values in usage.items():
+            if values.get(key) is not None:
+                family.add_metric([model_name, tier], values[key])
+        yield family
 
 
 class _SnapshotCollector:
@@ -58,6 +88,7 @@ class _SnapshotCollector:
         blocks.add_metric([name, "cached"], b["cached"])
         blocks.add_metric([name, "free"], b["total"] - b["active"])
         yield blocks
+        yield from tier_families(name, snap.get("lower_tiers", {}))
 
 
 class Metrics:

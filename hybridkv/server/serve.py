@@ -74,7 +74,7 @@ def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = 
     options = {**_generation_defaults(model_dir), **server_options}
     sc = ServerConfig(model_name=name, api_key=api_key, extra_stop_token_ids=extra_stops, **options)
     metrics = Metrics(name)
-    driver = EngineDriver(engine, metrics, eos_text=EOS if eos_id is not None else None)
+    driver = EngineDriver(engine, metrics)
     return Server(create_app(driver, tokenizer, sc, metrics), driver, engine, tokenizer, sc)
 
 

@@ -1,6 +1,7 @@
 """What every lower tier provides, and the counters each one reports.
 
-A tier holds `Record`s by (kind, key). Each kind has a time since last use after which its
+A tier holds `Record`s by (kind, key) and reports its `usage()` (what it holds and its counters,
+for /metrics, /stats and the web page). Each kind has a time since last use after which its
 records expire (`ttl[kind]`; 0 = the tier does not hold the kind). Time comes from `clock`, a
 callable returning seconds, so tests can move it. Tiers are used from the engine thread (lookups)
 and the writer thread (puts) at once: they lock what they share.
@@ -40,6 +41,8 @@ class TierStats:
 
 class Tier:
     name = "tier"
+    capacity: int | None = None        # bytes the tier may hold (None: unknown or unbounded)
+    counts_holdings = True             # whether stats.entries/bytes are what the tier holds
 
     def __init__(self, ttl: dict[str, float], clock=time.time):
         self.ttl, self.clock = dict(ttl), clock
@@ -52,6 +55,14 @@ class Tier:
 
     def expired(self, kind: str, last_use: float) -> bool:
         return self.clock() - last_use > self.ttl.get(kind, 0)
+
+    def usage(self) -> dict[str, int | None]:
+        """The counters of `TierStats` and the capacity; entries and bytes are None where the tier
+        cannot know them (a Redis server shared with other engines)."""
+        out = {**self.stats.as_dict(), "capacity": self.capacity}
+        if not self.counts_holdings:
+            out["entries"] = out["bytes"] = None
+        return out
 
     def warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

@@ -4,7 +4,9 @@ Values are the same checksummed entries as on disk, under `PREFIX:NS:KIND:HEXKEY
 model and entry layout), each with Redis's own TTL for its kind, refreshed on every hit (GETEX).
 Redis's `maxmemory` and `maxmemory-policy` (allkeys-lru or volatile-lru) bound its size. Engines
 that share a server only ever SET identical bytes under a key, and check every value they read,
-so they cannot corrupt each other. If the server cannot be reached, the tier pauses with a warning
+so they cannot corrupt each other. What the server holds is not counted here (other engines and
+Redis's own expiry change it); its capacity is the server's `maxmemory`, read on connecting. If the
+server cannot be reached, the tier pauses with a warning
 and requests go on.
 """
 
@@ -20,6 +22,7 @@ from hybridkv.errors import CacheEntryError, ConfigError
 
 class RedisTier(Tier):
     name = "redis"
+    counts_holdings = False
 
     def __init__(self, url: str, ttl: dict[str, float], identity: str, prefix: str = "hybridkv",
                  retry_after: float = 30.0, timeout: float = 2.0, clock=time.time):
@@ -37,6 +40,11 @@ class RedisTier(Tier):
             self.client.ping()
         except self._errors as e:
             self._failed(e)
+        else:
+            try:
+                self.capacity = int(self.client.info("memory").get("maxmemory", 0)) or None   # 0: no limit
+            except (*self._errors, ValueError):   # INFO may be disabled on a managed server
+                pass
 
     def _k(self, kind: str, key: bytes) -> str:
         return f"{self.ns}:{kind}:{key.hex()}"

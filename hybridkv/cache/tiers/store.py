@@ -192,6 +192,11 @@ class TieredStore:
             t.close()
 
     # ----- reporting -----
+    def usage(self) -> dict[str, dict[str, int | None]]:
+        """Per tier, in chain order: bytes and entries held, capacity, hits, misses, evictions,
+        expirations and the other counters of `TierStats`."""
+        return {t.name: t.usage() for t in self.tiers}
+
     def stats(self) -> dict[str, dict[str, int]]:
         out = {t.name: t.stats.as_dict() for t in self.tiers}
         w = self._writer

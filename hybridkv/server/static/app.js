@@ -117,6 +117,20 @@ async function send(text) {
   }
 }
 
+function count(n) {
+  return n === undefined || n === null ? "–" : String(n);
+}
+
+// the prefix-cache tiers below the device (host DRAM, disk, Redis): what each holds and its counters
+function renderTiers(tiers) {
+  const rows = Object.entries(tiers).map(([tier, u]) =>
+    `<tr data-tier="${tier}" data-bytes="${u.bytes ?? ""}" data-hits="${u.hits}" data-evictions="${u.evictions}">` +
+    `<td>${tier}</td><td>${human(u.bytes)}</td><td>${human(u.capacity)}</td><td>${count(u.entries)}</td>` +
+    `<td>${count(u.hits)}</td><td>${count(u.misses)}</td><td>${count(u.evictions)}</td><td>${count(u.expired)}</td></tr>`);
+  document.querySelector("#tier-table tbody").innerHTML =
+    rows.length ? rows.join("") : `<tr><td colspan="8">none: the prefix cache lives on the device only</td></tr>`;
+}
+
 async function refresh() {
   try {
     const s = await (await fetch("/stats")).json();
@@ -148,6 +162,7 @@ async function refresh() {
     $("kv-cached-total").textContent = human(cac);
     $("kv-cached-total").dataset.bytes = cac;
     $("kv-capacity-total").textContent = human(cap);
+    renderTiers(m.lower_tiers || {});
     $("config").textContent = `KV format ${m.kv_format} · window policy ${m.window_policy} · prefix caching ${m.prefix_caching ? "on" : "off"} · ${m.slots.total - m.slots.free}/${m.slots.total} slots in use · ${b.evictions} evictions`;
     $("tokens").textContent = `${t.prompt_tokens} prompt tokens (${t.cached_prompt_tokens} from the prefix cache) · ${t.generation_tokens} generated · ${t.requests} requests`;
   } catch (e) {

@@ -1,0 +1,70 @@
+"""The routes around generation: GET /v1/models, POST /tokenize (the prompt a chat or completion
+request becomes, and its token ids), GET /health, GET /metrics (Prometheus), GET /stats (the web
+page's JSON: memory, tiers, totals, in-flight) and GET / (the web page)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from hybridkv.server.admission import authorize, read_body
+from hybridkv.server.chat import plan_chat
+from hybridkv.server.protocol import ChatRequest, CompletionRequest, bad, parse_body
+from hybridkv.server.state import AppState, app_state
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(st: AppState = Depends(app_state)):
+    if not st.driver.alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models", dependencies=[Depends(authorize)])
+async def models(st: AppState = Depends(app_state)):
+    return {"object": "list", "data": [{"id": st.config.model_name, "object": "model", "created": st.created,
+                                        "owned_by": "hybridkv", "max_model_len": st.max_model_len}]}
+
+
+@router.get("/metrics")
+async def prometheus(st: AppState = Depends(app_state)):
+    return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/stats")
+async def stats(st: AppState = Depends(app_state)):
+    d = st.driver
+    return {"model": st.config.model_name, "memory": d.snapshot, "totals": st.metrics.totals(),
+            "inflight": st.inflight, "max_inflight": st.max_inflight, "engine_alive": d.alive,
+            "failed_steps": d.steps_failed}
+
+
+@router.get("/")
+async def index():
+    return FileResponse(STATIC / "index.html")
+
+
+@router.post("/tokenize", dependencies=[Depends(authorize)])
+async def tokenize(request: Request, st: AppState = Depends(app_state)):
+    raw = await read_body(request, st)
+    try:
+        is_chat = "messages" in json.loads(raw)
+    except (ValueError, TypeError, RecursionError):
+        is_chat = False     # parse_body names the problem
+    if is_chat:
+        plan = plan_chat(parse_body(raw, ChatRequest), st.config.default_thinking)
+        prompt, ids = plan.prompt, st.tokenizer.encode_segments(plan.segments)
+    else:
+        req = parse_body(raw, CompletionRequest)
+        if not isinstance(req.prompt, str):
+            raise bad("prompt must be a string here", "prompt")
+        prompt = req.prompt
+        ids = st.tokenizer.encode(prompt)
+    return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "prompt": prompt}

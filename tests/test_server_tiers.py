@@ -1,0 +1,118 @@
+"""The prefix-cache tiers below the device in /metrics, /stats and the web page's data: after a
+prefix is written to host DRAM and a disk directory and then served from them, each tier reports
+non-zero bytes and hits; a DRAM tier smaller than a request's records counts its evictions."""
+
+import random
+import time
+
+import httpx
+import pytest
+
+from hybridkv.cache.tiers import TierConfig
+
+BLOCK = 128
+
+
+def ids(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(2, 512) for _ in range(n)]
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("hybridkv:kv_tier_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def series(name: str, tier: str) -> str:
+    return f'hybridkv:kv_tier_{name}{{model_name="tiny",tier="{tier}"}}'
+
+
+def wait_for(fn, what: str, timeout: float = 20.0):
+    deadline = time.time() + timeout
+    while not (value := fn()):
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def complete(server, prompt: list[int]) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def serve_from_lower_tiers(server) -> dict:
+    """A prefix written through to the tiers, pushed off the device by a prompt that needs every
+    block, then asked for again: its blocks come back from below. Returns the last usage."""
+    prefix = ids(3 * BLOCK - 20, seed=1)
+    complete(server, prefix)
+    wait_for(lambda: server.stats()["memory"]["lower_tiers"]["disk"]["entries"] >= 4,
+             "the prefix's blocks and states on disk")
+    complete(server, ids(7 * BLOCK + 60, seed=2))       # takes all 8 device blocks
+    assert server.engine.store.pool.evictions >= 2
+    again = complete(server, prefix)
+    assert again["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK
+    server.wait_idle()
+    return again
+
+
+def make(tmp_path, dram_bytes):
+    from serverkit import LiveServer
+
+    tiers = TierConfig(dram_bytes=dram_bytes, disk_dir=str(tmp_path / "kv"))
+    return LiveServer(num_blocks=8, max_concurrency=1, max_batched_tokens=1024, tiers=tiers)
+
+
+@pytest.fixture()
+def server(tmp_path):
+    s = make(tmp_path, 1 << 30)
+    yield s
+    s.close()
+
+
+def test_dram_and_disk_tiers_report_bytes_and_hits(server):
+    before = metrics(server)
+    assert before[series("bytes", "dram")] == 0 and before[series("capacity_bytes", "dram")] == 1 << 30
+    assert before[series("hits_total", "disk")] == 0
+    serve_from_lower_tiers(server)
+    m = wait_for(lambda: (m := metrics(server))[series("hits_total", "dram")] >= 2 and m, "DRAM hits in /metrics")
+    for tier in ("dram", "disk"):
+        assert m[series("bytes", tier)] > 0 and m[series("entries", tier)] >= 4
+        assert m[series("stored_bytes_total", tier)] >= m[series("bytes", tier)] > 0
+    assert m[series("loaded_bytes_total", "dram")] > 0
+    assert m[series("hits_total", "disk")] == 0      # DRAM had every block: the disk was not asked
+    assert m[series("evictions_total", "dram")] == 0
+    # /stats carries the same numbers for the web page
+    dram = server.stats()["memory"]["lower_tiers"]["dram"]
+    assert dram["bytes"] == m[series("bytes", "dram")] and dram["capacity"] == 1 << 30 and dram["hits"] >= 2
+    assert "<h3>Prefix-cache tiers below the device</h3>" in httpx.get(server.url + "/").text
+
+
+def test_a_tiny_dram_tier_evicts_and_the_disk_serves(tmp_path):
+    server = make(tmp_path, 400_000)       # less than a block record and a window-state record together
+    try:
+        serve_from_lower_tiers(server)
+        m = wait_for(lambda: (m := metrics(server))[series("hits_total", "disk")] >= 1 and m, "disk hits")
+        assert m[series("evictions_total", "dram")] >= 2 and m[series("evicted_bytes_total", "dram")] > 0
+        assert 0 < m[series("bytes", "dram")] <= 400_000
+        assert m[series("misses_total", "dram")] >= 1        # asked first, then the disk had it
+        assert m[series("bytes", "disk")] > 0
+        stats = server.stats()["memory"]["lower_tiers"]
+        assert list(stats) == ["dram", "disk"] and stats["dram"]["evictions"] == m[series("evictions_total", "dram")]
+    finally:
+        server.close()
+
+
+def test_a_server_without_lower_tiers_reports_none(tmp_path):
+    from serverkit import LiveServer
+
+    server = LiveServer(num_blocks=8, max_concurrency=1, tiers=TierConfig(dram_bytes=0))
+    try:
+        assert server.stats()["memory"]["lower_tiers"] == {} and metrics(server) == {}
+    finally:
+        server.close()
