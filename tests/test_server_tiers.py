@@ -65,7 +65,7 @@ def make(tmp_path, dram_bytes):
     from serverkit import LiveServer
 
     tiers = TierConfig(dram_bytes=dram_bytes, disk_dir=str(tmp_path / "kv"))
-    return LiveServer(num_blocks=8, max_concurrency=1, max_batched_tokens=1024, tiers=tiers)
+    return LiveServer(num_blocks=8, max_num_seqs=1, max_num_batched_tokens=1024, tiers=tiers)
 
 
 @pytest.fixture()
@@ -111,7 +111,7 @@ def test_a_tiny_dram_tier_evicts_and_the_disk_serves(tmp_path):
 def test_a_server_without_lower_tiers_reports_none(tmp_path):
     from serverkit import LiveServer
 
-    server = LiveServer(num_blocks=8, max_concurrency=1, tiers=TierConfig(dram_bytes=0))
+    server = LiveServer(num_blocks=8, max_num_seqs=1, tiers=TierConfig(dram_bytes=0))
     try:
         assert server.stats()["memory"]["lower_tiers"] == {} and metrics(server) == {}
     finally:
