@@ -121,7 +121,7 @@ def server_from_args(a: argparse.Namespace):
         print(f"warning: serving on {a.host} without an API key (--api-key or HYBRIDKV_API_KEY)", file=sys.stderr)
     return build_server(a.model_dir, engine_config=EngineConfig.from_args(a), device=a.device, dtype=a.dtype,
                         tokenizer_path=a.tokenizer, served_model_name=a.served_model_name, api_key=api_key,
-                        max_queued=a.max_queued, max_body_bytes=a.max_body_bytes,
+                        max_queued=a.max_queued, max_body_bytes=a.max_body_bytes, public_metrics=a.public_metrics,
                         max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
                         default_thinking=a.thinking)
 
@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set HYBRIDKV_API_KEY)")
+    s.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics and /stats without the API key (for a scraper); /health is always open")
     s.add_argument("--max-queued", type=int, default=64, help="requests waiting beyond those before 429")
     s.add_argument("--max-body-bytes", type=int, default=16 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: what the engine can hold")

@@ -69,7 +69,9 @@ class LiveServer:
         self.scripts[marker] = self.server.tokenizer.encode(text) + [self.engine.config.eos_token_id]
 
     def stats(self) -> dict:
-        return httpx.get(self.url + "/stats", timeout=10).json()
+        key = self.server.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + "/stats", headers=headers, timeout=10).json()
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
         """Wait until no request runs and no block is held; returns the last /stats."""

@@ -137,7 +137,7 @@ def test_queue_full_answers_429_then_recovers(strict):
             r.close()
             cm.__exit__(None, None, None)
     strict.wait_idle()
-    assert "rejected" in httpx.get(strict.url + "/metrics").text
+    assert "rejected" in httpx.get(strict.url + "/metrics", headers=h).text
 
 
 def test_healthy_after_the_matrix(strict):

@@ -91,3 +91,71 @@ def test_finished_requests_leave_the_request_table(server):
         assert r.status_code == 200, r.text
     server.wait_idle()
     assert server.engine.requests == {}
+
+
+def test_head_health(server):
+    r = httpx.head(server.url + "/health", timeout=10)
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_a_huge_prompt_is_refused_fast_and_never_stalls_health(server):
+    import threading
+    import time
+
+    big = {"prompt": "fox " * (3 << 20), "max_tokens": 1}     # 12 MB, under the 16 MiB body limit
+    result = {}
+
+    def send():
+        t0 = time.perf_counter()
+        result["r"] = post(server, "/v1/completions", big)
+        result["s"] = time.perf_counter() - t0
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    worst = 0.0
+    while sender.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.02)
+    sender.join()
+    r = result["r"]
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert worst < 2.0, f"/health took {worst:.2f} s while a large request was read"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    from serverkit import LiveServer
+
+    s = LiveServer(api_key="k")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/stats"])
+def test_metrics_and_stats_need_the_key(keyed, path):
+    assert httpx.get(keyed.url + path, timeout=10).status_code == 401
+    assert httpx.get(keyed.url + path, headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    assert httpx.get(keyed.url + path, headers={"Authorization": "Bearer k"}, timeout=10).status_code == 200
+    assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200      # stays open
+
+
+def test_public_metrics_flag_opens_them_for_a_scraper():
+    from serverkit import LiveServer
+
+    s = LiveServer(api_key="k", public_metrics=True)
+    try:
+        assert httpx.get(s.url + "/metrics", timeout=10).status_code == 200
+        assert httpx.get(s.url + "/stats", timeout=10).status_code == 200
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                          timeout=30).status_code == 401
+    finally:
+        s.close()
+
+
+def test_serve_has_the_public_metrics_flag():
+    from hybridkv.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "M", "--public-metrics"])
+    assert a.public_metrics is True

@@ -26,6 +26,9 @@ class Tokenizer:
         self._special_ids = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         names = sorted(self._special_ids, key=len, reverse=True)
         self._special_split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.max_token_bytes = max(len(self._tok.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
+                                   for i in vocab.values()) if vocab else 1
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "Tokenizer | None":

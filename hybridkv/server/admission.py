@@ -1,12 +1,17 @@
 """What a request passes before it reaches the engine: the bearer key, the body size limit, JSON
 parsing into a schema, the model name, and the prompt and sampling limits. Each refusal is an
-`APIError` naming the problem."""
+`APIError` naming the problem.
+
+JSON parsing and tokenisation run in the thread pool, never on the event loop, so that a large
+request cannot stall every other client (`/health` included); text too long to fit in a prompt
+is refused by its byte length before the tokenizer sees it."""
 
 from __future__ import annotations
 
 import hmac
 
 from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.errors import RequestError
@@ -16,7 +21,16 @@ from hybridkv.server.state import AppState, app_state
 
 async def authorize(request: Request, st: AppState = Depends(app_state)) -> None:
     """FastAPI dependency: refuse the request unless it carries the server's key (if it has one)."""
-    key = st.config.api_key
+    _check_key(request, st.config.api_key)
+
+
+async def authorize_metrics(request: Request, st: AppState = Depends(app_state)) -> None:
+    """FastAPI dependency of /metrics and /stats: the server's key unless they are public."""
+    if not st.config.public_metrics:
+        _check_key(request, st.config.api_key)
+
+
+def _check_key(request: Request, key: str | None) -> None:
     if key is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -41,7 +55,30 @@ async def read_body(request: Request, st: AppState) -> bytes:
 
 async def read_request(request: Request, st: AppState, schema):
     """The body, within the size limit, validated into `schema`."""
-    return parse_body(await read_body(request, st), schema)
+    return await run_in_threadpool(parse_body, await read_body(request, st), schema)
+
+
+async def prompt_ids(st: AppState, text: str, param: str) -> list[int]:
+    """The token ids of a text prompt (special-token strings read as special tokens), checked."""
+    _check_prompt_bytes(st, len(text), param)
+    ids = await run_in_threadpool(st.tokenizer.encode, text)
+    check_prompt(st, ids, param)
+    return ids
+
+
+async def chat_prompt_ids(st: AppState, segments: list[tuple[str, bool]], param: str) -> list[int]:
+    """The token ids of a chat prompt's segments (special tokens from the template only), checked."""
+    _check_prompt_bytes(st, sum(len(text) for text, _ in segments), param)
+    ids = await run_in_threadpool(st.tokenizer.encode_segments, segments)
+    check_prompt(st, ids, param)
+    return ids
+
+
+def _check_prompt_bytes(st: AppState, n_chars: int, param: str) -> None:
+    # a character is at least one byte, so counting characters never refuses a prompt that fits
+    if n_chars > st.max_prompt_bytes:
+        raise bad(f"the prompt has {n_chars} characters, more than the {st.max_prompt} tokens this server takes "
+                  f"can hold", param)
 
 
 def check_model(st: AppState, name: str | None) -> None:

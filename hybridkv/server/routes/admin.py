@@ -9,8 +9,9 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from hybridkv.server.admission import authorize, read_body
+from hybridkv.server.admission import authorize, authorize_metrics, read_body
 from hybridkv.server.chat import plan_chat
 from hybridkv.server.protocol import ChatRequest, CompletionRequest, bad, parse_body
 from hybridkv.server.state import AppState, app_state
@@ -20,7 +21,7 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(st: AppState = Depends(app_state)):
     if not st.driver.alive:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
@@ -33,12 +34,12 @@ async def models(st: AppState = Depends(app_state)):
                                         "owned_by": "hybridkv", "max_model_len": st.max_model_len}]}
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(authorize_metrics)])
 async def prometheus(st: AppState = Depends(app_state)):
     return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/stats")
+@router.get("/stats", dependencies=[Depends(authorize_metrics)])
 async def stats(st: AppState = Depends(app_state)):
     d = st.driver
     return {"model": st.config.model_name, "memory": d.snapshot, "totals": st.metrics.totals(),
@@ -55,16 +56,17 @@ async def index():
 async def tokenize(request: Request, st: AppState = Depends(app_state)):
     raw = await read_body(request, st)
     try:
-        is_chat = "messages" in json.loads(raw)
+        is_chat = "messages" in await run_in_threadpool(json.loads, raw)
     except (ValueError, TypeError, RecursionError):
         is_chat = False     # parse_body names the problem
     if is_chat:
-        plan = plan_chat(parse_body(raw, ChatRequest), st.config.default_thinking)
-        prompt, ids = plan.prompt, st.tokenizer.encode_segments(plan.segments)
+        plan = plan_chat(await run_in_threadpool(parse_body, raw, ChatRequest), st.config.default_thinking)
+        prompt = plan.prompt
+        ids = await run_in_threadpool(st.tokenizer.encode_segments, plan.segments)
     else:
-        req = parse_body(raw, CompletionRequest)
+        req = await run_in_threadpool(parse_body, raw, CompletionRequest)
         if not isinstance(req.prompt, str):
             raise bad("prompt must be a string here", "prompt")
         prompt = req.prompt
-        ids = st.tokenizer.encode(prompt)
+        ids = await run_in_threadpool(st.tokenizer.encode, prompt)
     return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "prompt": prompt}

@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from hybridkv.server.admission import authorize, check_model, check_prompt, read_request, sampling_params
+from hybridkv.server.admission import authorize, chat_prompt_ids, check_model, read_request, sampling_params
 from hybridkv.server.chat import plan_chat, token_logprobs, tool_call_objects, usage
 from hybridkv.server.driver import Output
 from hybridkv.server.protocol import ChatRequest, bad
@@ -49,8 +49,7 @@ async def chat_completions(request: Request, st: AppState = Depends(app_state)):
     req = await read_request(request, st, ChatRequest)
     check_model(st, req.model)
     plan = plan_chat(req, st.config.default_thinking)
-    ids = st.tokenizer.encode_segments(plan.segments)
-    check_prompt(st, ids, "messages")
+    ids = await chat_prompt_ids(st, plan.segments, "messages")
     if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     params = sampling_params(st, req, req.max_completion_tokens or req.max_tokens, len(ids),

@@ -8,7 +8,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from hybridkv.server.admission import authorize, check_model, check_prompt, read_request, sampling_params
+from hybridkv.server.admission import authorize, check_model, check_prompt, prompt_ids, read_request, sampling_params
 from hybridkv.server.chat import usage
 from hybridkv.server.driver import Output
 from hybridkv.server.protocol import CompletionRequest, bad
@@ -18,7 +18,7 @@ from hybridkv.server.streaming import Generation
 router = APIRouter(dependencies=[Depends(authorize)])
 
 
-def _prompt_ids(st: AppState, req: CompletionRequest) -> list[int]:
+async def _prompt_ids(st: AppState, req: CompletionRequest) -> list[int]:
     if req.echo or req.suffix or (req.best_of or 1) != 1:
         raise bad("echo, suffix and best_of are not supported", "echo" if req.echo else
                   ("suffix" if req.suffix else "best_of"))
@@ -27,7 +27,9 @@ def _prompt_ids(st: AppState, req: CompletionRequest) -> list[int]:
         if len(prompt) != 1:
             raise bad("batched prompts are not supported; send one prompt per request", "prompt")
         prompt = prompt[0]
-    ids = st.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        return await prompt_ids(st, prompt, "prompt")
+    ids = list(prompt)
     check_prompt(st, ids, "prompt")
     return ids
 
@@ -45,7 +47,7 @@ async def completions(request: Request, st: AppState = Depends(app_state)):
     arrival = time.time()
     req = await read_request(request, st, CompletionRequest)
     check_model(st, req.model)
-    ids = _prompt_ids(st, req)
+    ids = await _prompt_ids(st, req)
     params = sampling_params(st, req, req.max_tokens, len(ids), req.logprobs)
     want = req.logprobs is not None
     gen = await Generation.start(st, ids, params, want, "prompt")

@@ -133,7 +133,13 @@ function renderTiers(tiers) {
 
 async function refresh() {
   try {
-    const s = await (await fetch("/stats")).json();
+    const r = await fetch("/stats", { headers: headers() });
+    if (r.status === 401) {
+      $("status").textContent = "enter the API key to see the server's state";
+      $("status").className = "pill bad";
+      return;
+    }
+    const s = await r.json();
     const m = s.memory;
     model = s.model;
     $("model").textContent = s.model;
