@@ -109,7 +109,8 @@ class Attention(nn.Module):
             o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
-        o = self.wo_a.forward_grouped(o, self.groups)
+        wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
         return self.wo_b(o.flatten(1))
 
     def _token_rows(self, x, qr, freqs, batch: ForwardBatch) -> dict[str, torch.Tensor]:

@@ -80,14 +80,5 @@ class Linear(nn.Module):
         y = F.linear(self.prepare_input(x), self.dense_weight())
         return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)
 
-    def forward_grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
-        """A block-diagonal product without input quantisation: x [T, G, in/G] -> [T, G, out/G] of
-        x's dtype, group g's output rows of the weight acting on x[:, g] (attention's `wo_a`)."""
-        if self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block, groups):
-            from hybridkv.ops.qgemm import triton as kernels
-            return kernels.fp8_linear(x, self.weight, self.scale, x.dtype, quant_x=False, groups=groups)
-        w = self.dense_weight().view(groups, self.out_features // groups, -1)
-        return torch.einsum("tgd,grd->tgr", x, w.to(x.dtype))
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"

@@ -1,5 +1,5 @@
 """The packed-weight GEMMs against dequantise-then-GEMM (relative RMS): FP8 linears in their
-decode (split-K) and prefill configurations and as attention's block-diagonal wo_a, and the grouped
+decode (split-K) and prefill configurations, and the grouped
 FP4 experts over tokens sorted by expert against the per-expert loop."""
 
 import pytest
@@ -47,20 +47,6 @@ def test_fp8_linear_keeps_leading_dims_and_ragged_n(device):
     cfg = dict(BM=16, BN=128, SPLIT_K=1, GROUP_M=2, num_warps=4, num_stages=2)
     got = kernels.fp8_linear(x, q.to(device), s.to(device), torch.float32, config=cfg)
     assert rel_rms(reference.fp8_linear(x, q.to(device), s.to(device), (128, 128), torch.float32), got) < TOL
-
-
-def test_block_diagonal_wo_a(device):
-    """Attention's wo_a: group g's 128 rows act on x[:, g], no input quantisation."""
-    g = torch.Generator().manual_seed(3)
-    lin = Linear(256, 256, "fp8", torch.float32)
-    q, s = _fp8_weight(256, 128, g)
-    lin.weight.data, lin.scale.data = q, s
-    lin.in_features = 128
-    x = torch.randn(5, 2, 128, generator=g)
-    want = torch.einsum("tgd,grd->tgr", x, lin.dense_weight().view(2, 128, 128))
-    got = kernels.fp8_linear(x.to(device), q.to(device), s.to(device), torch.float32, quant_x=False, groups=2)
-    assert got.shape == (5, 2, 128)
-    assert rel_rms(want, got.cpu()) < TOL
 
 
 def _fp4_moe(seed, experts=6, topk=2):

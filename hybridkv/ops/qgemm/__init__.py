@@ -12,13 +12,13 @@ from hybridkv.ops.backend import dense_weights, use_triton
 from hybridkv.ops.qgemm import reference  # noqa: F401
 
 
-def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int], groups: int = 1) -> bool:
+def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether `fp8_linear` runs the kernel for this input and weight (CUDA, 128×128 blocks, K a
     multiple of 128, not forced dense)."""
     if dense_weights() or not use_triton(x) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     from hybridkv.ops.qgemm import triton as kernels
-    return kernels.fp8_supported(weight, block, groups)
+    return kernels.fp8_supported(weight, block)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

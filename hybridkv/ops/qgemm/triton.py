@@ -6,8 +6,7 @@
   is done in the same program on the tile it loads, bit-identical with the one-launch kernel of
   `hybridkv.ops.quant`. Two configurations: decode (≤ 64 rows: 16-row tiles, the K loop split
   over programs so that a few rows still spread over every SM, partial sums added by one torch
-  sum) and prefill (128×128 tiles, grouped launch order for L2 reuse). An optional group axis runs
-  a block-diagonal weight (attention's `wo_a`) as one launch.
+  sum) and prefill (128×128 tiles, grouped launch order for L2 reuse).
 - `grouped_fp4`: the routed experts' packed E2M1 weights (two per byte, low nibble = even element,
   e8m0 scale per 32 inputs) over rows sorted by expert (`hybridkv.ops.grouped_moe`), one launch
   for all experts: each program owns a tile of one expert's rows (the tile table says which) and
@@ -67,11 +66,10 @@ def _e2m1(nib):
 
 
 @triton.jit
-def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_xg, stride_ym, stride_yg, stride_ys, ws_stride,
-                    w_group_rows, QUANT_X: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_ym, stride_ys, ws_stride, QUANT_X: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
                     FLOOR: tl.constexpr, QMAX: tl.constexpr):
-    pid, pid_k, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     width = GROUP_M * num_n
     first_m = (pid // width) * GROUP_M
@@ -82,33 +80,31 @@ def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_xg, stride_ym, strid
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_ok, n_ok = rm < M, rn < N
-    wrow = g * w_group_rows + rn
-    xg = X + g.to(tl.int64) * stride_xg
     n_kb = K // BK
     per = tl.cdiv(n_kb, SPLIT_K)
     kb0 = pid_k * per
     kb1 = tl.minimum(kb0 + per, n_kb)
-    srow = (g * w_group_rows + pid_n * BN) // BK          # BN divides the 128-row scale tile
+    srow = (pid_n * BN) // BK          # BN divides the 128-row scale tile
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb0, kb1):
-        x = tl.load(xg + rm.to(tl.int64)[:, None] * stride_xm + (kb * BK + rk)[None, :], mask=m_ok[:, None],
+        x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + (kb * BK + rk)[None, :], mask=m_ok[:, None],
                     other=0.0).to(tl.float32)
         if QUANT_X:
             x = _act_quant(x, FLOOR, QMAX)
-        w = tl.load(W + wrow.to(tl.int64)[:, None] * K + (kb * BK + rk)[None, :], mask=n_ok[:, None], other=0.0)
+        w = tl.load(W + rn.to(tl.int64)[:, None] * K + (kb * BK + rk)[None, :], mask=n_ok[:, None], other=0.0)
         s = _e8m0(tl.load(WS + srow * ws_stride + kb))
         acc += tl.dot(x.to(DOT), tl.trans(w.to(DOT))) * s
-    out = Y + pid_k.to(tl.int64) * stride_ys + g.to(tl.int64) * stride_yg
+    out = Y + pid_k.to(tl.int64) * stride_ys
     tl.store(out + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fp8_config(m: int, n: int, k: int, groups: int = 1) -> dict:
+def fp8_config(m: int, n: int, k: int) -> dict:
     """Tile sizes for an [m, k] × [n, k]ᵀ FP8 GEMM: decode-shaped (few rows) or prefill-shaped."""
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 64
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         n_kb = k // SCALE_BLOCK
         split = 1
         while split * 2 <= n_kb // 2 and tiles * split < 2 * NUM_SMS_GUESS:
@@ -118,39 +114,32 @@ def fp8_config(m: int, n: int, k: int, groups: int = 1) -> dict:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-               quant_x: bool = True, groups: int = 1, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (groups = 1) or [..., groups, K/groups... ] -> [..., N] of out_dtype, where the weight
-    is e4m3 [N, K] with e8m0 scales per 128×128 tile. With groups > 1, x is [..., G, Kg] and the
-    weight [G·R, Kg]: group g's rows of the weight act on x[..., g, :] (block-diagonal); output
-    [..., G, R]."""
-    n_rows, k = weight.shape
-    lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
-    x2 = x.reshape(-1, groups, k) if groups > 1 else x.reshape(-1, k)
+               quant_x: bool = True, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] of out_dtype, the weight e4m3 [N, K] with e8m0 scales per 128×128
+    tile; the input goes through the FP8 round trip per 128 values unless quant_x is False."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    r = n_rows // groups
-    cfg = dict(config or fp8_config(m, r, k, groups))
+    cfg = dict(config or fp8_config(m, n, k))
     split = cfg.pop("SPLIT_K")
-    if split > 1:
-        y = torch.empty(split, m, groups, r, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(m, groups, r, dtype=out_dtype, device=x.device)
+    y = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else \
+        torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(r, cfg["BN"]), split, groups)
+        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
         fp8_gemm_kernel[grid](
-            x2, weight, scale.view(torch.uint8), y, m, r, k, x2.stride(0), x2.stride(1) if groups > 1 else 0,
-            groups * r, r, m * groups * r, scale.stride(0), r, QUANT_X=quant_x, BK=SCALE_BLOCK, SPLIT_K=split,
-            DOT=_dot_dtype(), FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, **cfg)
+            x2, weight, scale.view(torch.uint8), y, m, n, k, x2.stride(0), n, m * n, scale.stride(0),
+            QUANT_X=quant_x, BK=SCALE_BLOCK, SPLIT_K=split, DOT=_dot_dtype(), FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
+            **cfg)
     if split > 1:
         y = y.sum(0).to(out_dtype)
-    return y.view(*lead, groups, r) if groups > 1 else y.view(*lead, r)
+    return y.view(*lead, n)
 
 
-def fp8_supported(weight: torch.Tensor, block: tuple[int, int], groups: int = 1) -> bool:
-    n, k = weight.shape
-    return (tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and k % SCALE_BLOCK == 0
-            and (n // groups) % SCALE_BLOCK == 0 and n % groups == 0)
+def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    return tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and weight.shape[1] % SCALE_BLOCK == 0
 
 
 @triton.jit
