@@ -280,7 +280,8 @@ def report(rows: list[dict], a) -> None:
         if mem:
             over = peak["peak_bytes"] - mem["checkpoint_bytes"] - mem["kv_pool_bytes"] if peak else None
             print(f"| {path} | {fmt_bytes(mem['checkpoint_bytes'])} | {fmt_bytes(mem['kv_pool_bytes'])} | "
-                  f"{fmt_bytes(mem['after_load_bytes'])} | {fmt_bytes(peak and peak['peak_bytes'])} | {fmt_bytes(over)} |")
+                  f"{fmt_bytes(mem['after_load_bytes'])} | {fmt_bytes(peak and peak['peak_bytes'])} | "
+                  f"{fmt_bytes(over)} |")
 
 
 def main() -> int:

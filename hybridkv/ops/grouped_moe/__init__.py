@@ -36,7 +36,7 @@ def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
     # frombuffer: a tensor from host data without a dispatched op, so a recorder of the captured
     # forward sees nothing even when the table is first built there (on CUDA it is built in the
     # warm-up before capture)
-    return torch.frombuffer(array.array("q", [t.data_ptr() for t in tensors]), dtype=torch.int64).to(device)
+    return torch.frombuffer(array.array("q", [t.data_ptr() for t in tensors]), dtype=torch.int64).to(device, copy=True)
 
 
 def table_key(projections: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple:
@@ -61,7 +61,8 @@ def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[to
 def grouped_kernel_ok(x: torch.Tensor, act_block: int, dim: int, inter: int) -> bool:
     """Whether the grouped FP4 kernels run for x: CUDA (or the interpreter with
     HYBRIDKV_KERNELS=triton), 128-value activation blocks, both widths multiples of 128."""
-    return (not dense_weights() and use_triton(x) and act_block == 128 and dim % 128 == 0 and inter % 128 == 0
+    return (not dense_weights() and use_triton(x) and not (x.requires_grad and torch.is_grad_enabled())
+            and act_block == 128 and dim % 128 == 0 and inter % 128 == 0
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.ops.backend import dense_weights, use_triton
+from hybridkv.ops.backend import dense_weights, is_deterministic, use_triton
 from hybridkv.ops.qgemm import reference  # noqa: F401
 
 
 def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    """Whether `fp8_linear` runs the kernel for this input and weight (CUDA, 128×128 blocks, K a
-    multiple of 128, not forced dense)."""
-    if dense_weights() or not use_triton(x) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    """Whether `fp8_linear` runs the kernel for this input and weight: CUDA, 128×128 blocks, K a
+    multiple of 128, no gradient wanted (the kernel has no backward), not forced dense, and not in
+    deterministic mode (whose batch-invariant GEMMs replace torch's, and the kernel's split-K
+    depends on the batch)."""
+    if (dense_weights() or is_deterministic() or not use_triton(x) or (x.requires_grad and torch.is_grad_enabled())
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         return False
     from hybridkv.ops.qgemm import triton as kernels
     return kernels.fp8_supported(weight, block)

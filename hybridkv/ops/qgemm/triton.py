@@ -66,7 +66,8 @@ def _e2m1(nib):
 
 
 @triton.jit
-def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_ym, stride_ys, ws_stride, QUANT_X: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_ym, stride_ys, ws_stride, QUANT_X: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
                     FLOOR: tl.constexpr, QMAX: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
