@@ -2,7 +2,13 @@
 token-id → experts table on hash layers), routed SwiGLU experts with clamping, one shared expert.
 V4.1's gate divides the logits by `gate_temp` and normalises the weights with a 1e-20 guard; a
 multimodal V4.1 checkpoint also carries `bias_vl`, the selection bias of image tokens (the text
-path never uses it)."""
+path never uses it).
+
+Routed experts run three ways: on CUDA with FP4 experts, two grouped launches over the tokens
+sorted by expert that read the packed weights (`hybridkv.ops.grouped_moe`; no host
+synchronisation, so also inside the decode CUDA graph); otherwise one GEMM per expert that has
+tokens (the reference, host-synchronising), or in captured forwards `_routed_static` over dense
+expert weights. Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from torch import nn
 
 from hybridkv.config import ModelConfig
 from hybridkv.model.linear import Linear
+from hybridkv.ops import grouped_moe
 from hybridkv.ops.backend import is_deterministic
 
 
@@ -90,12 +97,17 @@ class MoE(nn.Module):
             for _ in range(c.n_routed_experts))
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit)
         self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
+        self._tables: grouped_moe.ExpertTables | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         """x [T, dim] -> [T, dim]. `static`: fixed shapes and no host synchronisation (a forward
         captured into a CUDA graph), see `_routed_static`."""
         weights, ids = self.gate(x, input_ids)
-        if static:
+        tables = self.expert_tables(x)
+        if tables is not None:
+            first = self.experts[0]
+            y = grouped_moe.routed_experts_fp4(x, weights, ids, tables, first.limit, first.w1.compute_dtype)
+        elif static:
             y = self._routed_static(x, weights, ids)
         else:
             y = torch.zeros_like(x, dtype=torch.float32)
@@ -137,6 +149,23 @@ class MoE(nn.Module):
             w2e = w2.view(w2.shape[0], n, inter).transpose(0, 1)[flat]                  # [T·k, dim, inter]
             return torch.bmm(w2e, h.unsqueeze(-1)).squeeze(-1).float().view(t, k, -1).sum(1)
         return F.linear(h.flatten(1), w2).float()
+
+    def expert_tables(self, x: torch.Tensor) -> grouped_moe.ExpertTables | None:
+        """The grouped kernels' per-expert weight addresses when they run for x (FP4 experts on
+        CUDA, not deterministic, not forced dense), else None. Built on first use and rebuilt when
+        the parameters move."""
+        first = self.experts[0]
+        if (first.w1.fmt != "fp4" or is_deterministic()
+                or not grouped_moe.grouped_kernel_ok(x, first.w1.act_block, first.w1.in_features,
+                                                     first.w1.out_features)):
+            return None
+        ends = [[(getattr(e, w).weight, getattr(e, w).scale) for e in (first, self.experts[-1])]
+                for w in ("w1", "w3", "w2")]
+        if self._tables is None or self._tables.key != grouped_moe.table_key(ends):
+            projections = [[(getattr(e, w).weight, getattr(e, w).scale) for e in self.experts]
+                           for w in ("w1", "w3", "w2")]
+            self._tables = grouped_moe.expert_tables(*projections)
+        return self._tables
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The routed experts' dense weights side by side, built once: w1 and w3 as [E·inter, dim]

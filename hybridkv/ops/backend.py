@@ -5,7 +5,8 @@ when Triton imports, the plain-torch reference everywhere else. `HYBRIDKV_KERNEL
 `reference` forces the reference on CUDA too (for A/B runs); `triton` forces the kernels on CPU
 tensors as well, which only works under Triton's interpreter (`TRITON_INTERPRET=1`, set before
 triton is imported): the tests run the engine's kernel path that way. Tests of single kernels call
-the `triton` modules directly.
+the `triton` modules directly. `HYBRIDKV_DENSE_WEIGHTS=1` keeps dense copies of the quantised
+weights instead of the packed-weight GEMMs (`dense_weights`).
 
 Deterministic mode (`set_deterministic(True)` or `with deterministic():`) makes a token's result
 independent of the batch it runs in: kernels use fixed split sizes and fixed reduction orders
@@ -54,6 +55,13 @@ def use_triton(x: torch.Tensor) -> bool:
                                "(set before triton is imported)")
         return True
     return x.is_cuda and triton_available()
+
+
+def dense_weights() -> bool:
+    """`HYBRIDKV_DENSE_WEIGHTS=1`: quantised linears and experts dequantise their weights once and
+    cache the dense copy, on CUDA too (the path before the packed-weight kernels; a benchmark
+    baseline). Otherwise CUDA runs the kernels that read the packed weights."""
+    return os.environ.get("HYBRIDKV_DENSE_WEIGHTS", "0") == "1"
 
 
 def is_deterministic() -> bool:

@@ -1,28 +1,48 @@
-"""A random-weight checkpoint in the release format with a preset's real attention and cache shapes:
-for benchmarks of the cache, the engine and the kernels at V4-Flash dimensions without the 280 GB
-release. Layer count, vocabulary and MoE width are overridable (they do not change a token's KV).
+"""A random-weight checkpoint in the release format with a preset's real shapes: for benchmarks of
+the cache, the engine and the kernels at V4-Flash dimensions without the 280 GB release. Layer
+count, vocabulary and MoE width are overridable (they do not change a token's KV).
 
+    python -m hybridkv.tools.random_checkpoint OUT_DIR --preset v4-flash --layers 8
     python -m hybridkv.tools.random_checkpoint OUT_DIR --preset v4-flash --layers 4 --vocab 1024 \\
         --experts 8 --moe-inter 512
 
 The compress ratios keep the preset's pattern: pure-window layers first, then CSA/HCA alternating,
-the MTP layer(s) window-only. Weights follow the training init (`hybridkv.train.init`); FP8
-linears and FP4 experts are quantised as a trained export would be.
+the MTP layer(s) window-only.
+
+The checkpoint is written part by part (the embedding, each block, each MTP block, the head), one
+shard per part, each tensor streamed to its shard as soon as it is made: host memory holds one
+part's non-expert weights (float32, ~0.6 GB for a V4-Flash block) and one routed expert matrix,
+never the model. Non-expert weights follow the training init (`hybridkv.train.init`) and FP8
+linears are quantised from it with e8m0 128×128 block scales, as a trained export would be. Routed
+FP4 experts are made packed: uniformly random E2M1 codes (rms 2.93) under one power-of-two scale
+per tensor that gives them the init's standard deviation, so activations stay at the init's size
+at any width (quantising a normal init per 32 would take an hour at 256 × 2048 × 8 layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch import nn
 
 from hybridkv.config import ModelConfig
 from hybridkv.model import Transformer
+from hybridkv.model.transformer import weight_formats
+from hybridkv.model.linear import FP4_WEIGHT_BLOCK, Linear
+from hybridkv.ops.quant import E2M1_VALUES, quant_fp8_weight
 from hybridkv.presets import PRESETS
-from hybridkv.train.export import release_state
 from hybridkv.train.init import init_weights
-from hybridkv.weights import save_checkpoint
+from hybridkv.weights import INDEX_FILE, SINGLE_FILE, _ST_NAMES
+
+INIT_STD = 0.02
+E2M1_UNIFORM_RMS = float(E2M1_VALUES.pow(2).mean().sqrt())   # rms of uniformly random E2M1 codes
 
 
 def shaped_config(preset: str, layers: int | None = None, vocab: int | None = None, experts: int | None = None,
@@ -50,18 +70,168 @@ def shaped_config(preset: str, layers: int | None = None, vocab: int | None = No
     return ModelConfig.from_dict(d)
 
 
+class _Part(nn.Module):
+    """One part of a model under the model's own parameter names (what `init_weights` reads)."""
+
+    def __init__(self, config: ModelConfig, modules: dict[str, nn.Module], params: dict[str, nn.Parameter]):
+        super().__init__()
+        self.config = config
+        for path, mod in modules.items():
+            head, _, idx = path.partition(".")
+            if idx:
+                if head not in self._modules:
+                    self.add_module(head, nn.ModuleDict())
+                self._modules[head][idx] = mod
+            else:
+                self.add_module(path, mod)
+        for name, p in params.items():
+            self.register_parameter(name, p)
+
+
+def _parts(model: Transformer) -> list[tuple[str, dict[str, nn.Module], dict[str, nn.Parameter]]]:
+    """(shard label, submodules by path, top-level parameters) in file order."""
+    parts = [("embed", {"embed": model.embed}, {})]
+    parts += [(f"layer{i}", {f"layers.{i}": m}, {}) for i, m in enumerate(model.layers)]
+    parts += [(f"mtp{i}", {f"mtp.{i}": m}, {}) for i, m in enumerate(model.mtp)]
+    top = {n: p for n, p in model.named_parameters(recurse=False)}
+    parts.append(("head", {"norm": model.norm, "head": model.head}, top))
+    return parts
+
+
+def _is_packed_expert(mod: nn.Module) -> bool:
+    return isinstance(mod, Linear) and mod.fmt == "fp4"
+
+
+def _materialize(module: nn.Module) -> None:
+    """Allocate `module`'s meta tensors on the CPU except those of FP4 linears (made packed later);
+    float tensors start as NaN and integer ones as -1, so a tensor the init misses is caught."""
+    if _is_packed_expert(module):
+        return
+    module.to_empty(device="cpu", recurse=False)
+    for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+        t.data.fill_(float("nan") if t.is_floating_point() else -1)
+    for child in module.children():
+        _materialize(child)
+
+
+def _seed(seed: int, label: str) -> int:
+    return zlib.crc32(label.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+
+
+def _fp4_std(name: str, config: ModelConfig) -> float:
+    out_scale = 1 / math.sqrt(2 * (config.num_hidden_layers + config.num_nextn_predict_layers))
+    return INIT_STD * (out_scale if name.endswith(".w2.weight") else 1.0)
+
+
+def _packed_fp4(shape: tuple[int, ...], rng: np.random.Generator) -> torch.Tensor:
+    n = math.prod(shape)
+    raw = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
+    return torch.from_numpy(raw.reshape(shape)).view(torch.int8)
+
+
+def _fp4_scale(shape: tuple[int, ...], std: float) -> torch.Tensor:
+    s = 2.0 ** round(math.log2(std / E2M1_UNIFORM_RMS))
+    return torch.full(shape, s, dtype=torch.float32).to(torch.float8_e8m0fnu)
+
+
+Producer = Callable[[], torch.Tensor]
+
+
+def _part_tensors(config: ModelConfig, float_part: _Part, release_part: _Part,
+                  seed: int, label: str) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], Producer]]:
+    """(name, dtype, shape, make) of each release tensor of one part; `make` builds it on call."""
+    float_state = float_part.state_dict()
+    modules = dict(release_part.named_modules())
+    rng = np.random.Generator(np.random.SFC64(_seed(seed, label)))
+    done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fp8(owner: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if owner not in done:                       # weight and scale come from one quantisation
+            done.clear()
+            done[owner] = quant_fp8_weight(float_state[f"{owner}.weight"], block)
+        return done[owner]
+
+    for name, target in release_part.state_dict(keep_vars=True).items():
+        owner, _, leaf = name.rpartition(".")
+        mod = modules.get(owner)
+        dtype, shape = target.dtype, tuple(target.shape)
+        if name.endswith("tid2eid"):
+            dtype = torch.int64
+        if isinstance(mod, Linear) and mod.fmt == "fp4":
+            std = _fp4_std(f"{owner}.weight", config)
+            make = (lambda s=shape: _packed_fp4(s, rng)) if leaf == "weight" else \
+                (lambda s=shape, sd=std: _fp4_scale(s, sd))
+        elif isinstance(mod, Linear) and mod.fmt == "fp8":
+            make = (lambda o=owner, b=mod.block, i=int(leaf == "scale"): fp8(o, b)[i])
+        else:
+            make = (lambda t=float_state[name], d=dtype: t.to(d))
+        yield name, dtype, shape, make
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...], Producer]]) -> int:
+    """A safetensors file written one tensor at a time (the header is known from shapes alone).
+    Returns its data bytes."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape, _ in tensors:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, dtype, shape, make in tensors:
+            t = make().contiguous()
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, declared {dtype} {shape}")
+            if t.is_floating_point() and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+                raise AssertionError(f"{name}: the init left non-finite values")
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return offset
+
+
 @torch.no_grad()
 def write_random_checkpoint(config: ModelConfig, out_dir: str | Path, seed: int = 0,
-                            max_shard_bytes: int = 2 << 30) -> Path:
+                            progress: Callable[[str], None] | None = None) -> Path:
+    """Write `config.json` and one shard per part of a random-weight model in `config`'s release
+    format, with an index. Shards are written under temporary names and renamed at the end."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     float_cfg = config.to_dict()
     float_cfg.pop("quantization_config", None)
-    float_cfg["expert_dtype"] = "bf16"
-    model = Transformer(ModelConfig.from_dict(float_cfg), dtype=torch.float32)
-    init_weights(model, seed)
-    release = Transformer(config, dtype=torch.bfloat16)
-    release.load_state_dict(release_state(model.state_dict(), release))
-    save_checkpoint(release, config, out_dir, max_shard_bytes=max_shard_bytes)
-    return Path(out_dir)
+    float_cfg["expert_dtype"] = "fp4" if weight_formats(config)[1] == "fp4" else "bf16"
+    with torch.device("meta"):
+        float_model = Transformer(ModelConfig.from_dict(float_cfg), dtype=torch.float32)
+        release = Transformer(config, dtype=torch.bfloat16)
+    float_parts, release_parts = _parts(float_model), _parts(release)
+    n = len(release_parts)
+    weight_map, total, written = {}, 0, []
+    for i, ((label, fmods, fparams), (_, rmods, rparams)) in enumerate(zip(float_parts, release_parts)):
+        fpart = _Part(float_model.config, fmods, fparams)
+        _materialize(fpart)
+        init_weights(fpart, _seed(seed, label) & 0x7FFFFFFF)
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = list(_part_tensors(config, fpart, _Part(config, rmods, rparams), seed, label))
+        tmp = out_dir / (fname + ".tmp")
+        total += _write_shard(tmp, tensors)
+        written.append((tmp, out_dir / fname))
+        weight_map.update({name: fname for name, *_ in tensors})
+        for mod in fmods.values():
+            mod.to_empty(device="meta")             # the part's float weights are done with
+        if progress:
+            progress(label)
+    idx_tmp = out_dir / (INDEX_FILE + ".tmp")
+    idx_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    written.append((idx_tmp, out_dir / INDEX_FILE))
+    cfg_tmp = out_dir / "config.json.tmp"
+    cfg_tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    written.append((cfg_tmp, out_dir / "config.json"))
+    for tmp, final in written:
+        tmp.replace(final)
+    if (out_dir / SINGLE_FILE).exists():
+        (out_dir / SINGLE_FILE).unlink()
+    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     cfg = shaped_config(a.preset, a.layers, a.vocab, a.experts, a.moe_inter)
-    out = write_random_checkpoint(cfg, a.out_dir, a.seed)
-    print(f"wrote {out}: {cfg.num_hidden_layers} layers, ratios {list(cfg.compress_ratios)}, "
-          f"hidden {cfg.hidden_size}, head_dim {cfg.head_dim}, vocab {cfg.vocab_size}")
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.num_hidden_layers + cfg.num_nextn_predict_layers + 2, desc="parts", unit="part")
+    out = write_random_checkpoint(cfg, a.out_dir, a.seed, progress=lambda _: bar.update())
+    bar.close()
+    size = json.loads((out / INDEX_FILE).read_text())["metadata"]["total_size"]
+    print(f"wrote {out}: {size / 1e9:.2f} GB, {cfg.num_hidden_layers} layers, ratios {list(cfg.compress_ratios)}, "
+          f"hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts x {cfg.moe_intermediate_size}, "
+          f"head_dim {cfg.head_dim}, vocab {cfg.vocab_size}")
     return 0
 
 

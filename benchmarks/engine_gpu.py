@@ -1,0 +1,337 @@
+"""The GPU serving path at V4-Flash's real MoE width, against the bytes a decode step must read.
+
+Builds (once, reused) a random V4-Flash-shaped checkpoint of `--layers` blocks at the real MoE
+width (256 experts × 2048, FP4 experts, FP8 linears; `hybridkv.tools.random_checkpoint`), serves it
+with fp8 KV, and for each weight path (`packed`: the kernels that read FP8/FP4 weights; `dense`:
+HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh process:
+
+- decode at each batch × context (and 1M at B=1 with --million): wall ms per step (median, host
+  clock around a synchronised step), device ms per step (kernel time under torch.profiler), tokens/s,
+  and the least bytes the step must read: the non-expert weights of the blocks and the head, the
+  routed experts the step's tokens selected (counted in an extra eager step with hooks on the
+  gates), the KV the attention kernels must read (each layer's window, a CSA layer's top-k entries
+  and every indexer key, an HCA layer's entries). `bytes ms` = those bytes ÷ --bandwidth (the
+  H200's measured copy rate, 4.13 TB/s), `ratio` = device ms ÷ bytes ms.
+- GPU memory after loading and the peak over the run, next to the checkpoint's bytes and the KV
+  pool's.
+- prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
+  (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill).
+
+    python benchmarks/engine_gpu.py --ckpt /tmp/v4flash-8 [--layers 8] [--batches 1,8,64]
+        [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense] [--steps 16]
+        [--json OUT]
+    python benchmarks/engine_gpu.py --smoke       # a tiny model on the CPU: checks the script runs
+
+Filling 64 requests of 128K takes 8M prefill tokens; `--paths packed --batches 64 --contexts 128k`
+runs that cell alone. CPU numbers (--smoke) are not results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridkv.cache.layout import entry_bytes  # noqa: E402
+from hybridkv.cli import _parse_count  # noqa: E402
+from hybridkv.weights import INDEX_FILE  # noqa: E402
+
+GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_", re.I)
+WARM_STEPS = 3
+
+
+# ----- counting -----------------------------------------------------------------------------------
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes a decode step reads whatever the routing: the blocks without their routed experts, the
+    head, the final norm and hc head; and one routed expert's bytes (w1 + w3 + w2 with scales)."""
+    blocks = 0
+    for layer in model.layers:
+        blocks += _tensor_bytes(layer) - sum(_tensor_bytes(e) for e in layer.ffn.experts)
+        blocks -= sum(b.numel() * b.element_size() for n, b in layer.named_buffers() if n.endswith("tid2eid"))
+    head = _tensor_bytes(model.head) + _tensor_bytes(model.norm)
+    head += sum(p.numel() * p.element_size() for n, p in model.named_parameters(recurse=False))
+    return {"non_expert": blocks + head, "expert": _tensor_bytes(model.layers[0].ffn.experts[0])}
+
+
+def kv_read_bytes(config, context: int, topk: int) -> int:
+    """KV bytes the attention kernels read for one request decoding at `context` (fp8 layout)."""
+    eb = entry_bytes(config, "fp8")
+    total = 0
+    for r in config.compress_ratios[: config.num_hidden_layers]:
+        total += min(context, config.sliding_window) * eb.window
+        if r == 4:
+            total += min(topk, context // 4) * eb.main + (context // 4) * eb.index
+        elif r:
+            total += (context // r) * eb.main
+    return total
+
+
+def linear_flops_per_token(model) -> int:
+    """2·in·out of every linear layer a prefill token passes through (routed experts: k of them;
+    the LM head runs for the last token only and is left out)."""
+    from hybridkv.model.linear import Linear
+    cfg = model.config
+    flops = 0
+    for layer in model.layers:
+        for name, m in layer.named_modules():
+            if ".experts." in f".{name}" or name.startswith("ffn.experts"):
+                continue
+            if isinstance(m, (Linear, torch.nn.Linear)):
+                flops += 2 * m.in_features * m.out_features
+        flops += 2 * layer.ffn.gate.weight.numel()
+        e = layer.ffn.experts[0]
+        flops += cfg.num_experts_per_tok * 2 * sum(lin.in_features * lin.out_features for lin in (e.w1, e.w2, e.w3))
+    return flops
+
+
+class ExpertCounter:
+    """Distinct routed experts selected per layer while attached (hooks on the gates)."""
+
+    def __init__(self, model):
+        self.per_layer: list[set[int]] = [set() for _ in model.layers]
+        self.handles = [layer.ffn.gate.register_forward_hook(self._hook(i)) for i, layer in enumerate(model.layers)]
+
+    def _hook(self, i):
+        def hook(_mod, _inp, out):
+            self.per_layer[i].update(out[1].flatten().tolist())
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    @property
+    def total(self) -> int:
+        return sum(len(s) for s in self.per_layer)
+
+
+# ----- timing -------------------------------------------------------------------------------------
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def step_times(eng, steps: int, cuda: bool) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        sync(cuda)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[str, float]]]:
+    """(all kernels' device ms, GEMM kernels' device ms, top kernels) of fn() under the profiler."""
+    if not cuda:
+        fn()
+        return None, None, []
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(cuda)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3
+    gemm = sum(e.self_device_time_total for e in kernels if GEMM_KERNELS.search(e.key)) / 1e3
+    top = sorted(((e.key[:60], e.self_device_time_total / 1e3) for e in kernels), key=lambda kv: -kv[1])[:8]
+    return busy, gemm, top
+
+
+# ----- the worker (one weight path, one process) ----------------------------------------------------
+
+def worker(a) -> None:
+    from hybridkv.engine import LLM, SamplingParams
+    cuda = a.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    batches = [int(b) for b in a.batches.split(",")]
+    contexts = [_parse_count(c) for c in a.contexts.split(",")]
+    cells = [(b, c) for b in batches for c in contexts] + ([(1, 1 << 20)] if a.million else [])
+    prefills = [_parse_count(c) for c in a.prefill.split(",")] if a.prefill else []
+    longest = max([b * (c + 256) for b, c in cells] + [p + 256 for p in prefills])
+    budget = WARM_STEPS + 2 * a.steps + 8
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=longest // 128 + 16,
+              max_num_seqs=max(batches), max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
+    eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
+    loaded = torch.cuda.memory_allocated() - base if cuda else None
+    wb = weight_bytes(model)
+    pool = sum(eng.store.nbytes_by_kind().values())
+    ckpt = json.loads((Path(a.ckpt) / INDEX_FILE).read_text())["metadata"]["total_size"]
+    emit(dict(kind="memory", path=a.path, checkpoint_bytes=ckpt, kv_pool_bytes=pool, after_load_bytes=loaded,
+              non_expert_bytes=wb["non_expert"], expert_bytes=wb["expert"]))
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n):
+        return torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
+
+    flops_tok = linear_flops_per_token(model)
+    for n in prefills:
+        seq = eng.add_request(prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+
+        def run():
+            while seq.first_token_time is None:
+                eng.step()
+        t = time.perf_counter()
+        busy, gemm, top = device_ms(run, cuda)
+        wall = time.perf_counter() - t
+        eng.abort(seq.request_id)
+        emit(dict(kind="prefill", path=a.path, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy, gemm_ms=gemm,
+                  linear_tflops=flops_tok * n / (gemm * 1e-3) / 1e12 if gemm else None, top=top))
+    for b, ctx in cells:
+        ctx = min(ctx, eng.max_model_len - budget)
+        seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
+        while any(s.first_token_time is None for s in seqs):
+            eng.step()
+        step_times(eng, WARM_STEPS, cuda)
+        wall = statistics.median(step_times(eng, a.steps, cuda))
+        busy, _, top = device_ms(lambda: step_times(eng, a.steps, cuda), cuda)
+        graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
+        counter = ExpertCounter(model)
+        step_times(eng, 1, cuda)
+        counter.close()
+        eng.graphs = graphs
+        must = wb["non_expert"] + counter.total * wb["expert"] + b * kv_read_bytes(cfg, ctx, cfg.index_topk)
+        bytes_ms = must / a.bandwidth * 1e3
+        dev = busy / a.steps if busy is not None else None
+        emit(dict(kind="decode", path=a.path, batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
+                  device_ms=dev, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
+                  ratio=dev / bytes_ms if dev is not None else None,
+                  wall_over_device=1e3 * wall / dev if dev else None, top=top))
+        for s in seqs:
+            eng.abort(s.request_id)
+    if cuda:
+        emit(dict(kind="peak", path=a.path, peak_bytes=torch.cuda.max_memory_allocated() - base,
+                  reserved_bytes=torch.cuda.memory_reserved()))
+
+
+def emit(row: dict) -> None:
+    print("ROW " + json.dumps(row), flush=True)
+
+
+# ----- the driver ---------------------------------------------------------------------------------
+
+def ensure_checkpoint(a) -> None:
+    if (Path(a.ckpt) / INDEX_FILE).exists():
+        return
+    from hybridkv.tools.random_checkpoint import shaped_config, write_random_checkpoint
+    cfg = (shaped_config("v4-tiny-fp8", layers=a.layers) if a.smoke
+           else shaped_config("v4-flash", layers=a.layers))
+    t = time.perf_counter()
+    write_random_checkpoint(cfg, a.ckpt)
+    print(f"# wrote {a.ckpt} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts x "
+          f"{cfg.moe_intermediate_size}) in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "—"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def fmt(x, spec=".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def report(rows: list[dict], a) -> None:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke: not a result)"
+    print(f"\n# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch {torch.__version__}; "
+          f"command: python benchmarks/engine_gpu.py {' '.join(sys.argv[1:])}")
+    print("\n| path | batch | context | tok/s | wall ms | device ms | wall/device | must read | bytes ms | "
+          "device/bytes | experts |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["kind"] == "decode":
+            print(f"| {r['path']} | {r['batch']} | {r['context']:,} | {r['tok_s']:.1f} | {r['wall_ms']:.2f} | "
+                  f"{fmt(r['device_ms'])} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
+                  f"{r['bytes_ms']:.3f} | {fmt(r['ratio'])} | {r['experts_selected']} |")
+    print("\n| path | prefill tokens | tok/s | device ms | GEMM ms | linear TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if r["kind"] == "prefill":
+            print(f"| {r['path']} | {r['tokens']:,} | {r['tok_s']:.0f} | {fmt(r['device_ms'], '.1f')} | "
+                  f"{fmt(r['gemm_ms'], '.1f')} | {fmt(r['linear_tflops'], '.0f')} |")
+    print("\n| path | checkpoint | KV pool | after load | peak | peak − (checkpoint + pool) |")
+    print("|---|---|---|---|---|---|")
+    for path in dict.fromkeys(r["path"] for r in rows):
+        mem = next((r for r in rows if r["kind"] == "memory" and r["path"] == path), None)
+        peak = next((r for r in rows if r["kind"] == "peak" and r["path"] == path), None)
+        if mem:
+            over = peak["peak_bytes"] - mem["checkpoint_bytes"] - mem["kv_pool_bytes"] if peak else None
+            print(f"| {path} | {fmt_bytes(mem['checkpoint_bytes'])} | {fmt_bytes(mem['kv_pool_bytes'])} | "
+                  f"{fmt_bytes(mem['after_load_bytes'])} | {fmt_bytes(peak and peak['peak_bytes'])} | "
+                  f"{fmt_bytes(over)} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", default=None, help="checkpoint directory (written there if missing)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--contexts", default="4k,128k")
+    ap.add_argument("--million", action="store_true", help="also decode at 1M tokens with batch 1")
+    ap.add_argument("--prefill", default="16k,128k")
+    ap.add_argument("--paths", default="packed,dense", help="packed and/or dense (HYBRIDKV_DENSE_WEIGHTS=1)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
+    ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, to check the script")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.smoke:
+        a.device, a.layers, a.steps, a.chunk = "cpu", 2, 2, 512
+        a.batches, a.contexts, a.prefill = "1,2", "300,600", "600"
+        a.ckpt = a.ckpt or str(Path(tempfile.gettempdir()) / "hybridkv-engine-gpu-smoke")
+    if a.ckpt is None:
+        ap.error("--ckpt DIR is required (the checkpoint is written there once and reused)")
+    if a.worker:
+        a.path = a.worker
+        worker(a)
+        return 0
+    ensure_checkpoint(a)
+    rows = []
+    for path in a.paths.split(","):
+        if path not in ("packed", "dense"):
+            ap.error(f"--paths: unknown path {path!r} (packed, dense)")
+        env = {**os.environ, "HYBRIDKV_DENSE_WEIGHTS": "1" if path == "dense" else "0"}
+        cmd = [sys.executable, __file__, "--worker", path] + [x for x in sys.argv[1:]]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                print(line[4:].strip()[:400], flush=True)
+            else:
+                print(line, end="", flush=True)
+        if proc.wait():
+            print(f"# the {path} path failed (exit {proc.returncode}); its rows so far are kept", flush=True)
+    report(rows, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The routed experts as grouped GEMMs over tokens sorted by expert. On CUDA (FP4 experts, 128-wide
+activation blocks) two launches compute every routed expert: w1 and w3 with the SwiGLU and the
+routing weight, then w2, each reading the packed FP4 weights; sorting, tiling and the weighted
+sum back are torch operations without host synchronisation (CUDA-graph capturable). Elsewhere
+`reference.routed_experts`: one dense GEMM per expert segment."""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.ops.backend import dense_weights, use_triton
+from hybridkv.ops.grouped_moe import reference  # noqa: F401
+from hybridkv.ops.grouped_moe.reference import ExpertSort, combine, expert_tiles, sort_by_expert  # noqa: F401
+
+
+@dataclass(frozen=True)
+class ExpertTables:
+    """Device addresses of each routed expert's packed weight and scale, per projection, and the
+    shapes the kernels need. Built once per MoE (`expert_tables`); valid while the parameters stay
+    where they are (`key`)."""
+    w1: torch.Tensor
+    s1: torch.Tensor
+    w3: torch.Tensor
+    s3: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    dim: int
+    inter: int
+    key: tuple
+
+
+def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    # frombuffer: a tensor from host data without a dispatched op, so a recorder of the captured
+    # forward sees nothing even when the table is first built there (on CUDA it is built in the
+    # warm-up before capture)
+    return torch.frombuffer(array.array("q", [t.data_ptr() for t in tensors]), dtype=torch.int64).to(device, copy=True)
+
+
+def table_key(projections: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple:
+    """What invalidates a table: the first and last experts' tensors moved or replaced."""
+    return tuple((w.data_ptr(), s.data_ptr()) for proj in projections for w, s in (proj[0], proj[-1]))
+
+
+def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[torch.Tensor, torch.Tensor]],
+                  w2: list[tuple[torch.Tensor, torch.Tensor]]) -> ExpertTables:
+    """(packed weight int8 [N, K/2], e8m0 scale [N, K/32]) per expert and projection -> tables."""
+    dev = w1[0][0].device
+    for proj in (w1, w3, w2):
+        for w, s in proj:
+            if not (w.is_contiguous() and s.is_contiguous()):
+                raise ValueError("grouped FP4 experts need contiguous weights and scales")
+    cols = [[w for w, _ in p] for p in (w1, w3, w2)] + [[s for _, s in p] for p in (w1, w3, w2)]
+    a = [_addresses(c, dev) for c in cols]
+    inter, dim = w1[0][0].shape[0], w1[0][0].shape[1] * 2
+    return ExpertTables(a[0], a[3], a[1], a[4], a[2], a[5], dim, inter, table_key([w1, w3, w2]))
+
+
+def grouped_kernel_ok(x: torch.Tensor, act_block: int, dim: int, inter: int) -> bool:
+    """Whether the grouped FP4 kernels run for x: CUDA (or the interpreter with
+    HYBRIDKV_KERNELS=triton), 128-value activation blocks, both widths multiples of 128."""
+    return (not dense_weights() and use_triton(x) and not (x.requires_grad and torch.is_grad_enabled())
+            and act_block == 128 and dim % 128 == 0 and inter % 128 == 0
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
+                       limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [T, D], routing weights [T, k], ids [T, k] -> float32 [T, D], the routed experts' sum, in
+    two grouped launches over the sorted pairs."""
+    from hybridkv.ops.qgemm import triton as kernels
+    n_experts = tables.w1.shape[0]
+    sort = sort_by_expert(ids, n_experts)
+    p = sort.order.shape[0]
+    cfg_up = kernels.grouped_config(p, tables.inter)
+    cfg_down = kernels.grouped_config(p, tables.dim)
+    tiles = expert_tiles(sort, cfg_up["BM"])
+    route = weights.reshape(-1)[sort.order].float().contiguous()
+    xc = x.contiguous()
+    h = kernels.grouped_fp4(xc, sort.token.int(), tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
+                            w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up)
+    if cfg_down["BM"] != cfg_up["BM"]:
+        tiles = expert_tiles(sort, cfg_down["BM"])
+    out = kernels.grouped_fp4(h, None, tiles, (tables.w2, tables.s2), tables.dim, out_dtype, config=cfg_down)
+    return combine(out, sort, ids)

@@ -1,0 +1,33 @@
+"""Linear layers over the release's packed weights (FP8 e4m3 with 128×128 e8m0 block scales; the
+experts' FP4 lives in `hybridkv.ops.grouped_moe`). `reference` is the definition (input FP8
+round trip, exact dequantisation, one dense GEMM); on CUDA the Triton kernel reads the FP8 weight
+itself. `HYBRIDKV_DENSE_WEIGHTS=1` keeps the old path on CUDA (a dense copy cached per weight, see
+`hybridkv.model.linear`), the baseline of the GPU benchmark."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.ops.backend import dense_weights, is_deterministic, use_triton
+from hybridkv.ops.qgemm import reference  # noqa: F401
+
+
+def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether `fp8_linear` runs the kernel for this input and weight: CUDA, 128×128 blocks, K a
+    multiple of 128, no gradient wanted (the kernel has no backward), not forced dense, and not in
+    deterministic mode (whose batch-invariant GEMMs replace torch's, and the kernel's split-K
+    depends on the batch)."""
+    if (dense_weights() or is_deterministic() or not use_triton(x) or (x.requires_grad and torch.is_grad_enabled())
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return False
+    from hybridkv.ops.qgemm import triton as kernels
+    return kernels.fp8_supported(weight, block)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """act_quant_sim(x) @ dequant(weight, scale)ᵀ -> [..., N] of out_dtype (see `reference`)."""
+    if fp8_kernel_ok(x, weight, block):
+        from hybridkv.ops.qgemm import triton as kernels
+        return kernels.fp8_linear(x, weight, scale, out_dtype)
+    return reference.fp8_linear(x, weight, scale, block, out_dtype)

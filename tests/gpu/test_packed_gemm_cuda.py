@@ -1,0 +1,135 @@
+"""The packed-weight GEMMs on the GPU at V4-Flash shapes against dequantise-then-GEMM, the grouped
+MoE against the per-expert loop, a decode step in a CUDA graph against eager, and no dense copy of a
+quantised weight after a request (parameters and CUDA memory)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridkv.engine import LLM, SamplingParams
+from hybridkv.model.linear import Linear
+from hybridkv.model.moe import MoE
+from hybridkv.ops import grouped_moe
+from hybridkv.ops.qgemm import reference
+from hybridkv.ops.qgemm import triton as kernels
+from hybridkv.ops.quant import quant_fp8_weight
+from hybridkv.presets import get_preset
+from hybridkv.tools.random_checkpoint import shaped_config, write_random_checkpoint
+
+DEV = "cuda"
+# bf16 MMA over exact bf16 operands with fp32 accumulation against a bf16 GEMM of the same
+# operands: both round only their sums and the bf16 output; bounds to be set from the measurement
+BF16_TOL = 1e-2
+
+
+def rel_rms(ref, out):
+    ref, out = ref.double(), out.double()
+    assert torch.isfinite(out).all()
+    return float((ref - out).square().mean().sqrt() / ref.square().mean().sqrt())
+
+
+# V4-Flash's FP8 linears: wq_a, wq_b, wkv, wo_b, the shared expert's w1/w2
+@pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (2048, 4096), (4096, 2048)])
+@pytest.mark.parametrize("rows", [1, 8, 64, 4096])
+def test_fp8_linear_at_v4_flash_shapes(n, k, rows):
+    w = torch.randn(n, k, device=DEV) * 0.02
+    q, s = quant_fp8_weight(w)
+    x = torch.randn(rows, k, device=DEV).bfloat16()
+    want = reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32)
+    got = kernels.fp8_linear(x, q, s, torch.bfloat16)
+    err = rel_rms(want, got)
+    print(f"fp8 {rows}x{k} @ {n}: rel rms {err:.2e}")
+    assert err < BF16_TOL
+
+
+def _flash_moe(experts=256, layer_id=5):
+    cfg = get_preset("v4-flash", n_routed_experts=experts)
+    with torch.device(DEV):
+        moe = MoE(cfg, layer_id, "fp8", "fp4", torch.bfloat16)
+    with torch.no_grad():
+        for e in moe.experts:
+            for lin in (e.w1, e.w2, e.w3):
+                lin.weight.copy_(torch.randint(-128, 128, lin.weight.shape, device=DEV, dtype=torch.int8))
+                lin.scale.copy_(torch.full(lin.scale.shape, 2.0 ** -7, device=DEV))
+        for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+            q, s = quant_fp8_weight(torch.randn(lin.weight.shape, device=DEV) * 0.02)
+            lin.weight.copy_(q)
+            lin.scale.copy_(s)
+        moe.gate.weight.normal_(0, 0.02)
+        moe.gate.bias.zero_()
+    return moe
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 2048])
+def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens):
+    moe = _flash_moe()
+    x = torch.randn(tokens, 4096, device=DEV).bfloat16()
+    with torch.no_grad():
+        weights, ids = moe.gate(x, torch.zeros(tokens, dtype=torch.long, device=DEV))
+        want = grouped_moe.reference.routed_experts(
+            x.float(), weights, ids, moe.n_experts,
+            lambda e, r, w: _dense_expert(moe.experts[e], r, w))
+        got = grouped_moe.routed_experts_fp4(x, weights, ids, moe.expert_tables(x), moe.experts[0].limit,
+                                             torch.bfloat16)
+    err = rel_rms(want, got)
+    print(f"grouped MoE, {tokens} tokens: rel rms {err:.2e}")
+    assert err < BF16_TOL
+
+
+def _dense_expert(ex, rows, route):
+    """The expert in float32 from dequantised weights (the definition)."""
+    def lin(m, x):
+        return reference.fp4_linear(x, m.weight, m.scale, m.act_block, torch.float32)
+    gate, up = lin(ex.w1, rows), lin(ex.w3, rows)
+    up, gate = up.clamp(-ex.limit, ex.limit), gate.clamp(max=ex.limit)
+    return lin(ex.w2, route * (torch.nn.functional.silu(gate) * up))
+
+
+def test_grouped_moe_is_captured_in_a_cuda_graph():
+    """Sorting, tiling, both launches and the sum back replay from a graph with new routing."""
+    moe = _flash_moe(experts=64)
+    x = torch.randn(8, 4096, device=DEV).bfloat16()
+    ids_in = torch.zeros(8, dtype=torch.long, device=DEV)
+    with torch.no_grad():
+        moe(x, ids_in)                                   # warm-up: compiles, builds the tables
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x, ids_in, static=True)
+        x.copy_(torch.randn(8, 4096, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = moe(x, ids_in)
+    assert rel_rms(eager.float(), out.float()) < 1e-6
+
+
+def test_no_dense_weight_copy_after_a_request(tmp_path):
+    """A served request leaves every quantised weight packed: no Linear holds a dense cache, and
+    the allocated CUDA memory after the request is the weights plus the KV pool, not a bf16 copy."""
+    cfg = shaped_config("v4-flash", layers=2, vocab=1024, experts=32, moe_inter=2048)
+    write_random_checkpoint(cfg, tmp_path / "m")
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(tmp_path / "m", device="cuda", dtype=torch.bfloat16, kv_format="fp8", num_blocks=64, max_num_seqs=2)
+    loaded = torch.cuda.memory_allocated() - before
+    out = llm.generate([list(range(2, 500))], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.error is None and len(out.output_ids) == 8
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.fmt != "float"]
+    assert linears and all(m._dense is None for m in linears)
+    packed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    grown = torch.cuda.memory_allocated() - before - loaded
+    print(f"packed weights {packed / 2**20:.0f} MiB, loaded {loaded / 2**20:.0f} MiB, "
+          f"grown after a request {grown / 2**20:.0f} MiB")
+    # a dense bf16 copy of the quantised weights would be 2-4x their packed bytes
+    assert grown < 0.5 * packed
+
+
+def test_dense_flag_brings_back_the_cached_copies(monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_DENSE_WEIGHTS", "1")
+    lin = Linear(4096, 1024, "fp8", torch.bfloat16).to(DEV)
+    q, s = quant_fp8_weight(torch.randn(1024, 4096, device=DEV) * 0.02)
+    with torch.no_grad():
+        lin.weight.copy_(q)
+        lin.scale.copy_(s)
+        lin(torch.randn(2, 4096, device=DEV).bfloat16())
+    assert lin._dense is not None

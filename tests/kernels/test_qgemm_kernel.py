@@ -1,0 +1,123 @@
+"""The packed-weight GEMMs against dequantise-then-GEMM (relative RMS): FP8 linears in their
+decode (split-K) and prefill configurations, and the grouped
+FP4 experts over tokens sorted by expert against the per-expert loop."""
+
+import pytest
+import torch
+
+from helpers import rel_rms
+from hybridkv.model.linear import Linear
+from hybridkv.model.moe import MoE
+from hybridkv.ops import grouped_moe
+from hybridkv.ops.qgemm import reference
+from hybridkv.ops.qgemm import triton as kernels
+from hybridkv.ops.quant import quant_fp8_weight
+from hybridkv.presets import get_preset
+
+# fp32 in the interpreter: what differs is the order of the fp32 additions (~1e-7); the activation
+# round trip is bit-identical, so a wrong scale or block index shows as errors of 1e-2 and more
+TOL = 1e-5
+
+
+def _fp8_weight(n, k, g):
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n // 128).repeat_interleave(128)[:, None]
+    return quant_fp8_weight(w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+@pytest.mark.parametrize("n,k", [(256, 256), (128, 1024)])
+def test_fp8_linear_matches_dequantised_gemm(device, rows, n, k):
+    g = torch.Generator().manual_seed(rows * n + k)
+    q, s = _fp8_weight(n, k, g)
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, :128] *= 1e-3                                   # blocks of very different scale
+    q, s, x = q.to(device), s.to(device), x.to(device)
+    cfg = kernels.fp8_config(rows, n, k)
+    assert (cfg["SPLIT_K"] > 1) == (rows <= 64 and k >= 512)  # the decode shape splits K
+    want = reference.fp8_linear(x, q, s, (128, 128), torch.float32)
+    got = kernels.fp8_linear(x, q, s, torch.float32)
+    assert got.shape == (rows, n)
+    assert rel_rms(want, got) < TOL
+
+
+def test_fp8_linear_keeps_leading_dims_and_ragged_n(device):
+    g = torch.Generator().manual_seed(7)
+    q, s = _fp8_weight(384, 256, g)
+    x = torch.randn(2, 3, 256, generator=g).to(device)
+    cfg = dict(BM=16, BN=128, SPLIT_K=1, GROUP_M=2, num_warps=4, num_stages=2)
+    got = kernels.fp8_linear(x, q.to(device), s.to(device), torch.float32, config=cfg)
+    assert rel_rms(reference.fp8_linear(x, q.to(device), s.to(device), (128, 128), torch.float32), got) < TOL
+
+
+def _fp4_moe(seed, experts=6, topk=2):
+    cfg = get_preset("v4-tiny-fp8", n_routed_experts=experts, num_experts_per_tok=topk)
+    moe = MoE(cfg, 2, "fp8", "fp4", torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for e in moe.experts:
+            for lin in (e.w1, e.w2, e.w3):
+                lin.weight.copy_(torch.randint(-128, 128, lin.weight.shape, generator=g, dtype=torch.int8))
+                lin.scale.copy_(2.0 ** torch.randint(-9, -4, lin.scale.shape, generator=g).float())
+        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=g))
+    return moe
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5, 40])
+def test_grouped_fp4_experts_match_the_per_expert_loop(tokens):
+    moe = _fp4_moe(tokens)
+    g = torch.Generator().manual_seed(50 + tokens)
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=g)
+    with torch.no_grad():
+        weights, ids = moe.gate(x, torch.zeros(tokens, dtype=torch.long))
+        want = grouped_moe.reference.routed_experts(x, weights, ids, moe.n_experts,
+                                                    lambda e, rows, route: moe.experts[e](rows, route))
+        projections = [[(getattr(e, w).weight, getattr(e, w).scale) for e in moe.experts] for w in ("w1", "w3", "w2")]
+        tables = grouped_moe.expert_tables(*projections)
+        got = grouped_moe.routed_experts_fp4(x, weights, ids, tables, moe.experts[0].limit, torch.float32)
+    assert tables.dim == 256 and tables.inter == 128
+    assert rel_rms(want, got) < TOL
+
+
+def test_grouped_fp4_prefill_tiles_and_clamping():
+    """Enough pairs for the 64-row tiles; large activations so the SwiGLU clamps bite."""
+    moe = _fp4_moe(9, experts=4, topk=2)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(300, 256, generator=g) * 30
+    assert kernels.grouped_config(600, 128)["BM"] == 64
+    with torch.no_grad():
+        weights, ids = moe.gate(x / 30, torch.zeros(300, dtype=torch.long))   # routing of ordinary inputs
+        want = grouped_moe.reference.routed_experts(x, weights, ids, 4, lambda e, r, w: moe.experts[e](r, w))
+        gate = moe.experts[0].w1(x).float()
+        assert (gate > moe.experts[0].limit).any()
+        projections = [[(getattr(e, w).weight, getattr(e, w).scale) for e in moe.experts] for w in ("w1", "w3", "w2")]
+        got = grouped_moe.routed_experts_fp4(x, weights, ids, grouped_moe.expert_tables(*projections),
+                                             moe.experts[0].limit, torch.float32)
+    assert rel_rms(want, got) < TOL
+
+
+def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
+    """With the kernels switched on (HYBRIDKV_KERNELS=triton, the interpreter standing in for CUDA)
+    the MoE takes the grouped path and FP8 linears the packed GEMM, and no dense copy of a weight is
+    made; HYBRIDKV_DENSE_WEIGHTS=1 brings the dense path back."""
+    moe = _fp4_moe(4)
+    with torch.no_grad():
+        for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+            q, s = quant_fp8_weight(torch.randn(lin.weight.shape) * 0.05)
+            lin.weight.copy_(q)
+            lin.scale.copy_(s)
+    x = torch.randn(4, 256)
+    ids_in = torch.zeros(4, dtype=torch.long)
+    with torch.no_grad():
+        want = moe(x, ids_in)
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+        for m in moe.modules():
+            if isinstance(m, Linear):
+                m._dense = None
+        got = moe(x, ids_in)
+        assert moe._tables is not None
+        assert all(m._dense is None for m in moe.modules() if isinstance(m, Linear))
+        monkeypatch.setenv("HYBRIDKV_DENSE_WEIGHTS", "1")
+        dense = moe(x, ids_in)
+        assert moe.shared_experts.w1._dense is not None
+    assert rel_rms(want, got) < TOL
+    assert torch.equal(dense, want)
