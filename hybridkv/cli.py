@@ -112,24 +112,34 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_limit_arguments(s: argparse.ArgumentParser) -> None:
+    """serve's connection limits and host-memory budget."""
+    from hybridkv.server import hostmem, limits
+
+    limits.add_arguments(s)
+    hostmem.add_arguments(s)
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
+    from hybridkv.server import limits
     from hybridkv.server.serve import build_server, run
 
     api_key = a.api_key or os.environ.get("HYBRIDKV_API_KEY") or None
     if a.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {a.host} without an API key (--api-key or HYBRIDKV_API_KEY)", file=sys.stderr)
+    listen = limits.from_args(a)
     server = build_server(a.model_dir, tokenizer_path=a.tokenizer, device=a.device,
                           served_model_name=a.served_model_name, api_key=api_key, prefix_cache=a.prefix_cache,
                           max_concurrency=a.max_concurrency,
                           num_blocks=a.num_blocks, kv_format=a.kv_format, max_batched_tokens=a.max_batched_tokens,
                           max_model_len=a.max_model_len, max_queued=a.max_queued, max_body_bytes=a.max_body_bytes,
                           max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
-                          default_thinking=a.thinking)
+                          default_thinking=a.thinking, host_memory_budget=a.host_memory_budget)
     print(f"serving {server.config.model_name} on http://{a.host}:{a.port} "
           f"(web page at /, metrics at /metrics)", file=sys.stderr)
-    run(server, a.host, a.port, a.log_level)
+    run(server, a.host, a.port, a.log_level, listen)
     return 0
 
 
@@ -239,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step")
     s.add_argument("--device", default="cpu")
     s.add_argument("--log-level", default="info")
+    _serve_limit_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("eval", help="long-context evaluation (RULER, MRCR, passkey) under memory policies; "

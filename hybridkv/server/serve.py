@@ -14,6 +14,8 @@ from hybridkv.errors import CheckpointError
 from hybridkv.server.app import ServerConfig, create_app
 from hybridkv.server.chat_format import EOS
 from hybridkv.server.driver import EngineDriver
+from hybridkv.server.hostmem import HostMemory, tune_allocator
+from hybridkv.server.limits import ListenLimits, uvicorn_config
 from hybridkv.server.metrics import Metrics
 
 
@@ -50,9 +52,11 @@ def _generation_defaults(model_dir: Path) -> dict:
 def build_server(model_dir: str | Path, *, tokenizer_path: str | Path | None = None, device: str = "cpu",
                  served_model_name: str | None = None, api_key: str | None = None, prefix_cache: str = "full",
                  max_concurrency: int = 16, num_blocks: int = 512, kv_format: str = "native",
-                 max_batched_tokens: int = 2048, max_model_len: int | None = None, **server_options) -> Server:
+                 max_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 host_memory_budget: int | str | None = None, **server_options) -> Server:
     from hybridkv.weights import checkpoint_identity, load_model
 
+    tune_allocator()     # before the engine's threads start: freed host memory goes back to the system
     model_dir = Path(model_dir)
     tok_file = Path(tokenizer_path) if tokenizer_path else model_dir / "tokenizer.json"
     if not tok_file.exists():
@@ -64,19 +68,22 @@ def build_server(model_dir: str | Path, *, tokenizer_path: str | Path | None = N
                       max_num_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
                       **prefix_cache_options(prefix_cache))
     engine = EngineCore(model, tokenizer, checkpoint_identity(model_dir), ec)
+    host = HostMemory(engine, host_memory_budget)
+    host.check()
     name = served_model_name or model_dir.resolve().name
     eos_id = tokenizer.token_to_id(EOS)
     extra_stops = [eos_id] if eos_id is not None and eos_id != config.eos_token_id else []
     options = {**_generation_defaults(model_dir), **server_options}
     sc = ServerConfig(model_name=name, api_key=api_key, extra_stop_token_ids=extra_stops, **options)
     metrics = Metrics(name)
-    driver = EngineDriver(engine, metrics, eos_text=EOS if eos_id is not None else None)
+    driver = EngineDriver(engine, metrics, eos_text=EOS if eos_id is not None else None, host=host)
     return Server(create_app(driver, tokenizer, sc, metrics), driver, engine, tokenizer, sc)
 
 
-def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+        limits: ListenLimits | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(server.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(server.app, limits, host=host, port=port, log_level=log_level)).run()

@@ -1,0 +1,116 @@
+"""Host memory of a serving process: a few hundred distinct long prompts through a real
+`hybridkv serve` process must not leave its resident memory growing (freed memory goes back to
+the system), and the host-memory budget is checked at start and reported in /stats and /metrics."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hybridkv.errors import ConfigError
+from hybridkv.server.hostmem import parse_bytes
+from hybridkv.server.serve import build_server
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+TOKENIZER = FIXTURES / "tokenizer-tiny" / "tokenizer.json"
+WARMUP, TOTAL = 20, int(os.environ.get("HYBRIDKV_HOSTMEM_REQUESTS", "200"))
+BOUND = 96 << 20
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads resident memory from /proc")
+def test_resident_memory_stays_flat_over_distinct_long_prompts():
+    """The DRAM tier (1 GiB by default) is kept small here so that its records are evicted as
+    they would be in a long run; what must not grow is everything around it. After a warm-up of
+    WARMUP requests (the pools, snapshots and caches fill to their steady state), the remaining
+    distinct prompts of 1-3.5K tokens may add at most BOUND bytes: a few allocator pages per
+    request would exceed it (without the allocator settings and the idle trim it grew by
+    several hundred MB over this run)."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-c", "import sys; from hybridkv.cli import main; sys.exit(main())", "serve", str(FIXTURES / "v4-tiny"), "--tokenizer", str(TOKENIZER),
+           "--port", str(port), "--num-blocks", "96", "--max-batched-tokens", "1024", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    rng = random.Random(0)
+    samples = []
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        with httpx.Client(timeout=120) as client:
+            for i in range(TOTAL):
+                ids = [rng.randrange(4, 500) for _ in range(rng.randint(1000, 3500))]
+                r = client.post(url + "/v1/completions", json={"model": "v4-tiny", "prompt": ids, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                if i + 1 == WARMUP or i + 1 == TOTAL:
+                    time.sleep(2.5)        # the engine goes idle and gives freed memory back
+                    samples.append(_rss(proc.pid))
+            stats = client.get(url + "/stats").json()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    grown = samples[1] - samples[0]
+    print(f"RSS after warm-up {samples[0] >> 20} MiB, after {TOTAL} requests {samples[1] >> 20} MiB")
+    assert grown < BOUND, f"resident memory grew by {grown >> 20} MiB over {TOTAL - WARMUP} distinct prompts"
+    host = stats["memory"]["host"]
+    assert host["resident"] > 0 and host["trims"] > 0
+    assert host["pools"]["dram tier"]["used"] <= host["pools"]["dram tier"]["capacity"]
+
+
+def test_budget_too_small_is_refused_at_start():
+    with pytest.raises(ConfigError, match="host-memory-budget"):
+        build_server(FIXTURES / "v4-tiny", tokenizer_path=TOKENIZER, num_blocks=16, host_memory_budget="1G")
+
+
+def test_budget_reported_in_stats_and_metrics():
+    from serverkit import LiveServer
+    srv = LiveServer(host_memory_budget="4G")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": [5] * 300, "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+        host = srv.wait_idle()["memory"]["host"]
+        assert host["budget"] == 4 << 30 and host["resident"] > 0
+        assert set(host["pools"]) >= {"dram tier", "window snapshots", "tier write queue"}
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert 'hybridkv:host_memory_bytes{kind="resident",model_name="tiny",state="used"}' in text
+        assert 'hybridkv:host_memory_bytes{kind="budget",model_name="tiny",state="capacity"} 4.294967296e+09' in text
+    finally:
+        srv.close()
+
+
+def test_parse_bytes():
+    assert parse_bytes("8G") == 8 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("1.5GiB") == 3 << 29
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_bytes("lots")
