@@ -39,20 +39,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _settled(client: httpx.Client, url: str, pid: int) -> tuple[int, int]:
+    """(resident bytes, bytes the host pools report in use) once the engine has gone idle and
+    given freed memory back. The pools are the DRAM tier, its write queue and the window
+    snapshots: memory the server is configured to keep, bounded by their capacities."""
+    time.sleep(2.5)
+    host = client.get(url + "/stats").json()["memory"].get("host")
+    return _rss(pid), sum(v["used"] for v in host["pools"].values()) if host else 0
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads resident memory from /proc")
 def test_resident_memory_stays_flat_over_distinct_long_prompts():
-    """The DRAM tier (1 GiB by default) is kept small here so that its records are evicted as
-    they would be in a long run; what must not grow is everything around it. After a warm-up of
-    WARMUP requests (the pools, snapshots and caches fill to their steady state), the remaining
-    distinct prompts of 1-3.5K tokens may add at most BOUND bytes: a few allocator pages per
-    request would exceed it (without the allocator settings and the idle trim it grew by
-    several hundred MB over this run)."""
+    """After a warm-up of WARMUP requests, the remaining distinct prompts of 0.5-2K tokens may
+    grow the server's resident memory by at most BOUND bytes beyond what its host pools report
+    holding (the DRAM tier fills towards its 1 GiB over this run; that is memory it is meant to
+    keep). BOUND allows for a few pages of interpreter and tokenizer state; retained allocator
+    memory grows by several MiB per request (without the allocator settings and the idle trim
+    this process grew by 4.5 GiB over 40 prompts of 1-3.5K tokens)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for k in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         env.pop(k, None)
-    cmd = [sys.executable, "-c", "import sys; from hybridkv.cli import main; sys.exit(main())", "serve", str(FIXTURES / "v4-tiny"), "--tokenizer", str(TOKENIZER),
-           "--port", str(port), "--num-blocks", "96", "--max-batched-tokens", "1024", "--log-level", "warning"]
+    cmd = [sys.executable, "-c", "import sys; from hybridkv.cli import main; sys.exit(main())", "serve",
+           str(FIXTURES / "v4-tiny"), "--tokenizer", str(TOKENIZER), "--port", str(port), "--num-blocks", "96",
+           "--max-batched-tokens", "1024", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(0)
@@ -70,19 +81,21 @@ def test_resident_memory_stays_flat_over_distinct_long_prompts():
             time.sleep(0.2)
         with httpx.Client(timeout=120) as client:
             for i in range(TOTAL):
-                ids = [rng.randrange(4, 500) for _ in range(rng.randint(1000, 3500))]
+                ids = [rng.randrange(4, 500) for _ in range(rng.randint(500, 2000))]
                 r = client.post(url + "/v1/completions", json={"model": "v4-tiny", "prompt": ids, "max_tokens": 2})
                 assert r.status_code == 200, r.text
-                if i + 1 == WARMUP or i + 1 == TOTAL:
-                    time.sleep(2.5)        # the engine goes idle and gives freed memory back
-                    samples.append(_rss(proc.pid))
+                if i + 1 in (WARMUP, TOTAL):
+                    samples.append(_settled(client, url, proc.pid))
             stats = client.get(url + "/stats").json()
     finally:
         proc.terminate()
         proc.wait(30)
-    grown = samples[1] - samples[0]
-    print(f"RSS after warm-up {samples[0] >> 20} MiB, after {TOTAL} requests {samples[1] >> 20} MiB")
-    assert grown < BOUND, f"resident memory grew by {grown >> 20} MiB over {TOTAL - WARMUP} distinct prompts"
+    (rss0, pools0), (rss1, pools1) = samples
+    grown = (rss1 - rss0) - (pools1 - pools0)
+    print(f"RSS after warm-up {rss0 >> 20} MiB (pools {pools0 >> 20} MiB), after {TOTAL} requests {rss1 >> 20} MiB "
+          f"(pools {pools1 >> 20} MiB)")
+    assert grown < BOUND, (f"resident memory grew by {grown >> 20} MiB beyond the host pools over "
+                           f"{TOTAL - WARMUP} distinct prompts")
     host = stats["memory"]["host"]
     assert host["resident"] > 0 and host["trims"] > 0
     assert host["pools"]["dram tier"]["used"] <= host["pools"]["dram tier"]["capacity"]

@@ -60,7 +60,8 @@ def limited():
 def test_slowloris_headers_are_cut_off(limited):
     s = _connect(limited.port)
     try:
-        closed, got, took = _closed_by_server(s, 1.0 + MARGIN, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200)
+        drip = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+        closed, got, took = _closed_by_server(s, 1.0 + MARGIN, drip)
     finally:
         s.close()
     assert closed, f"a connection dripping its headers was still open after {took:.1f}s"

@@ -158,6 +158,7 @@ class EngineDriver:
             pass
         if self.engine.has_unfinished():
             self._step()
+            self.host.busy()
         elif self.host.idle():
             self._publish(force=True)
         self._publish()

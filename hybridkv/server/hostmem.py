@@ -97,9 +97,10 @@ def _fmt(n: int) -> str:
 class HostMemory:
     """The host-memory pools of one engine, its budget, and the idle trim."""
 
-    def __init__(self, engine, budget: int | str | None = None, trim_interval: float = 2.0):
+    def __init__(self, engine, budget: int | str | None = None, trim_interval: float = 2.0,
+                 busy_trim_interval: float = 30.0):
         self.engine, self.budget = engine, parse_bytes(budget)
-        self.trim_interval = trim_interval
+        self.trim_interval, self.busy_trim_interval = trim_interval, busy_trim_interval
         self._dirty = False            # work finished since the last trim
         self._last_trim = 0.0
         self.trims = 0
@@ -155,8 +156,16 @@ class HostMemory:
     def idle(self) -> bool:
         """Called by the engine thread when nothing runs: trim if work finished since the last
         trim and the last one is `trim_interval` seconds old. True if it trimmed."""
+        return self._trim_after(self.trim_interval)
+
+    def busy(self) -> bool:
+        """Called by the engine thread after a step: under continuous load the engine never goes
+        idle, so trim at most every `busy_trim_interval` seconds."""
+        return self._trim_after(self.busy_trim_interval)
+
+    def _trim_after(self, interval: float) -> bool:
         now = time.monotonic()
-        if not self._dirty or now - self._last_trim < self.trim_interval:
+        if not self._dirty or now - self._last_trim < interval:
             return False
         with self._lock:
             self._dirty, self._last_trim = False, now

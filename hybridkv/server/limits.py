@@ -136,7 +136,8 @@ class LimitedH11Protocol(H11Protocol):
             return
         state = self.conn.their_state
         if (kind == "header" and state is h11.IDLE) or (kind == "body" and state is h11.SEND_BODY):
-            log.debug("closing a connection that did not send its %s in time", "headers" if kind == "header" else "body")
+            log.debug("closing a connection that did not send its %s in time",
+                      "headers" if kind == "header" else "body")
             if self.cycle is not None and not self.cycle.response_complete:
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
