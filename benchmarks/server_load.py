@@ -14,7 +14,8 @@ Soak mode (`--soak-minutes N`): for N minutes the clients send distinct long pro
 token ids, --soak-tokens MIN-MAX long, 2 tokens out, nothing shared, so every prompt is new to
 the prefix cache and fills the DRAM tier and the snapshots), and the server's resident memory
 (VmRSS, from /stats) is sampled every --soak-sample-s seconds into a table, with the DRAM tier's
-and the window snapshots' use, ending with a sample after the engine went idle.
+and the window snapshots' use (bounded pools that fill up to their budgets) and what remains
+beside them, which should stay flat; the last sample is taken after the engine went idle.
 """
 
 from __future__ import annotations
@@ -148,12 +149,13 @@ def soak_report(a, server, url: str) -> int:
           f"{date.today()}\n{' '.join([os.path.basename(sys.executable), *sys.argv])}\n")
     print(f"{n} distinct prompts of {lo}-{hi} tokens in {a.soak_minutes:g} min, {a.clients} client(s), "
           f"{len(errors)} errors\n")
-    print("| time | requests | resident | DRAM tier | window snapshots | KV blocks held |")
-    print("|---|---|---|---|---|---|")
+    print("| time | requests | resident | DRAM tier | window snapshots | resident - both | KV blocks held |")
+    print("|---|---|---|---|---|---|---|")
     for i, s in enumerate(samples):
         label = "idle after" if i == len(samples) - 1 else f"{s['t_s']:.0f} s"
         print(f"| {label} | {s['requests']} | {s['resident'] / mib:.0f} MiB | {s['dram'] / mib:.0f} MiB | "
-              f"{s['snapshots'] / mib:.0f} MiB | {s['blocks_active']} |")
+              f"{s['snapshots'] / mib:.0f} MiB | {(s['resident'] - s['dram'] - s['snapshots']) / mib:.0f} MiB | "
+              f"{s['blocks_active']} |")
     if errors:
         print("errors:", *errors[:5], sep="\n  ")
     if a.out:

@@ -174,3 +174,13 @@ def test_limits_are_validated_and_capped_by_the_open_file_limit():
     if soft != resource.RLIM_INFINITY:
         assert fd_capped(soft * 2) < soft
         assert fd_capped(1) == 1
+
+
+def test_serve_flags():
+    from hybridkv.cli import build_parser
+    from hybridkv.server.limits import from_args
+    a = build_parser().parse_args(["serve", "m"])
+    assert from_args(a) == ListenLimits(10.0, 10.0, 5.0, 1024) and a.host_memory_budget is None
+    a = build_parser().parse_args(["serve", "m", "--timeout-header", "2", "--max-connections", "64",
+                                   "--host-memory-budget", "8G"])
+    assert (from_args(a).timeout_header, from_args(a).max_connections, a.host_memory_budget) == (2.0, 64, "8G")
