@@ -9,6 +9,13 @@ idle (no block held, every slot free, pool bookkeeping consistent) after the cli
 
     python benchmarks/server_load.py [--model DIR] [--tokenizer FILE] [--clients 8] [--requests 4]
                                      [--max-tokens 32] [--out DIR]
+
+Soak mode (`--soak-minutes N`): for N minutes the clients send distinct long prompts (random
+token ids, --soak-tokens MIN-MAX long, 2 tokens out, nothing shared, so every prompt is new to
+the prefix cache and fills the DRAM tier and the snapshots), and the server's resident memory
+(VmRSS, from /stats) is sampled every --soak-sample-s seconds into a table, with the DRAM tier's
+and the window snapshots' use (bounded pools that fill up to their budgets) and what remains
+beside them, which should stay flat; the last sample is taken after the engine went idle.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -33,6 +41,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 
+from hybridkv.server.limits import uvicorn_config  # noqa: E402
 from hybridkv.server.serve import build_server  # noqa: E402
 
 SYSTEM = ("You are a careful assistant. " + "Answer with short, precise sentences and cite the facts you use. " * 12)
@@ -93,6 +102,70 @@ async def run_clients(url: str, model: str, clients: int, requests: int, max_tok
     return [r for rs in per_client for r in rs]
 
 
+async def soak(url: str, model: str, clients: int, minutes: float, tokens: tuple[int, int], vocab: int,
+               sample_s: float) -> tuple[list[dict], int, list[str]]:
+    """Distinct long prompts for `minutes`; returns the memory samples, requests done, errors."""
+    end = time.perf_counter() + 60 * minutes
+    done, errors, samples = [0], [], []
+    t0 = time.perf_counter()
+
+    async def sample(client: httpx.AsyncClient) -> None:
+        s = (await client.get(url + "/stats")).json()
+        host = s["memory"]["host"]
+        samples.append({"t_s": time.perf_counter() - t0, "requests": done[0], "resident": host["resident"],
+                        "dram": host["pools"]["dram tier"]["used"],
+                        "snapshots": host["pools"]["window snapshots"]["used"],
+                        "blocks_active": s["memory"]["blocks"]["active"]})
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async def worker(cid: int) -> None:
+            rng = random.Random(cid)
+            while time.perf_counter() < end:
+                ids = [rng.randrange(4, vocab) for _ in range(rng.randint(*tokens))]
+                r = await client.post(url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 2})
+                if r.status_code != 200:
+                    errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                done[0] += 1
+
+        async def sampler() -> None:
+            while time.perf_counter() < end:
+                await sample(client)
+                await asyncio.sleep(sample_s)
+
+        await asyncio.gather(sampler(), *(worker(c) for c in range(clients)))
+        await asyncio.sleep(3.0)        # idle: the engine gives freed memory back
+        await sample(client)
+    return samples, done[0], errors
+
+
+def soak_report(a, server, url: str) -> int:
+    lo, hi = (int(x) for x in a.soak_tokens.split("-"))
+    hi = min(hi, server.engine.max_model_len - 8)
+    samples, n, errors = asyncio.run(soak(url, server.config.model_name, a.clients, a.soak_minutes, (lo, hi),
+                                          server.engine.config.vocab_size, a.soak_sample_s))
+    mib = 1 << 20
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    print(f"hybridkv server soak · {machine} · torch {torch.__version__} ({torch.get_num_threads()} threads) · "
+          f"{date.today()}\n{' '.join([os.path.basename(sys.executable), *sys.argv])}\n")
+    print(f"{n} distinct prompts of {lo}-{hi} tokens in {a.soak_minutes:g} min, {a.clients} client(s), "
+          f"{len(errors)} errors\n")
+    print("| time | requests | resident | DRAM tier | window snapshots | resident - both | KV blocks held |")
+    print("|---|---|---|---|---|---|---|")
+    for i, s in enumerate(samples):
+        label = "idle after" if i == len(samples) - 1 else f"{s['t_s']:.0f} s"
+        print(f"| {label} | {s['requests']} | {s['resident'] / mib:.0f} MiB | {s['dram'] / mib:.0f} MiB | "
+              f"{s['snapshots'] / mib:.0f} MiB | {(s['resident'] - s['dram'] - s['snapshots']) / mib:.0f} MiB | "
+              f"{s['blocks_active']} |")
+    if errors:
+        print("errors:", *errors[:5], sep="\n  ")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "server_soak.json").write_text(json.dumps(
+            {"date": str(date.today()), "machine": machine, "minutes": a.soak_minutes, "tokens": [lo, hi],
+             "requests": n, "errors": len(errors), "samples": samples}, indent=2))
+    return 0 if not errors else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "tests/fixtures/v4-tiny"))
@@ -105,7 +178,13 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds; no request is sent after it")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--soak-minutes", type=float, default=None, help="soak mode: distinct long prompts for N minutes")
+    ap.add_argument("--soak-tokens", default="2000-6000", help="soak prompt length range in tokens (MIN-MAX)")
+    ap.add_argument("--soak-sample-s", type=float, default=15.0, help="soak: seconds between memory samples")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     tok = a.tokenizer
     if tok is None and not (Path(a.model) / "tokenizer.json").exists():
@@ -115,11 +194,18 @@ def main() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    uv = uvicorn.Server(uvicorn_config(server.app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uv.started:
         time.sleep(0.05)
+
+    if a.soak_minutes:
+        try:
+            return soak_report(a, server, url)
+        finally:
+            uv.should_exit = True
+            thread.join(10)
 
     # one warm-up request (first-call compilation), not measured
     asyncio.run(run_clients(url, server.config.model_name, 1, 1, 4, time.perf_counter() + 120))

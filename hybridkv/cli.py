@@ -109,6 +109,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_limit_arguments(s: argparse.ArgumentParser) -> None:
+    """serve's connection limits and host-memory budget."""
+    from hybridkv.server import hostmem, limits
+
+    limits.add_arguments(s)
+    hostmem.add_arguments(s)
+
+
 def server_from_args(a: argparse.Namespace):
     """The server `hybridkv serve` runs (model, engine, app), not yet listening."""
     import os
@@ -123,17 +131,19 @@ def server_from_args(a: argparse.Namespace):
                         tokenizer_path=a.tokenizer, served_model_name=a.served_model_name, api_key=api_key,
                         max_queued=a.max_queued, max_body_bytes=a.max_body_bytes, public_metrics=a.public_metrics,
                         max_prompt_tokens=a.max_prompt_tokens, max_tokens_limit=a.max_tokens_limit,
-                        default_thinking=a.thinking)
+                        default_thinking=a.thinking, host_memory_budget=a.host_memory_budget)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    from hybridkv.server import limits
     from hybridkv.server.serve import run
 
+    listen = limits.from_args(a)
     server = server_from_args(a)
     dtype = str(server.engine.model.dtype).removeprefix("torch.")
     print(f"serving {server.config.model_name} ({dtype} on {a.device}) on http://{a.host}:{a.port} "
           f"(web page at /, metrics at /metrics)", file=sys.stderr)
-    run(server, a.host, a.port, a.log_level)
+    run(server, a.host, a.port, a.log_level, listen)
     return 0
 
 
@@ -234,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--thinking", action="store_true", help="thinking mode unless a request says otherwise")
     s.add_argument("--log-level", default="info")
     EngineConfig.add_arguments(s)
+    _serve_limit_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("eval", help="long-context evaluation (RULER, MRCR, passkey) under memory policies; "

@@ -14,6 +14,7 @@ import httpx
 import torch
 import uvicorn
 
+from hybridkv.server.limits import ListenLimits, uvicorn_config
 from hybridkv.server.serve import build_server
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -21,7 +22,7 @@ TOKENIZER = FIXTURES / "tokenizer-tiny" / "tokenizer.json"
 
 
 class LiveServer:
-    def __init__(self, **options):
+    def __init__(self, limits: ListenLimits | None = None, **options):
         opts = dict(tokenizer_path=TOKENIZER, served_model_name="tiny", max_num_seqs=4, num_blocks=64,
                     max_num_batched_tokens=256)
         opts.update(options)
@@ -35,7 +36,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.server.app, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn_config(self.server.app, limits, log_level="warning", timeout_graceful_shutdown=2)
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()

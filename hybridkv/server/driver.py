@@ -5,7 +5,8 @@ commands between steps, runs `step()`, and hands each request's outputs to that 
 queue. Text is the engine's (`Event.text`, engine/detokenize.py), so the server and `LLM.stream`
 release the same text. An exception
 inside a step fails the requests of that step (their blocks are freed) and the loop goes on.
-The thread also publishes a snapshot of the memory system for /metrics and the web page.
+The thread also publishes a snapshot of the memory system for /metrics and the web page, and
+gives freed host memory back when the engine goes idle (hostmem.HostMemory).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hybridkv.engine.core import EngineCore, Event
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.sequence import Sequence
 from hybridkv.errors import RequestError
+from hybridkv.server.hostmem import HostMemory
 from hybridkv.server.memory import memory_snapshot
 
 log = logging.getLogger("hybridkv.server")
@@ -78,8 +80,10 @@ class _Live:
 
 
 class EngineDriver:
-    def __init__(self, engine: EngineCore, metrics=None, snapshot_interval: float = 0.2):
+    def __init__(self, engine: EngineCore, metrics=None, snapshot_interval: float = 0.2,
+                 host: HostMemory | None = None):
         self.engine, self.metrics = engine, metrics
+        self.host = host or HostMemory(engine)
         self.snapshot_interval = snapshot_interval
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
@@ -87,7 +91,7 @@ class EngineDriver:
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._preemptions = 0
         self._last_snapshot = 0.0
-        self.snapshot: dict = memory_snapshot(engine)
+        self.snapshot: dict = self._memory_snapshot()
         self.steps_failed = 0
         self.alive = False
 
@@ -142,6 +146,9 @@ class EngineDriver:
             pass
         if self.engine.has_unfinished():
             self._step()
+            self.host.busy()
+        elif self.host.idle():
+            self._publish(force=True)
         self._publish()
 
     def _command(self, cmd: tuple) -> None:
@@ -166,6 +173,7 @@ class EngineDriver:
                     self.engine.abort(cmd[1])
                 except Exception:  # noqa: BLE001
                     log.exception("abort failed for %s", cmd[1])
+                self.host.work_done()
                 if self.metrics is not None:
                     self.metrics.finished(live, "abort", time.perf_counter())
                 self._send(live, Output(finished=True, finish_reason="abort", prompt_tokens=len(live.seq.prompt_ids),
@@ -203,6 +211,7 @@ class EngineDriver:
             self._publish(force=True)
 
     def _fail_running(self, message: str) -> None:
+        self.host.work_done()
         for seq in list(self.engine.scheduler.running):
             live = self._live.pop(seq.request_id, None)
             try:
@@ -234,6 +243,7 @@ class EngineDriver:
             live.first_time = now
         if ev.finished:
             self._live.pop(seq.request_id, None)
+            self.host.work_done()
             if self.metrics is not None:
                 self.metrics.finished(live, ev.finish_reason or "stop", now)
         self._send(live, out)
@@ -242,7 +252,14 @@ class EngineDriver:
         now = time.perf_counter()
         if force or now - self._last_snapshot >= self.snapshot_interval:
             try:
-                self.snapshot = memory_snapshot(self.engine)
+                self.snapshot = self._memory_snapshot()
             except Exception:  # noqa: BLE001 - a stats failure must not stop serving
                 log.exception("memory snapshot failed")
             self._last_snapshot = now
+
+    def _memory_snapshot(self) -> dict:
+        """The memory system (memory.memory_snapshot) plus the process's host memory under
+        "host": resident bytes, the budget, each host pool's use and capacity."""
+        snap = memory_snapshot(self.engine)
+        snap["host"] = self.host.usage()
+        return snap

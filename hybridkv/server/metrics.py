@@ -89,6 +89,20 @@ class _SnapshotCollector:
         blocks.add_metric([name, "free"], b["total"] - b["active"])
         yield blocks
         yield from tier_families(name, snap.get("lower_tiers", {}))
+        host = snap.get("host")
+        if host:
+            mem = GaugeMetricFamily("hybridkv:host_memory_bytes",
+                                    "Host memory of the server process: resident (RSS), budget (--host-memory-budget, "
+                                    "absent when unset), and each host pool's use and capacity.",
+                                    labels=["model_name", "kind", "state"])
+            if host.get("resident") is not None:
+                mem.add_metric([name, "resident", "used"], host["resident"])
+            if host.get("budget") is not None:
+                mem.add_metric([name, "budget", "capacity"], host["budget"])
+            for kind, v in host["pools"].items():
+                mem.add_metric([name, kind, "used"], v["used"])
+                mem.add_metric([name, kind, "capacity"], v["capacity"])
+            yield mem
 
 
 class Metrics:

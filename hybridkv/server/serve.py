@@ -16,6 +16,8 @@ from hybridkv.errors import CheckpointError
 from hybridkv.server.app import ServerConfig, create_app
 from hybridkv.server.chat_format import EOS
 from hybridkv.server.driver import EngineDriver
+from hybridkv.server.hostmem import HostMemory, tune_allocator
+from hybridkv.server.limits import ListenLimits, uvicorn_config
 from hybridkv.server.metrics import Metrics
 
 
@@ -47,11 +49,13 @@ def _generation_defaults(model_dir: Path) -> dict:
 
 def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = None, device: str = "cpu",
                  dtype: str | None = "auto", tokenizer_path: str | Path | None = None,
-                 served_model_name: str | None = None, api_key: str | None = None, **options) -> Server:
+                 served_model_name: str | None = None, api_key: str | None = None,
+                 host_memory_budget: int | str | None = None, **options) -> Server:
     """The server of a model directory. `options` are EngineConfig fields (over `engine_config`) and
     ServerConfig fields (limits, defaults); `dtype` "auto" is bfloat16 on CUDA, float32 elsewhere."""
     from hybridkv.weights import checkpoint_identity, load_model
 
+    tune_allocator()     # before the engine's threads start: freed host memory goes back to the system
     for old, new in _RENAMED.items():
         if old in options:
             warnings.warn(f"build_server({old}=...) is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
@@ -68,19 +72,22 @@ def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = 
     tokenizer = Tokenizer(tok_file)
     model, config = load_model(model_dir, device=device, dtype=resolve_dtype(dtype, device))
     engine = EngineCore(model, tokenizer, checkpoint_identity(model_dir), ec)
+    host = HostMemory(engine, host_memory_budget)
+    host.check()
     name = served_model_name or model_dir.resolve().name
     eos_id = tokenizer.token_to_id(EOS)
     extra_stops = [eos_id] if eos_id is not None and eos_id != config.eos_token_id else []
     options = {**_generation_defaults(model_dir), **server_options}
     sc = ServerConfig(model_name=name, api_key=api_key, extra_stop_token_ids=extra_stops, **options)
     metrics = Metrics(name)
-    driver = EngineDriver(engine, metrics)
+    driver = EngineDriver(engine, metrics, host=host)
     return Server(create_app(driver, tokenizer, sc, metrics), driver, engine, tokenizer, sc)
 
 
-def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+        limits: ListenLimits | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(server.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(server.app, limits, host=host, port=port, log_level=log_level)).run()
