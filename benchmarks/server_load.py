@@ -173,7 +173,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-concurrency", type=int, default=8)
+    ap.add_argument("--max-num-seqs", "--max-concurrency", dest="max_num_seqs", type=int, default=8)
     ap.add_argument("--num-blocks", type=int, default=128)
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds; no request is sent after it")
     ap.add_argument("--device", default="cpu")
@@ -189,7 +189,7 @@ def main() -> int:
     tok = a.tokenizer
     if tok is None and not (Path(a.model) / "tokenizer.json").exists():
         tok = str(ROOT / "tests/fixtures/tokenizer-tiny/tokenizer.json")
-    server = build_server(a.model, tokenizer_path=tok, device=a.device, max_num_seqs=a.max_concurrency,
+    server = build_server(a.model, tokenizer_path=tok, device=a.device, max_num_seqs=a.max_num_seqs,
                           num_blocks=a.num_blocks, max_queued=4 * a.clients)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
