@@ -157,7 +157,6 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     torch.manual_seed(recipe.seed)
     tok = prepare_tokenizer(recipe, run_dir)
     config = model_config(recipe, tok.vocab_size)
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     with torch.device(device):
         model = Transformer(config, dtype=torch.float32)
     init_weights(model, recipe.seed)
@@ -193,6 +192,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
              f"{'' if 'optimizers' in state else ', optimizer moments restarted'})")
     elif log_path.exists():
         log_path.unlink()
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     progress["commands"] += 1
     model.train()
     data = TaskBatches(tok, recipe.seed, recipe.pool_seed, recipe.next_document)
