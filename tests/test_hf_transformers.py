@@ -3,7 +3,6 @@ average of models) with no missing, unexpected or re-initialised tensor: the rou
 as the FP4 values hybridkv computes with, and its logits are ours up to the FP8/FP4/Hadamard round
 trips it omits (SPEC §1.7)."""
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from hybridkv.model import ContiguousKV, ForwardBatch  # noqa: E402
 from hybridkv.train.average import average_models  # noqa: E402
 from hybridkv.train.export import export_model, float_model  # noqa: E402
-from hybridkv.train.loop import train  # noqa: E402
 from hybridkv.train.recipes import get_recipe  # noqa: E402
 from hybridkv.weights import load_model  # noqa: E402
 
@@ -76,11 +74,8 @@ def test_its_logits_are_ours_up_to_the_round_trips_it_omits(shipped_hf):
 
 
 @pytest.fixture(scope="module")
-def smoke_export(tmp_path_factory):
-    run = tmp_path_factory.mktemp("run")
-    recipe = replace(get_recipe("smoke"), steps=1, log_every=1)
-    train(recipe, run, echo=lambda *_: None)
-    return export_model(recipe, run, tmp_path_factory.mktemp("export") / "model")
+def smoke_export(one_step_smoke_run, tmp_path_factory):
+    return export_model(get_recipe("smoke"), one_step_smoke_run, tmp_path_factory.mktemp("export") / "model")
 
 
 def test_a_fresh_export_loads_whole(smoke_export):

@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from hybridkv import cli
 from hybridkv.errors import TrainingError
 from hybridkv.train import answer_phase, average, indexer_report
 from hybridkv.train.export import export_model
-from hybridkv.train.loop import train
 from hybridkv.train.recipes import RECIPES, get_recipe
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
@@ -105,30 +103,23 @@ def test_export_only_mistakes(capsys, tmp_path):
     assert not (tmp_path / "model").exists()
 
 
-@pytest.fixture(scope="module")
-def one_step_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("smoke1")
-    train(replace(get_recipe("smoke"), steps=1, log_every=1), run, echo=lambda *_: None)
-    return run
-
-
-def test_a_run_resumed_or_exported_with_another_recipe(capsys, tmp_path, one_step_run):
+def test_a_run_resumed_or_exported_with_another_recipe(capsys, tmp_path, one_step_smoke_run):
     """A smoke run resumed or exported as a V4.1 model names the run and the recipe, with no
     traceback, and the run is left as it was."""
-    before = {p.name: p.stat().st_mtime_ns for p in one_step_run.iterdir()}
-    one_line_error(capsys, cli.main, ["train", "--recipe", "smoke-v41", "--resume", "--out", str(one_step_run)],
+    before = {p.name: p.stat().st_mtime_ns for p in one_step_smoke_run.iterdir()}
+    one_line_error(capsys, cli.main, ["train", "--recipe", "smoke-v41", "--resume", "--out", str(one_step_smoke_run)],
                    "--resume", "is not a 'smoke-v41' model", "resume it with the recipe it was trained with")
-    one_line_error(capsys, cli.main, ["train", "--recipe", "smoke-v41", "--export-only", "--out", str(one_step_run),
+    one_line_error(capsys, cli.main, ["train", "--recipe", "smoke-v41", "--export-only", "--out", str(one_step_smoke_run),
                                       "--export", str(tmp_path / "model")],
                    "does not hold a 'smoke-v41' model")
-    assert {p.name: p.stat().st_mtime_ns for p in one_step_run.iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in one_step_smoke_run.iterdir()} == before
     assert not (tmp_path / "model").exists()
 
 
-def test_average_mistakes(capsys, tmp_path, one_step_run):
+def test_average_mistakes(capsys, tmp_path, one_step_smoke_run):
     one_line_error(capsys, average.main, [str(SHIPPED), str(SHIPPED), "--weight", "2", "--out", str(tmp_path / "o")],
                    "weight must lie in [0, 1]")
-    other = export_model(get_recipe("smoke"), one_step_run, tmp_path / "smoke")
+    other = export_model(get_recipe("smoke"), one_step_smoke_run, tmp_path / "smoke")
     one_line_error(capsys, average.main, [str(SHIPPED), str(other), "--out", str(tmp_path / "o")],
                    "different configs", "not one architecture")
     assert not (tmp_path / "o").exists()
