@@ -19,7 +19,7 @@ from hybridkv.train.init import init_weights
 from hybridkv.train.losses import compute_losses
 from hybridkv.train.optim import build_optimizers
 from hybridkv.train.recipes import get_recipe
-from hybridkv.train.loop import model_config
+from hybridkv.train.rundir import model_config
 
 
 def main() -> None:

@@ -155,14 +155,24 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def train_recipe(a: argparse.Namespace):
     """The recipe `hybridkv train` runs: the named one with the command line's overrides."""
+    import math
     from dataclasses import replace
 
+    from hybridkv.errors import TrainingError
     from hybridkv.train.recipes import get_recipe
 
+    finite = math.isfinite
+    for flag, value, ok, rule in (("--steps", a.steps, lambda v: v >= 1, "must be at least 1"),
+                                  ("--lr", a.lr, lambda v: finite(v) and v > 0, "must be a positive learning rate"),
+                                  ("--answer-weight", a.answer_weight, lambda v: finite(v) and v >= 0, "must be >= 0"),
+                                  ("--answer-end-weight", a.answer_end_weight, lambda v: finite(v) and v >= 0,
+                                   "must be >= 0")):
+        if value is not None and not ok(value):
+            raise TrainingError(f"{flag} {value}: {rule}")
     recipe = get_recipe(a.recipe)
-    if a.steps:
+    if a.steps is not None:
         recipe = replace(recipe, steps=a.steps)
-    if a.lr:
+    if a.lr is not None:
         recipe = replace(recipe, lr=a.lr)
     if a.seed is not None:
         recipe = replace(recipe, seed=a.seed)
@@ -176,17 +186,20 @@ def train_recipe(a: argparse.Namespace):
 def cmd_train(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from hybridkv.errors import TrainingError
+
     recipe = train_recipe(a)
+    if a.export_only and not a.export:
+        raise TrainingError("--export-only writes the run in --out to --export DIR: pass --export")
     run_dir = Path(a.out or f"runs/{recipe.name}")
     if not a.export_only:
-        from hybridkv.train.loop import save_portable, train
+        from hybridkv.train.loop import train
+        from hybridkv.train.rundir import load_run_weights, save_portable
 
         progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume, init_from=a.init_from)
         print(f"step {progress['step']}/{recipe.steps}, {progress['tokens'] / 1e6:.1f}M tokens, "
               f"{progress['seconds'] / 60:.1f} min over {progress['commands']} command(s)", file=sys.stderr)
         if a.portable_state:
-            from hybridkv.train.export import load_run_weights
-
             paths = save_portable(load_run_weights(run_dir), progress, Path(a.portable_state))
             print(f"portable state: {len(paths)} file(s) in {a.portable_state}", file=sys.stderr)
     if a.export:

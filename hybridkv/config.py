@@ -38,6 +38,16 @@ class RopeScaling:
     beta_slow: float = 1
 
 
+# A model whose linears are float and whose routed experts are FP4 (or FP8) has no
+# quantization_config of its own (quantization_config None, expert_dtype "fp4"). Its config.json
+# carries one all the same, the release's plus these modules to leave unconverted (transformers'
+# module names: everything but the routed experts), because that is how transformers' DeepSeek-V4
+# loader learns that the experts are packed; without it, it sizes them as bf16 and re-initialises
+# them. Read back, such a quantization_config means quantization_config None.
+EXPERTS_ONLY_UNCONVERTED = ("lm_head", "model.embed_tokens", "model.layers.*.self_attn", "model.layers.*.mlp.gate",
+                            "model.layers.*.mlp.shared_experts")
+
+
 @dataclass(frozen=True)
 class QuantizationConfig:
     """FP8 block quantisation of the linears (`quantization_config` in the release)."""
@@ -235,6 +245,14 @@ class ModelConfig:
                 rs.pop(k)
             kwargs["rope_scaling"] = RopeScaling(**rs)
         qc = kwargs.get("quantization_config")
+        if isinstance(qc, dict) and qc.get("expert_dtype") is not None:   # where V4.1 releases keep it
+            if kwargs.get("expert_dtype") not in (None, qc["expert_dtype"]):
+                raise ConfigError(f"expert_dtype {kwargs['expert_dtype']!r} and quantization_config.expert_dtype "
+                                  f"{qc['expert_dtype']!r} disagree")
+            kwargs["expert_dtype"] = qc["expert_dtype"]
+        if isinstance(qc, dict) and qc.get("modules_to_not_convert"):
+            _check_experts_only(qc, kwargs.get("expert_dtype"))
+            kwargs["quantization_config"] = qc = None
         if isinstance(qc, dict):
             qc = {k: v for k, v in qc.items() if k in {f.name for f in dataclasses.fields(QuantizationConfig)}}
             if "weight_block_size" in qc:
@@ -276,9 +294,13 @@ class ModelConfig:
             v = getattr(self, f.name)
             if v is None and f.name in ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
                                         "candidate_topk_blocks", "candidate_block_size", "kv_lora_rank",
-                                        "quantization_config", "expert_dtype", "rope_scaling"):
+                                        "expert_dtype", "rope_scaling"):
                 continue
-            if dataclasses.is_dataclass(v):
+            if f.name == "quantization_config" and v is None:
+                if self.expert_dtype not in ("fp4", "fp8"):
+                    continue
+                v = _experts_only(self.expert_dtype)
+            elif dataclasses.is_dataclass(v):
                 v = dataclasses.asdict(v)
                 if "weight_block_size" in v:
                     v["weight_block_size"] = list(v["weight_block_size"])
@@ -295,6 +317,29 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _experts_only(expert_dtype: str) -> dict[str, Any]:
+    """The quantization_config written for float linears and `expert_dtype` routed experts."""
+    qc = dataclasses.asdict(QuantizationConfig())
+    qc["weight_block_size"] = list(qc["weight_block_size"])
+    return {**qc, "expert_dtype": expert_dtype, "modules_to_not_convert": list(EXPERTS_ONLY_UNCONVERTED)}
+
+
+def _check_experts_only(qc: dict[str, Any], expert_dtype: str | None) -> None:
+    """A quantization_config with modules_to_not_convert must be the one `_experts_only` writes."""
+    skip = qc["modules_to_not_convert"]
+    if not isinstance(skip, list) or set(skip) != set(EXPERTS_ONLY_UNCONVERTED):
+        raise ConfigError(f"quantization_config.modules_to_not_convert {skip}: hybridkv quantises every linear "
+                          f"(no list) or only the routed experts (the list {list(EXPERTS_ONLY_UNCONVERTED)})")
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ConfigError(f"quantization_config with modules_to_not_convert quantises only the routed experts, "
+                          f"but expert_dtype is {expert_dtype!r} (not 'fp4' or 'fp8')")
+    want = _experts_only(expert_dtype)
+    for k in ("quant_method", "fmt", "scale_fmt", "weight_block_size"):
+        if k in qc and qc[k] != want[k]:
+            raise ConfigError(f"quantization_config.{k} {qc[k]!r}: a model with float linears and quantised experts "
+                              f"has {want[k]!r}")
 
 
 def _fail(msg: str) -> None:

@@ -35,3 +35,16 @@ def redis_url(tmp_path_factory):
     server = RedisServer(binary, str(tmp_path_factory.mktemp("redis")))
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def one_step_smoke_run(tmp_path_factory) -> Path:
+    """A run directory of the smoke recipe trained for one step (state.pt, tokenizer, config)."""
+    from dataclasses import replace
+
+    from hybridkv.train.loop import train
+    from hybridkv.train.recipes import get_recipe
+
+    run = tmp_path_factory.mktemp("smoke-one-step")
+    train(replace(get_recipe("smoke"), steps=1, log_every=1), run, echo=lambda *_: None)
+    return run

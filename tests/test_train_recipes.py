@@ -15,7 +15,7 @@ from hybridkv.cli import build_parser, train_recipe
 from hybridkv.tasks.generators import GENERATED_TASKS, TASKS, Pools, build_tokenizer, training_example
 from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.data import TaskBatches
-from hybridkv.train.loop import model_config
+from hybridkv.train.rundir import model_config
 from hybridkv.train.recipes import RECIPES, get_recipe
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"

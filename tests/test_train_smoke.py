@@ -12,7 +12,8 @@ from hybridkv.model import ContiguousKV, ForwardBatch, Transformer
 from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.export import export_model
 from hybridkv.train.forward import TrainOptions, train_forward
-from hybridkv.train.loop import model_config, prepare_tokenizer, save_portable, train
+from hybridkv.train.loop import train
+from hybridkv.train.rundir import model_config, prepare_tokenizer, save_portable
 from hybridkv.train.recipes import get_recipe
 from hybridkv.weights import load_model
 

@@ -14,9 +14,11 @@ other shifts move the answer within the HCA (128) and CSA (4) blocks.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from hybridkv.errors import TrainingError, reports_errors
 from hybridkv.train.export import float_model
 from hybridkv.train.forward import TrainOptions, train_forward
 from hybridkv.train.losses import CLOSING_TOKENS
@@ -34,6 +36,7 @@ def answer_checks(model, prompt: list[int], completion: list[int]) -> tuple[bool
     return bool(right.all()), bool(right[-CLOSING_TOKENS:].all())
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hybridkv.train.answer_phase")
     p.add_argument("model_dir")
@@ -48,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shifts = [int(x) for x in a.shifts.split(",")]
     except ValueError:
-        raise SystemExit(f"--shifts takes comma-separated integers, got {a.shifts!r}") from None
+        raise TrainingError(f"--shifts takes comma-separated integers, got {a.shifts!r}") from None
     if any(s < 0 or s >= a.length for s in shifts):
-        raise SystemExit(f"--shifts must lie in [0, {a.length})")
+        raise TrainingError(f"--shifts must lie in [0, {a.length})")
     if a.samples < 1:
-        raise SystemExit("--samples must be at least 1")
+        raise TrainingError("--samples must be at least 1")
+    if not (Path(a.model_dir) / "tokenizer.json").is_file():
+        raise TrainingError(f"{a.model_dir}: no tokenizer.json (a model directory that --export wrote)")
     model = float_model(a.model_dir).eval()
     block = max(model.config.compress_ratios)   # the largest compression block (HCA's)
     pools = Pools(TaskTokenizer.load(a.model_dir), seed=a.seed)
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 s = make_sample(a.task, i, pools, a.length - shift, (i + 0.5) / a.samples)
             except ValueError as e:     # an unknown task, or a prompt too short for it
-                raise SystemExit(f"--task {a.task} at {a.length - shift} tokens: {e}") from None
+                raise TrainingError(f"--task {a.task} at {a.length - shift} tokens: {e}") from None
             w, c = answer_checks(model, s.prompt, s.completion)
             whole, closed = whole + w, closed + c
             offsets.add((len(s.prompt) + len(s.completion) - 1) % block)

@@ -13,40 +13,38 @@ hold no weights to average: they must be equal.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
 import torch
 
+from hybridkv.errors import TrainingError, reports_errors
 from hybridkv.train.export import SHARD_BYTES, float_model, release_state
-
-
-def _config_dict(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())
 
 
 @torch.no_grad()
 def average_models(a_dir: str | Path, b_dir: str | Path, weight: float, out_dir: str | Path) -> Path:
     """Write `(1 - weight) * A + weight * B` to out_dir in A's release format (config, shards,
-    tokenizer). Raises ValueError when the two are not the same architecture and tokenizer."""
+    tokenizer). Raises TrainingError when the two are not the same architecture and tokenizer."""
     from hybridkv.config import ModelConfig
     from hybridkv.model import Transformer
     from hybridkv.weights import save_checkpoint
     a_dir, b_dir, out_dir = Path(a_dir), Path(b_dir), Path(out_dir)
     if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"weight must lie in [0, 1], got {weight}")
+        raise TrainingError(f"weight must lie in [0, 1], got {weight}")
     if out_dir.resolve() in (a_dir.resolve(), b_dir.resolve()):
-        raise ValueError(f"--out {out_dir} is one of the models being averaged")
-    ca, cb = _config_dict(a_dir), _config_dict(b_dir)
+        raise TrainingError(f"--out {out_dir} is one of the models being averaged")
+    # compared as read, so that two spellings of one config (an export from before a format change) agree
+    config = ModelConfig.from_json(a_dir)
+    ca, cb = config.to_dict(), ModelConfig.from_json(b_dir).to_dict()
     if ca != cb:
         diff = sorted(k for k in {**ca, **cb} if ca.get(k) != cb.get(k))
-        raise ValueError(f"{a_dir} and {b_dir} have different configs ({', '.join(diff)}): not one architecture")
+        raise TrainingError(f"{a_dir} and {b_dir} have different configs ({', '.join(diff)}): not one architecture")
     for d in (a_dir, b_dir):
         if not (d / "tokenizer.json").is_file():
-            raise ValueError(f"{d}: no tokenizer.json")
+            raise TrainingError(f"{d}: no tokenizer.json")
     if (a_dir / "tokenizer.json").read_bytes() != (b_dir / "tokenizer.json").read_bytes():
-        raise ValueError(f"{a_dir} and {b_dir} have different tokenizers: their token ids do not mean the same")
+        raise TrainingError(f"{a_dir} and {b_dir} have different tokenizers: their token ids do not mean the same")
     sa, sb = float_model(a_dir).state_dict(), float_model(b_dir).state_dict()
     mixed = {}
     for name, ta in sa.items():
@@ -56,9 +54,8 @@ def average_models(a_dir: str | Path, b_dir: str | Path, weight: float, out_dir:
         elif torch.equal(ta, tb):
             mixed[name] = ta
         else:
-            raise ValueError(f"{name} differs between {a_dir} and {b_dir} and is not a weight to average "
-                             f"({ta.dtype}): these are not two trainings of one model")
-    config = ModelConfig.from_json(a_dir)
+            raise TrainingError(f"{name} differs between {a_dir} and {b_dir} and is not a weight to average "
+                                f"({ta.dtype}): these are not two trainings of one model")
     release = Transformer(config, dtype=torch.bfloat16)
     release.load_state_dict(release_state(mixed, release))
     save_checkpoint(release, config, out_dir, max_shard_bytes=SHARD_BYTES)
@@ -66,6 +63,7 @@ def average_models(a_dir: str | Path, b_dir: str | Path, weight: float, out_dir:
     return out_dir
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hybridkv.train.average", description=__doc__.split("\n\n")[0])
     p.add_argument("a_dir")
@@ -75,11 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     for d in (a.a_dir, a.b_dir):
         if not (Path(d) / "config.json").is_file():
-            raise SystemExit(f"{d}: no config.json (a model directory in the release format)")
-    try:
-        out = average_models(a.a_dir, a.b_dir, a.weight, a.out)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+            raise TrainingError(f"{d}: no config.json (a model directory in the release format)")
+    out = average_models(a.a_dir, a.b_dir, a.weight, a.out)
     print(f"wrote {out}")
     return 0
 

@@ -9,24 +9,15 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.errors import TrainingError
 from hybridkv.model import Transformer
 from hybridkv.model.linear import Linear
-from hybridkv.train.loop import PORTABLE, load_portable, model_config, prepare_tokenizer
 from hybridkv.train.qat import quantize_fp4_weight_for_export
 from hybridkv.train.recipes import Recipe
+from hybridkv.train.rundir import load_run_weights, mismatch, model_config, prepare_tokenizer
 from hybridkv.weights import save_checkpoint
 
 SHARD_BYTES = 15 << 20
-
-
-def load_run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    state_path = run_dir / "state.pt"
-    if state_path.exists():
-        return torch.load(state_path, map_location="cpu", weights_only=False)["model"]
-    state = load_portable(run_dir)
-    if state is None:
-        raise FileNotFoundError(f"no state.pt or {PORTABLE}.* in {run_dir}: nothing to export")
-    return state["model"]
 
 
 def float_model(model_dir: str | Path) -> Transformer:
@@ -76,11 +67,16 @@ def release_state(float_state: dict[str, torch.Tensor], release: Transformer) ->
 @torch.no_grad()
 def export_model(recipe: Recipe, run_dir: str | Path, out_dir: str | Path) -> Path:
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    tok = prepare_tokenizer(recipe, run_dir)
     trained = load_run_weights(run_dir)
+    tok = prepare_tokenizer(recipe, run_dir)
     config = model_config(recipe, tok.vocab_size, release=True)
     release = Transformer(config, dtype=torch.bfloat16)
-    release.load_state_dict(release_state(trained, release))
+    try:
+        release.load_state_dict(release_state(trained, release))
+    except (KeyError, RuntimeError) as e:   # a missing tensor, or one of another shape
+        raise TrainingError(f"the run in {run_dir} does not hold a {recipe.name!r} model (its weights do not fit "
+                            f"that recipe's: {mismatch(e)}); export it with the recipe it was "
+                            f"trained with") from None
     save_checkpoint(release, config, out_dir, max_shard_bytes=SHARD_BYTES)
     shutil.copy(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
     return out_dir

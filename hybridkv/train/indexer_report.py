@@ -10,14 +10,17 @@ MODEL_DIR is a release-format model (FP4/FP8 weights are dequantised into a floa
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import statistics
 
 import torch
 
+from hybridkv.errors import TrainingError, reports_errors
 from hybridkv.train.export import float_model
 from hybridkv.train.forward import TrainOptions, train_forward
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hybridkv.train.indexer_report")
     p.add_argument("model_dir")
@@ -29,13 +32,21 @@ def main(argv: list[str] | None = None) -> int:
     from hybridkv.tasks.generators import Pools, make_sample
     from hybridkv.tasks.tokenizer import TaskTokenizer
 
+    for flag, v in (("--length", a.length), ("--samples", a.samples), ("--queries", a.queries)):
+        if v < 1:
+            raise TrainingError(f"{flag} {v}: must be at least 1")
+    if not (Path(a.model_dir) / "tokenizer.json").is_file():
+        raise TrainingError(f"{a.model_dir}: no tokenizer.json (a model directory that --export wrote)")
     model = float_model(a.model_dir)
     tok = TaskTokenizer.load(a.model_dir)
     pools = Pools(tok, seed=0)
     recall: dict[int, list[float]] = {}
     for task in a.tasks.split(","):
         for i in range(a.samples):
-            ids = torch.tensor([make_sample(task, 10_000 + i, pools, a.length).prompt])
+            try:
+                ids = torch.tensor([make_sample(task, 10_000 + i, pools, a.length).prompt])
+            except ValueError as e:     # an unknown task, or a prompt too short for it
+                raise TrainingError(f"--tasks {task} at {a.length} tokens: {e}") from None
             with torch.no_grad():
                 out = train_forward(model, ids, TrainOptions(dense_indexer=True, qat_indexer=True,
                                                              kl_queries=a.queries),

@@ -2,10 +2,8 @@
 gradient clipping, the aux-loss-free bias update, logs (JSON lines + a loss-curve PNG), and a
 checkpoint with optimizer state that a later command resumes (`max_minutes` bounds one command).
 
-Run directory:
-    tokenizer.json    built once from the recipe's corpus (deterministic)
-    config.json       the model config (release format)
-    state.pt          model, optimizers, step, tokens, device seconds (resume)
+Run directory (`rundir` owns its tokenizer, config and state files):
+    tokenizer.json, config.json, state.pt, state-portable.pt.NN
     log.jsonl         one line per logged step;  loss.png  the curves
 """
 
@@ -19,62 +17,16 @@ from pathlib import Path
 import torch
 
 from hybridkv.config import ModelConfig
+from hybridkv.errors import TrainingError
 from hybridkv.model import Transformer
 from hybridkv.train.data import TaskBatches
+from hybridkv.train.export import float_model
 from hybridkv.train.forward import TrainOptions, train_forward
 from hybridkv.train.init import init_weights
 from hybridkv.train.losses import compute_losses, update_gate_biases
 from hybridkv.train.optim import build_optimizers, lr_schedule
 from hybridkv.train.recipes import Recipe
-
-
-def prepare_tokenizer(recipe: Recipe, run_dir: Path):
-    from hybridkv.tasks.generators import build_tokenizer
-    from hybridkv.tasks.tokenizer import TaskTokenizer
-    path = run_dir / "tokenizer.json"
-    if path.exists():
-        return TaskTokenizer.load(path)
-    tok = build_tokenizer(recipe.vocab_size, seed=recipe.seed, n_texts=recipe.tokenizer_texts,
-                          hex_chars=recipe.hex_chars)
-    tok.save(run_dir)
-    return tok
-
-
-def model_config(recipe: Recipe, vocab_size: int, release: bool = False) -> ModelConfig:
-    """The config trained (experts in float, QAT simulating FP4) or, with `release`, the one shipped
-    (the recipe's expert format)."""
-    d = {**recipe.model, "vocab_size": vocab_size}
-    if not release:
-        d["expert_dtype"] = "bf16"
-    return ModelConfig.from_dict(d)
-
-
-PORTABLE = "state-portable.pt"
-PART_BYTES = 15 << 20
-
-
-def save_portable(weights: dict[str, torch.Tensor], progress: dict, out_dir: Path) -> list[Path]:
-    """Float32 weights and progress (no optimizer state), in files of at most 15 MiB: what a run
-    carries to a fresh machine. Resuming from it restarts the optimizer moments."""
-    import io
-    buf = io.BytesIO()
-    torch.save({"model": weights, "progress": progress}, buf)
-    data = buf.getvalue()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(0, len(data), PART_BYTES):
-        paths.append(out_dir / f"{PORTABLE}.{i // PART_BYTES:02d}")
-        paths[-1].write_bytes(data[i:i + PART_BYTES])
-    return paths
-
-
-def load_portable(run_dir: Path, device: str = "cpu") -> dict | None:
-    """What `save_portable` wrote into run_dir (None if nothing)."""
-    import io
-    parts = sorted(run_dir.glob(f"{PORTABLE}.*"))
-    if not parts:
-        return None
-    return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location=device, weights_only=False)
+from hybridkv.train.rundir import PORTABLE, load_portable, mismatch, model_config, prepare_tokenizer
 
 
 def _rewarm_steps(recipe: Recipe) -> int:
@@ -132,40 +84,49 @@ def _comparable(config: ModelConfig) -> dict:
     return d
 
 
-def load_base_model(model, config: ModelConfig, init_from: Path) -> str:
-    """Load a release-format model directory (what `--export` wrote) into the training model;
-    its architecture must be the recipe's. Returns the checkpoint's identity."""
-    from hybridkv.train.export import float_model
+def load_base_model(model, init_from: Path) -> str:
+    """Load a release-format model directory (what `--export` wrote, checked by `_take_base`) into
+    the training model. Returns the checkpoint's identity."""
     from hybridkv.weights import checkpoint_identity
-    base = float_model(init_from)
-    theirs, ours = _comparable(base.config), _comparable(config)
-    if theirs != ours:
-        diff = sorted(k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k))
-        raise ValueError(f"--init-from {init_from}: its config differs from the recipe's model in {', '.join(diff)}")
-    model.load_state_dict(base.state_dict())
+    model.load_state_dict(float_model(init_from).state_dict())
     return checkpoint_identity(init_from)
 
 
-def _take_base_tokenizer(recipe: Recipe, init_from: Path, run_dir: Path) -> None:
+def _take_base(recipe: Recipe, init_from: Path, run_dir: Path) -> None:
     """A continued model keeps its tokenizer: copy it into the run (or check the run's is the same),
-    once it is known to follow the recipe's tokenizer rule."""
+    once the model is known to be the recipe's architecture and its tokenizer to follow the recipe's
+    rule. Nothing is written when a check fails."""
     from hybridkv.tasks.tokenizer import TaskTokenizer
     src, dst = init_from / "tokenizer.json", run_dir / "tokenizer.json"
     if not src.exists():
-        raise FileNotFoundError(f"--init-from {init_from}: no tokenizer.json")
+        raise TrainingError(f"--init-from {init_from}: no tokenizer.json (a continued model keeps its tokenizer)")
     base = TaskTokenizer.load(src)
     base_has = recipe.hex_chars and not recipe.adds_hex_chars    # the rule the base's tokenizer must have
     if base.hex_chars != base_has:
         want, got = ("does", "does not") if base_has else ("does not", "does")
-        raise ValueError(f"--init-from {init_from}: recipe {recipe.name!r} continues a model whose tokenizer {want} "
-                         f"keep hex characters apart (hex_chars), and this model's tokenizer {got}")
+        raise TrainingError(f"--init-from {init_from}: recipe {recipe.name!r} continues a model whose tokenizer {want} "
+                            f"keep hex characters apart (hex_chars), and this model's tokenizer {got}")
+    theirs, ours = _comparable(ModelConfig.from_json(init_from)), _comparable(model_config(recipe, base.vocab_size))
+    if theirs != ours:
+        diff = sorted(k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k))
+        raise TrainingError(f"--init-from {init_from}: its config differs from the recipe's model in {', '.join(diff)}")
     # the base's file as it is, or its tokenizer with the hex rule added (the vocabulary kept)
     data = base.with_hex_chars().tokenizer.to_str(pretty=True).encode() if recipe.adds_hex_chars else src.read_bytes()
     if not dst.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(data)
     elif dst.read_bytes() != data:
-        raise ValueError(f"{dst} differs from {src}{' with the hex rule added' if recipe.adds_hex_chars else ''}: "
-                         f"a continued model must keep its tokenizer")
+        raise TrainingError(f"{dst} differs from {src}{' with the hex rule added' if recipe.adds_hex_chars else ''}: "
+                            f"a continued model must keep its tokenizer")
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise TrainingError(f"--device {device}: not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"--device {device}: this machine has no CUDA device (use --device cpu)")
 
 
 def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes: float | None = None,
@@ -175,24 +136,33 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     returns the progress dict. A fresh run of a recipe with a `base` starts from `init_from`, a model
     directory exported from a run of that base recipe."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_device(device)
+    if max_minutes is not None and not max_minutes > 0:
+        raise TrainingError(f"--max-minutes {max_minutes}: must be positive")
     if recipe.base and not resume and init_from is None:
-        raise ValueError(f"recipe {recipe.name!r} continues a {recipe.base!r} model: pass --init-from MODEL_DIR")
+        raise TrainingError(f"recipe {recipe.name!r} continues a {recipe.base!r} model: pass --init-from MODEL_DIR")
     if init_from is not None and not recipe.base:
-        raise ValueError(f"recipe {recipe.name!r} trains from scratch; --init-from is for recipes that continue one")
+        raise TrainingError(f"recipe {recipe.name!r} trains from scratch; --init-from is for recipes that continue one")
+    if init_from is not None and not resume and not (Path(init_from) / "config.json").is_file():
+        raise TrainingError(f"--init-from {init_from}: not a model directory (no config.json); pass a directory "
+                            f"that --export wrote")
+    state_path = run_dir / "state.pt"
+    if resume and not state_path.exists() and not any(run_dir.glob(f"{PORTABLE}.*")):
+        raise TrainingError(f"--resume: no {state_path.name} or {PORTABLE}.* in {run_dir}: nothing to continue "
+                            f"(--out names the run's directory)")
     if init_from is not None and not resume:
-        _take_base_tokenizer(recipe, Path(init_from), run_dir)
+        _take_base(recipe, Path(init_from), run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     tok = prepare_tokenizer(recipe, run_dir)
     config = model_config(recipe, tok.vocab_size)
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     with torch.device(device):
         model = Transformer(config, dtype=torch.float32)
     init_weights(model, recipe.seed)
     base_identity = None
     if init_from is not None and not resume:
-        base_identity = load_base_model(model, config, Path(init_from))
+        base_identity = load_base_model(model, Path(init_from))
     for layer in [*model.layers, *model.mtp]:      # the selection bias moves by the balance rule only
         if layer.ffn.gate.bias is not None:
             layer.ffn.gate.bias.requires_grad_(False)
@@ -200,29 +170,29 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     progress = {"step": 0, "tokens": 0, "seconds": 0.0, "commands": 0, "seed": recipe.seed}
     if base_identity is not None:
         progress["init_from"] = {"path": Path(init_from).name, "identity": base_identity}
-    state_path = run_dir / "state.pt"
     log_path = run_dir / "log.jsonl"
     rewarm_until = 0
-    state = None
     if resume:
         state = (torch.load(state_path, map_location=device, weights_only=False) if state_path.exists()
                  else load_portable(run_dir, device))
-        if state is None:
-            raise FileNotFoundError(f"--resume: no {state_path.name} or {PORTABLE}.* in {run_dir}")
-    if state is not None:
-        model.load_state_dict(state["model"])
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:   # missing, unexpected or other-shaped tensors
+            raise TrainingError(f"--resume: the state in {run_dir} is not a {recipe.name!r} model "
+                                f"({mismatch(e)}); resume it with the recipe it was trained with") from None
         for opt, sd in zip(optimizers, state.get("optimizers", [])):
             opt.load_state_dict(sd)
         progress = state["progress"]
         if progress.get("seed", recipe.seed) != recipe.seed:   # a resumed run must draw the same stream
-            raise ValueError(f"this run draws its data with seed {progress['seed']}, not {recipe.seed}: "
-                             f"resume it with --seed {progress['seed']}")
+            raise TrainingError(f"this run draws its data with seed {progress['seed']}, not {recipe.seed}: "
+                                f"resume it with --seed {progress['seed']}")
         if "optimizers" not in state:  # fresh moments: warm the learning rate up again
             rewarm_until = progress["step"] + _rewarm_steps(recipe)
         echo(f"resumed at step {progress['step']} ({progress['tokens'] / 1e6:.1f}M tokens"
              f"{'' if 'optimizers' in state else ', optimizer moments restarted'})")
     elif log_path.exists():
         log_path.unlink()
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     progress["commands"] += 1
     model.train()
     data = TaskBatches(tok, recipe.seed, recipe.pool_seed, recipe.next_document)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from hybridkv.errors import TrainingError
 from hybridkv.train.losses import LossWeights
 
 
@@ -269,5 +270,5 @@ RECIPES = {
 
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+        raise TrainingError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
     return RECIPES[name]()
