@@ -1,6 +1,6 @@
-"""KV byte formats and the bytes a request costs, by kind of entry.
+"""The bytes a request costs, by kind of entry and KV format.
 
-Formats (SPEC §2.2), per entry:
+Formats (SPEC §2.2; their bytes in `hybridkv.ops.kv_formats`), per entry:
 - "fp8" (V4 deployment): main KV = nope dims e4m3 + rope dims bf16 + one ue8m0 scale per 64 nope
   dims, padded to 8 bytes (584 B at head_dim 512); indexer key = E2M1 pairs + one ue8m0 scale per
   32 (68 B at 128); window rows use the main layout.
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridkv.cache.formats import index_entry_bytes, main_entry_bytes
 from hybridkv.config import ModelConfig
+from hybridkv.ops.kv_formats import index_entry_bytes, main_entry_bytes
 from hybridkv.errors import ConfigError
 
 FORMATS = ("fp8", "bf16", "v41")
