@@ -27,6 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridkv.chat.replies import REASONING, ReplyParser
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.errors import RequestError
@@ -34,7 +35,6 @@ from hybridkv.server.chat import plan_chat, token_logprobs, tool_call_objects, u
 from hybridkv.server.driver import EngineDriver, RequestHandle
 from hybridkv.server.metrics import Metrics
 from hybridkv.server.protocol import APIError, ChatRequest, CompletionRequest, bad, parse_body
-from hybridkv.server.reply_parser import REASONING, ReplyParser
 
 log = logging.getLogger("hybridkv.server")
 STATIC = Path(__file__).parent / "static"

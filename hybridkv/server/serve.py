@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv.chat.format import EOS
 from hybridkv.engine.core import EngineConfig, EngineCore
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.errors import CheckpointError
 from hybridkv.server.app import ServerConfig, create_app
-from hybridkv.server.chat_format import EOS
 from hybridkv.server.driver import EngineDriver
 from hybridkv.server.metrics import Metrics
 

@@ -23,7 +23,7 @@ import copy
 import json
 from typing import Any
 
-from hybridkv.server.dsml import DSML, render_tool_calls
+from hybridkv.chat.dsml import DSML, render_tool_calls
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
