@@ -1,5 +1,5 @@
 """Model configuration: `ModelConfig`, read from an HF-style `config.json` with the field names of
-the DeepSeek-V4 / V4.1 releases, validated on construction, plus the named presets.
+the DeepSeek-V4 / V4.1 releases, validated on construction (the named presets are `presets.py`'s).
 
 A config is data. Everything the model, the weight loader and the KV accounting need to know
 about an architecture is a field or a property derived from fields here.
@@ -426,11 +426,3 @@ def _validate_v41(c: ModelConfig) -> None:
         _fail(f"the candidate pool ({c.candidate_topk_blocks} blocks x {c.candidate_block_size}) can hold as few as "
               f"{pool} positions, fewer than index_topk ({c.index_topk}); raise candidate_topk_blocks")
 
-
-def load_config(source: str | Path) -> ModelConfig:
-    """A preset name, a config.json path, or a model directory."""
-    from hybridkv.presets import PRESETS, get_preset
-
-    if isinstance(source, str) and source in PRESETS:
-        return get_preset(source)
-    return ModelConfig.from_json(source)
