@@ -25,6 +25,7 @@ V41_GLOBAL_FP4_BLOCK = 16
 V4_TYPES = ("deepseek_v4",)
 V41_TYPES = ("deepseek_v41", "deepseek_v4_1")
 MLA_TYPES = ("deepseek_v32",)
+CSA_RATIO = 4  # V4: the compressing layers of this ratio are CSA (overlapping blocks, Lightning Indexer); others HCA
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class ModelConfig:
         return self.compress_ratios[layer_id]
 
     def layer_kind(self, layer_id: int) -> str:
-        """V4: 'swa' (window only), 'csa' (ratio 4 with the Lightning Indexer) or 'hca'.
+        """V4: 'swa' (window only), 'csa' (ratio CSA_RATIO, with the Lightning Indexer) or 'hca'.
         V4.1: 'swa' or the CSA2 mode of a compressed layer:
         'full' (own compressor, indexer keys and top-k), 'reindex' (own top-k over the last Full
         layer's keys) or 'reuse' (the last Full layer's KV and the last indexer's top-k)."""
@@ -155,7 +156,7 @@ class ModelConfig:
             if layer_id in self.kv_source_layer_ids:
                 return "full"
             return "reindex" if layer_id in self.index_source_layer_ids else "reuse"
-        return "csa" if r == 4 else "hca"
+        return "csa" if r == CSA_RATIO else "hca"
 
     def kv_source(self, layer_id: int) -> int | None:
         """The layer whose compressed KV (and, in V4.1, indexer keys) this layer attends over:

@@ -152,7 +152,7 @@ class PagedKVStore:
             ents, sts = {}, {}
             for kind in widths:
                 c = self.codec[kind]
-                offloaded = self.offload and ratio == 4 and kind == "kv"
+                offloaded = self.offload and config.layer_kind(layer_id) == "csa" and kind == "kv"
                 ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
                                          device=self.host if offloaded else self.device,
                                          pin_memory=offloaded and self.device.type == "cuda")
