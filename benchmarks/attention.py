@@ -31,9 +31,9 @@ import time
 import torch
 import triton
 
-from hybridkv.cache.formats import index_block_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.indexer_topk import reference as idx_ref
 from hybridkv.ops.indexer_topk import triton as idx_k
+from hybridkv.ops.kv_formats import index_block_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.sparse_attn import reference as attn_ref
 from hybridkv.ops.sparse_attn import triton as attn_k

@@ -41,6 +41,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 
+from hybridkv.cache.tiers.config import TierConfig, parse_size  # noqa: E402
 from hybridkv.server.limits import uvicorn_config  # noqa: E402
 from hybridkv.server.serve import build_server  # noqa: E402
 
@@ -182,6 +183,7 @@ def main() -> int:
     ap.add_argument("--soak-tokens", default="2000-6000", help="soak prompt length range in tokens (MIN-MAX)")
     ap.add_argument("--soak-sample-s", type=float, default=15.0, help="soak: seconds between memory samples")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--kv-dram-size", default=None, help="the host-DRAM prefix tier's size (default: the engine's)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -189,8 +191,9 @@ def main() -> int:
     tok = a.tokenizer
     if tok is None and not (Path(a.model) / "tokenizer.json").exists():
         tok = str(ROOT / "tests/fixtures/tokenizer-tiny/tokenizer.json")
+    extra = {"tiers": TierConfig(dram_bytes=parse_size(a.kv_dram_size))} if a.kv_dram_size else {}
     server = build_server(a.model, tokenizer_path=tok, device=a.device, max_num_seqs=a.max_num_seqs,
-                          num_blocks=a.num_blocks, max_queued=4 * a.clients)
+                          num_blocks=a.num_blocks, max_queued=4 * a.clients, **extra)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

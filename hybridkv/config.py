@@ -1,5 +1,5 @@
 """Model configuration: `ModelConfig`, read from an HF-style `config.json` with the field names of
-the DeepSeek-V4 / V4.1 releases, validated on construction, plus the named presets.
+the DeepSeek-V4 / V4.1 releases, validated on construction (the named presets are `presets.py`'s).
 
 A config is data. Everything the model, the weight loader and the KV accounting need to know
 about an architecture is a field or a property derived from fields here.
@@ -25,6 +25,7 @@ V41_GLOBAL_FP4_BLOCK = 16
 V4_TYPES = ("deepseek_v4",)
 V41_TYPES = ("deepseek_v41", "deepseek_v4_1")
 MLA_TYPES = ("deepseek_v32",)
+CSA_RATIO = 4  # V4: the compressing layers of this ratio are CSA (overlapping blocks, Lightning Indexer); others HCA
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class ModelConfig:
         return self.compress_ratios[layer_id]
 
     def layer_kind(self, layer_id: int) -> str:
-        """V4: 'swa' (window only), 'csa' (ratio 4 with the Lightning Indexer) or 'hca'.
+        """V4: 'swa' (window only), 'csa' (ratio CSA_RATIO, with the Lightning Indexer) or 'hca'.
         V4.1: 'swa' or the CSA2 mode of a compressed layer:
         'full' (own compressor, indexer keys and top-k), 'reindex' (own top-k over the last Full
         layer's keys) or 'reuse' (the last Full layer's KV and the last indexer's top-k)."""
@@ -165,7 +166,7 @@ class ModelConfig:
             if layer_id in self.kv_source_layer_ids:
                 return "full"
             return "reindex" if layer_id in self.index_source_layer_ids else "reuse"
-        return "csa" if r == 4 else "hca"
+        return "csa" if r == CSA_RATIO else "hca"
 
     def kv_source(self, layer_id: int) -> int | None:
         """The layer whose compressed KV (and, in V4.1, indexer keys) this layer attends over:
@@ -471,11 +472,3 @@ def _validate_v41(c: ModelConfig) -> None:
         _fail(f"the candidate pool ({c.candidate_topk_blocks} blocks x {c.candidate_block_size}) can hold as few as "
               f"{pool} positions, fewer than index_topk ({c.index_topk}); raise candidate_topk_blocks")
 
-
-def load_config(source: str | Path) -> ModelConfig:
-    """A preset name, a config.json path, or a model directory."""
-    from hybridkv.presets import PRESETS, get_preset
-
-    if isinstance(source, str) and source in PRESETS:
-        return get_preset(source)
-    return ModelConfig.from_json(source)

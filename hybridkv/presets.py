@@ -1,8 +1,10 @@
 """Named model configurations with the real dimensions of the public releases, plus tiny ones for
-tests. Presets are data: each is the `config.json` dict a release ships (release field names)."""
+tests. Presets are data: each is the `config.json` dict a release ships (release field names).
+`load_config` takes a preset name or a config.json / model directory."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hybridkv.config import ModelConfig
@@ -97,3 +99,10 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return ModelConfig.from_dict({**PRESETS[name], **overrides})
+
+
+def load_config(source: str | Path) -> ModelConfig:
+    """A preset name, a config.json path, or a model directory."""
+    if isinstance(source, str) and source in PRESETS:
+        return get_preset(source)
+    return ModelConfig.from_json(source)

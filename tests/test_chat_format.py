@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from hybridkv.server.chat_format import encode_messages
-from hybridkv.server.dsml import DSMLError, parse_tool_calls, render_tool_calls
-from hybridkv.server.reply_parser import ReplyParser
+from hybridkv.chat.dsml import DSMLError, parse_tool_calls, render_tool_calls
+from hybridkv.chat.format import encode_messages
+from hybridkv.chat.replies import ReplyParser
 
 CASES = {1: "thinking", 2: "thinking", 3: "thinking", 4: "chat"}
 

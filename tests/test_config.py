@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from hybridkv.config import ModelConfig, load_config
+from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
-from hybridkv.presets import PRESETS, V4_TINY, get_preset
+from hybridkv.presets import PRESETS, V4_TINY, get_preset, load_config
 
 
 def test_golden_configs_load(fixtures):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hybridkv.cache.paged import KernelArgs, PagedDecodeKV, PagedKVStore, PagedSeqKV, SeqCache
-from hybridkv.config import load_config
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.eval.runner import build_samples, score
+from hybridkv.presets import load_config
 from hybridkv.tasks.tokenizer import TaskTokenizer
 
 ROOT = Path(__file__).parents[1]

@@ -2,9 +2,9 @@
 
 import torch
 
-from hybridkv.cache.formats import (index_entry_bytes, main_entry_bytes, pack_index_fp4, pack_main_fp8,
-                                    unpack_index_fp4, unpack_main_fp8)
 from hybridkv.ops.hadamard import hadamard_transform
+from hybridkv.ops.kv_formats import (index_entry_bytes, main_entry_bytes, pack_index_fp4, pack_main_fp8,
+                                     unpack_index_fp4, unpack_main_fp8)
 from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
 
 
@@ -32,7 +32,7 @@ def test_index_fp4_round_trip_exact():
 def test_index_key_blocks_keep_codes_first():
     """A block of packed keys holds its keys' codes (each 64 aligned bytes at 128 dims), then their
     scales; the row form comes back unchanged, and a store writes and reads that layout."""
-    from hybridkv.cache.formats import index_block_rows, index_block_views, index_blocks_to_rows, index_rows_to_blocks
+    from hybridkv.ops.kv_formats import index_block_rows, index_block_views, index_blocks_to_rows, index_rows_to_blocks
     rows = pack_index_fp4(fp4_round_trip(hadamard_transform(torch.randn(3 * 32, 128)), 32)).view(3, 32, 68)
     blocks = index_rows_to_blocks(rows, 128)
     assert blocks.shape == rows.shape
@@ -50,8 +50,8 @@ def test_index_key_blocks_keep_codes_first():
 def test_v41_packed_entries_round_trip_exactly():
     """Values the V4.1 model stores (global KV: FP4 per 16 with e4m3 scales; window: FP8 per 32 with
     power-of-two scales) pack into 288 + 528 bytes at head_dim 512 and unpack bit for bit."""
-    from hybridkv.cache.formats import (pack_v41_global, pack_v41_window, unpack_v41_global, unpack_v41_window,
-                                        v41_global_bytes, v41_window_bytes)
+    from hybridkv.ops.kv_formats import (pack_v41_global, pack_v41_window, unpack_v41_global, unpack_v41_window,
+                                         v41_global_bytes, v41_window_bytes)
     from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 2, 64).unsqueeze(1)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from hybridkv.server.chat_format import encode_messages
+from hybridkv.chat.format import encode_messages
 
 LONG = " ".join(f"fact {i} is that the quick brown fox jumps over the lazy dog" for i in range(30))
 

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hybridkv.server.chat_format import BOS, EOS, SPECIAL_TOKENS
+from hybridkv.chat.format import BOS, EOS, SPECIAL_TOKENS
 from hybridkv.tasks import words
 from hybridkv.tasks.generators import (NIAH_VARIANTS, TASKS, TRAIN_TASKS, Pools, Units, build_tokenizer,
                                        make_sample, tokenizer_corpus, training_example)

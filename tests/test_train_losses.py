@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.config import load_config
 from hybridkv.model import Transformer
+from hybridkv.presets import load_config
 from hybridkv.tasks.generators import Pools, training_example
 from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.forward import TrainOptions, train_forward

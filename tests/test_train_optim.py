@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 import torch.optim._muon as torch_muon
 
-from hybridkv.config import load_config
 from hybridkv.model import ContiguousKV, ForwardBatch, Transformer
+from hybridkv.presets import load_config
 from hybridkv.train.optim import (PARAM_TABLE, QUINTIC, V4_SCHEDULE, Muon, build_optimizers, describe_groups,
                                   lr_schedule, newton_schulz, param_groups)
 

@@ -1,1 +1,1 @@
-"""Where KV lives: byte layouts, and (with the engine) the block pool, prefix index and tiers."""
+"""Where KV lives: bytes per request (layout), and (with the engine) the block pool, prefix index and tiers."""

@@ -1,6 +1,6 @@
-"""KV byte formats and the bytes a request costs, by kind of entry.
+"""The bytes a request costs, by kind of entry and KV format.
 
-Formats (SPEC §2.2), per entry:
+Formats (SPEC §2.2; their bytes in `hybridkv.ops.kv_formats`), per entry:
 - "fp8" (V4 deployment): main KV = nope dims e4m3 + rope dims bf16 + one ue8m0 scale per 64 nope
   dims, padded to 8 bytes (584 B at head_dim 512); indexer key = E2M1 pairs + one ue8m0 scale per
   32 (68 B at 128); window rows use the main layout.
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridkv.cache.formats import index_entry_bytes, main_entry_bytes
 from hybridkv.config import ModelConfig
+from hybridkv.ops.kv_formats import index_entry_bytes, main_entry_bytes
 from hybridkv.errors import ConfigError
 
 FORMATS = ("fp8", "bf16", "v41")
@@ -89,10 +89,10 @@ def kv_layout(config: ModelConfig, fmt: str | None = None) -> KVLayout:
             "indexer keys": sum(eb.index / ratios[i] for i in sources),
         }
         lay.fixed = {"window": n_all * config.sliding_window * eb.window,
-                     "compressor state": sum(_compressor_state_bytes(config, ratios[i], False) for i in sources)}
+                     "compressor state": sum(_compressor_state_bytes(config, i) for i in sources)}
         return lay
-    csa = [i for i, r in enumerate(ratios) if r == 4]
-    hca = [i for i, r in enumerate(ratios) if r > 0 and r != 4]
+    csa = [i for i in range(n_all) if config.layer_kind(i) == "csa"]
+    hca = [i for i in range(n_all) if config.layer_kind(i) == "hca"]
     lay.per_token = {
         "CSA main": sum(eb.main / ratios[i] for i in csa),
         "CSA indexer": sum(eb.index / ratios[i] for i in csa),
@@ -100,18 +100,20 @@ def kv_layout(config: ModelConfig, fmt: str | None = None) -> KVLayout:
     }
     lay.fixed = {
         "window": n_all * config.sliding_window * eb.window,
-        "compressor state": sum(_compressor_state_bytes(config, ratios[i], True) for i in csa + hca),
+        "compressor state": sum(_compressor_state_bytes(config, i) for i in csa + hca),
     }
     return lay
 
 
-def _compressor_state_bytes(config: ModelConfig, ratio: int, v4: bool) -> int:
-    """float32 kv + score rows of the pending block(s): ratio 4 keeps 8 rows × 2d (and its indexer
-    8 rows × 2·d_index), others `ratio` rows × d; V4.1's ratio-1 compressor keeps nothing."""
+def _compressor_state_bytes(config: ModelConfig, layer_id: int) -> int:
+    """float32 kv + score rows of the pending block(s): a CSA layer's overlapping compressor keeps
+    2·ratio rows × 2d (and its indexer's 2·ratio rows × 2·d_index), others `ratio` rows × d; V4.1's
+    ratio-1 compressor keeps nothing."""
+    ratio = config.layer_ratio(layer_id)
     if ratio <= 1:
         return 0
-    if v4 and ratio == 4:
-        return 2 * 4 * (8 * 2 * config.head_dim + 8 * 2 * config.index_head_dim)
+    if config.layer_kind(layer_id) == "csa":
+        return 2 * 4 * (2 * ratio * 2 * config.head_dim + 2 * ratio * 2 * config.index_head_dim)
     return 2 * 4 * ratio * config.head_dim
 
 

@@ -9,7 +9,7 @@ Fixed part (per request slot): every layer's window ring `[W, E]` indexed by `po
 compressor's float32 partial-block state.
 
 Entry formats: "native" keeps entries in the model's compute dtype (exact); "bf16" in bf16; "fp8"
-packs them as deployed (584-byte main/window entries, 68-byte FP4 indexer keys; see formats.py).
+packs them as deployed (584-byte main/window entries, 68-byte FP4 indexer keys; see hybridkv.ops.kv_formats).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.cache.block_pool import BlockPool
-from hybridkv.cache.formats import (index_block_rows, index_block_views, index_blocks_to_rows, index_entry_bytes,
-                                    main_entry_bytes, pack_index_fp4, pack_main_fp8, pack_v41_global, pack_v41_window,
-                                    unpack_index_fp4, unpack_main_fp8, unpack_v41_global, unpack_v41_window,
-                                    v41_global_bytes, v41_window_bytes)
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
 from hybridkv.ops.backend import use_triton
+from hybridkv.ops.kv_formats import (index_block_rows, index_block_views, index_blocks_to_rows, index_entry_bytes,
+                                     main_entry_bytes, pack_index_fp4, pack_main_fp8, pack_v41_global, pack_v41_window,
+                                     unpack_index_fp4, unpack_main_fp8, unpack_v41_global, unpack_v41_window,
+                                     v41_global_bytes, v41_window_bytes)
 from hybridkv.ops.paged import PagedBatch
 
 KV_FORMATS = ("native", "bf16", "fp8", "v41")
@@ -49,7 +49,7 @@ class _Codec:
         else:
             self.width = self.dim
         self.storage_dtype = torch.uint8 if self.packed else (torch.bfloat16 if fmt == "bf16" else dtype)
-        self.block_layout = self.packed and kind == "index"   # packed keys: codes first in a block (formats.py)
+        self.block_layout = self.packed and kind == "index"   # packed keys: codes first in a block (ops/kv_formats.py)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """[..., dim] entries -> [..., width] stored form."""
@@ -152,7 +152,7 @@ class PagedKVStore:
             ents, sts = {}, {}
             for kind in widths:
                 c = self.codec[kind]
-                offloaded = self.offload and ratio == 4 and kind == "kv"
+                offloaded = self.offload and config.layer_kind(layer_id) == "csa" and kind == "kv"
                 ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
                                          device=self.host if offloaded else self.device,
                                          pin_memory=offloaded and self.device.type == "cuda")

@@ -68,14 +68,14 @@ class Attention(nn.Module):
         if self.v41:
             self.kv_source = c.kv_source(layer_id)  # whose entries this layer attends over
             if self.mode == "full":
-                self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype)
+                self.compressor = Compressor(c, layer_id, self.head_dim, False, dtype)
             if self.mode in ("full", "reindex"):
                 self.indexer = LatentIndexer(c, layer_id, fmt, dtype)
         else:
             if self.ratio:
-                self.compressor = Compressor(c, self.ratio, self.head_dim, False, dtype)
-            if self.ratio == 4:
-                self.indexer = Indexer(c, self.ratio, fmt, dtype)
+                self.compressor = Compressor(c, layer_id, self.head_dim, False, dtype)
+            if self.mode == "csa":
+                self.indexer = Indexer(c, layer_id, fmt, dtype)
         self.kv_pow2 = c.kv_pow2_scales
         self.rope_key = ("compressed" if self.ratio else "window", c.qk_rope_head_dim)
         self.register_buffer("inv_freq", layer_inv_freq(c, self.ratio), persistent=False)

@@ -5,9 +5,9 @@ Handles any chunking of the token stream: tokens of an incomplete block wait in 
 path does; a chunk that completes many blocks pools them all at once, as its prefill path does.
 
 Two variants, selected by the config's family:
-- V4: a learned position bias `ape` on the gate logits; ratio 4 pools overlapping windows; the
-  entry is normalised, RoPE'd at its block's first position and round-tripped for storage (FP8
-  nope dims for the main KV; Hadamard + FP4 for the indexer's keys).
+- V4: a learned position bias `ape` on the gate logits; a CSA layer's compressor pools overlapping
+  windows; the entry is normalised, RoPE'd at its block's first position and round-tripped for
+  storage (FP8 nope dims for the main KV; Hadamard + FP4 for the indexer's keys).
 - V4.1: non-overlapping, no `ape`; ratio 1 is `norm(wkv(x))` with no gate and no state. It returns
   the normalised latent *before* RoPE, because the indexer keys are derived from it; the attention
   layer applies RoPE and the FP4 storage round trip itself.
@@ -27,11 +27,12 @@ from hybridkv.ops.rope import rope_freqs
 
 
 class Compressor(nn.Module):
-    def __init__(self, config: ModelConfig, ratio: int, head_dim: int, rotate: bool, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, head_dim: int, rotate: bool, dtype: torch.dtype):
         super().__init__()
+        ratio = config.layer_ratio(layer_id)
         self.ratio, self.head_dim, self.rotate = ratio, head_dim, rotate
         self.latent = config.family == "v4.1"
-        self.overlap = ratio == 4 and not self.latent
+        self.overlap = config.layer_kind(layer_id) == "csa"
         self.rope_dim = config.qk_rope_head_dim
         coff = 2 if self.overlap else 1
         if self.latent:

@@ -17,14 +17,14 @@ from hybridkv.ops.rope import apply_rope
 
 
 class Indexer(nn.Module):
-    def __init__(self, config: ModelConfig, ratio: int, fmt: str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, dtype: torch.dtype):
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.ratio = (config.index_n_heads, config.index_head_dim,
-                                                              config.index_topk, ratio)
+                                                              config.index_topk, config.layer_ratio(layer_id))
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt, dtype, config.fp8_block)
         self.weights_proj = Linear(config.hidden_size, self.n_heads, "float", dtype)
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
-        self.compressor = Compressor(config, ratio, self.head_dim, rotate=True, dtype=dtype)
+        self.compressor = Compressor(config, layer_id, self.head_dim, rotate=True, dtype=dtype)
         # An ablation, not a mode of the model: with a generator set, the indexer's scores are replaced
         # by uniform noise, so its top-k is a random set of the same size among the visible entries.
         self.random_selection: torch.Generator | None = None

@@ -77,21 +77,21 @@ def layer_storage(config: ModelConfig, layer_id: int) -> tuple[dict[str, int], d
             return {}, {}, False
         states = {"kv": config.head_dim} if ratio > 1 else {}
         return {"kv": config.head_dim, "index": config.index_head_dim}, states, False
-    coff = 2 if ratio == 4 else 1
+    csa = config.layer_kind(layer_id) == "csa"   # overlapping compressors and the indexer's keys
+    coff = 2 if csa else 1
     entry_widths = {"kv": config.head_dim}
     comp_widths = {"kv": coff * config.head_dim}
-    if ratio == 4:
+    if csa:
         entry_widths["index"] = config.index_head_dim
         comp_widths["index"] = coff * config.index_head_dim
-    return entry_widths, comp_widths, ratio == 4
+    return entry_widths, comp_widths, csa
 
 
 class ContiguousLayerKV:
     def __init__(self, window: int, width: int, ratio: int, entry_widths: dict[str, int],
-                 compressor_widths: dict[str, int], dtype: torch.dtype, device=None, overlap: bool | None = None):
+                 compressor_widths: dict[str, int], overlap: bool, dtype: torch.dtype, device=None):
         self.window, self.ratio = window, ratio
         self.ring = torch.zeros(window, width, dtype=dtype, device=device)
-        overlap = ratio == 4 if overlap is None else overlap
         self.states = {k: CompressorState(ratio, w, overlap, device) for k, w in compressor_widths.items()}
         self._entries = {k: torch.zeros(0, w, dtype=dtype, device=device) for k, w in entry_widths.items()}
         self._counts = {k: 0 for k in entry_widths}
@@ -212,7 +212,7 @@ class ContiguousKV:
         for layer_id in range(config.num_layers_with_mtp):
             entry_widths, comp_widths, overlap = layer_storage(config, layer_id)
             self.layers.append(ContiguousLayerKV(config.sliding_window, config.head_dim, config.layer_ratio(layer_id),
-                                                 entry_widths, comp_widths, dtype, device, overlap))
+                                                 entry_widths, comp_widths, overlap, dtype, device))
 
     def layer(self, layer_id: int) -> ContiguousLayerKV:
         return self.layers[layer_id]

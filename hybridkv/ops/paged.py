@@ -11,7 +11,7 @@ A flat batch of T query tokens belongs to R requests. Per request r:
 Per token t: `token_req[t]` (its request) and `positions[t]` (absolute position).
 
 `E` is the entry format: "bf16" (or any float dtype: elements) or "fp8" (uint8 bytes, the 584-B
-packed layout of `hybridkv.cache.formats`); indexer pools are "bf16" or "fp4" (68-B packed keys).
+packed layout of `hybridkv.ops.kv_formats`); indexer pools are "bf16" or "fp4" (68-B packed keys).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from hybridkv.server.chat_format import render_segments
-from hybridkv.server.dsml import ToolCall
+from hybridkv.chat.dsml import ToolCall
+from hybridkv.chat.format import render_segments
 from hybridkv.server.protocol import ChatRequest, bad, normalize_messages, validate_tools
 
 EFFORT_TO_ENCODER = {"high": "high", "xhigh": "high", "max": "max"}

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridkv.server.dsml import writable_name
+from hybridkv.chat.dsml import writable_name
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|.*\[.*\])$", re.I)

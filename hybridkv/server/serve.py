@@ -9,12 +9,12 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from hybridkv.chat.format import EOS
 from hybridkv.engine.config import EngineConfig, resolve_dtype
 from hybridkv.engine.core import EngineCore
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.errors import CheckpointError
 from hybridkv.server.app import ServerConfig, create_app
-from hybridkv.server.chat_format import EOS
 from hybridkv.server.driver import EngineDriver
 from hybridkv.server.hostmem import HostMemory, tune_allocator
 from hybridkv.server.limits import ListenLimits, uvicorn_config

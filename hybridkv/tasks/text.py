@@ -10,7 +10,7 @@ import string
 import uuid
 from collections.abc import Iterator
 
-from hybridkv.server.chat_format import encode_messages
+from hybridkv.chat.format import encode_messages
 from hybridkv.tasks import words
 
 NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hybridkv.server.chat_format import BOS, EOS, SPECIAL_TOKENS
+from hybridkv.chat.format import BOS, EOS, SPECIAL_TOKENS
 
 
 # One character of a hex run (0-9, a-f, and '-' joining the groups of a UUID) that holds a digit:

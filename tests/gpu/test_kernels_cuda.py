@@ -4,13 +4,13 @@ indexer 64 × 128, top-512, window 128, 584-B fp8 and 68-B FP4 entries; bf16 inp
 import pytest
 import torch
 
-from hybridkv.cache.formats import (index_rows_to_blocks, pack_index_fp4, pack_main_fp8, unpack_index_fp4,
-                                    unpack_main_fp8)
 from hybridkv.ops.compress import triton as compress_k
 from hybridkv.ops.compress.reference import finish_entries, softmax_pool
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import reference as idx_ref
 from hybridkv.ops.indexer_topk import triton as idx_k
+from hybridkv.ops.kv_formats import (index_rows_to_blocks, pack_index_fp4, pack_main_fp8, unpack_index_fp4,
+                                     unpack_main_fp8)
 from hybridkv.ops.mhc import reference as mhc_ref
 from hybridkv.ops.mhc import triton as mhc_k
 from hybridkv.ops.paged import PagedBatch, entry_rows

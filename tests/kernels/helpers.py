@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.cache.formats import pack_main_fp8
+from hybridkv.ops.kv_formats import pack_main_fp8
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.quant import fp8_round_trip
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from helpers import rel_rms
-from hybridkv.cache.formats import index_blocks_to_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.compress.reference import finish_entries, softmax_pool
+from hybridkv.ops.kv_formats import index_blocks_to_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.rope import rope_freqs, yarn_inv_freq
 
 

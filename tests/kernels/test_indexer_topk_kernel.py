@@ -6,10 +6,10 @@ import triton
 import triton.language as tl
 
 from helpers import random_batch
-from hybridkv.cache.formats import index_rows_to_blocks, pack_index_fp4
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import reference
 from hybridkv.ops.indexer_topk import triton as idx_triton
+from hybridkv.ops.kv_formats import index_rows_to_blocks, pack_index_fp4
 from hybridkv.ops.paged import entry_rows
 from hybridkv.ops.quant import fp4_round_trip
 
@@ -218,7 +218,7 @@ def _decode16(POOL, s_row, OUT, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.co
 def test_fp4_keys_as_scaled_fp16_are_exact(device, d):
     """The fp16 form the scoring MMA uses, times its row factor, is the packed value exactly (scales
     up to 2^20 apart within a row, every code), read from blocks of 4 keys in the block layout."""
-    from hybridkv.cache.formats import index_rows_to_blocks, unpack_index_fp4
+    from hybridkv.ops.kv_formats import index_rows_to_blocks, unpack_index_fp4
     g = torch.Generator().manual_seed(8)
     n, epb = 16, 4
     buf = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=g)

@@ -141,7 +141,7 @@ def _decode(WORDS, s_row, OUT, D: tl.constexpr, ROPE: tl.constexpr, BN: tl.const
 @pytest.mark.parametrize("d", [128, 512])
 def test_fp8_entry_decoding_is_exact(device, d):
     """Packed 584-B-style entries decode bit-exactly (all e4m3 codes but NaN, a spread of scales, bf16 rope)."""
-    from hybridkv.cache.formats import unpack_main_fp8
+    from hybridkv.ops.kv_formats import unpack_main_fp8
     g = torch.Generator().manual_seed(7)
     rope, n = 64, 16
     buf = random_entries(n, d, rope, "fp8", g)

@@ -9,6 +9,8 @@ import torch
 from hybridkv.ops.backend import use_triton
 from hybridkv.ops.compress.reference import (  # noqa: F401
     block_rows, each_block_rows, finish_entries, pool_blocks, softmax_pool)
+from hybridkv.ops.kv_formats import index_block_views, pack_index_fp4, pack_main_fp8
+from hybridkv.ops.paged import PagedBatch, entry_rows
 
 
 def _kernel_ok(x: torch.Tensor, d: int, rope: int, kind: str, pow2: bool) -> bool:
@@ -40,7 +42,7 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
     """Finish n entries and write entry ent_j[i] of request ent_req[i] into
     pool[block_tables[req, j // epb], j % epb]; an entry whose j is −1 is computed but not written
     (fixed-shape batches under CUDA graphs). fmt: "fp8" (main, 584-B), "fp4" (index, 68-B, in the block
-    layout of formats.py) or
+    layout of kv_formats.py) or
     "bf16" (float values of the pool's dtype)."""
     n, _, d = kv_rows.shape
     if n == 0:
@@ -53,19 +55,15 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                                ent_j.to(torch.int32), ent_req.to(torch.int32), block_tables, entries_per_block,
                                out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4")
         return
-    from hybridkv.ops.paged import PagedBatch, entry_rows
     x = finish_entries(softmax_pool(kv_rows.float(), score_rows.float()), norm_weight, eps, freqs, kind, out_dtype)
     if fmt == "fp8":
-        from hybridkv.cache.formats import pack_main_fp8
         x = pack_main_fp8(x, 2 * freqs.shape[-1])
     elif fmt == "fp4":
-        from hybridkv.cache.formats import pack_index_fp4
         x = pack_index_fp4(x)
     view = PagedBatch(ent_req, ent_j, ent_req, block_tables, ent_req, ent_req)
     rows = entry_rows(view, ent_req.long(), ent_j.long(), entries_per_block)
     keep = rows >= 0
-    if fmt == "fp4":        # packed keys: the block layout of formats.py
-        from hybridkv.cache.formats import index_block_views
+    if fmt == "fp4":        # packed keys: the block layout of kv_formats.py
         codes, scales = index_block_views(pool.view(-1, entries_per_block, pool.shape[-1]), d)
         r = rows[keep]
         codes[r // entries_per_block, r % entries_per_block] = x[keep, : d // 2]

@@ -158,7 +158,7 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                    entries_per_block: int = 1, out_bf16: bool = False, block_layout: bool = False) -> None:
     """Pool, finish and write n entries. kv_rows/score_rows [n, L, d] float32; cos/sin [n, rope/2];
     out: pool rows [num_rows, E] (flat) written at row block_tables[req, j // epb]·epb + j % epb (or j).
-    block_layout: packed indexer keys go to the block layout of formats.py (codes first in each block
+    block_layout: packed indexer keys go to the block layout of kv_formats.py (codes first in each block
     of entries_per_block rows)."""
     n, L, d = kv_rows.shape
     if n == 0:

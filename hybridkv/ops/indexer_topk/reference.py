@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.ops.kv_formats import index_blocks_to_rows, unpack_index_fp4
+from hybridkv.ops.paged import entry_rows
+
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [T, H, d], weights [T, H], keys [N, d] -> scores [T, N] (float32)."""
@@ -45,7 +48,6 @@ def decode_keys(pool: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
     """A paged pool [blocks, E, width] of indexer keys in format `fmt` ("bf16"/float elements, or "fp4":
     68-B packed keys in the block layout) -> float32 [blocks·E, dim]."""
     if fmt == "fp4":
-        from hybridkv.cache.formats import index_blocks_to_rows, unpack_index_fp4  # the packed layout
         return unpack_index_fp4(index_blocks_to_rows(pool, dim).reshape(-1, pool.shape[-1]), dim)
     return pool.reshape(-1, pool.shape[-1]).float()
 
@@ -53,7 +55,6 @@ def decode_keys(pool: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
                        fmt: str = "bf16", head_dim: int | None = None) -> torch.Tensor:
     """Per request: gather its visible keys through its block table, score, causal top-k. [T, topk], −1 padded."""
-    from hybridkv.ops.paged import entry_rows
     head_dim = head_dim or q.shape[-1]
     keys_all = decode_keys(pool, fmt, head_dim)
     vis = (batch.positions.long() + 1) // ratio

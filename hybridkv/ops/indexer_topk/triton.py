@@ -15,7 +15,7 @@ exact causal top-k, returned in ascending entry order (what attention consumes).
    batch (each score is computed by one MMA row whatever the chunking, and either selection gives
    the same entries).
 
-FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales, in the block layout of `hybridkv.cache.formats`:
+FP4 keys (68 B: 64 code bytes + 4 ue8m0 scales, in the block layout of `hybridkv.ops.kv_formats`:
 a block's codes first, then its scales) are read as int32 words, 16 code words and a scale word. Four codes of a word
 become e4m3 bytes at once (sign to bit 7, e1 e0 m to bits 4..2: the e4m3 value is the E2M1 value
 × 2⁻⁶, E2M1's subnormal 0.5 landing on an e4m3 subnormal), which the hardware widens to fp16; an
@@ -75,7 +75,7 @@ def _float_keys(rows, POOL, s_row, D: tl.constexpr, OUT_T: tl.constexpr):
 @triton.jit
 def _fp4_load(blk, ent, POOL, s_row, D: tl.constexpr, WORDS: tl.constexpr, EPB: tl.constexpr):
     """The packed form of FP4 keys `ent` of pool blocks `blk` (a paged pool in the block layout of
-    formats.py: a block holds its EPB keys' codes first, then their scales), as loaded: (codes,
+    kv_formats.py: a block holds its EPB keys' codes first, then their scales), as loaded: (codes,
     scales) for `_fp4_decode16`. Split from the decoding so that a loop can issue the next tile's
     loads before it decodes this one. WORDS: the pool as int32 words with D = 128 (16 code words
     and one scale word per key; a key's codes are 64 aligned bytes, read with 16-byte loads):

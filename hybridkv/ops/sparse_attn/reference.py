@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.ops.kv_formats import unpack_main_fp8
+from hybridkv.ops.paged import entry_rows
+
 # Queries per gather tile: bounds the [tile, K, D] gathered copy of the KV rows.
 _TILE_ELEMS = 1 << 25
 
@@ -51,7 +54,6 @@ def decode_entries(x: torch.Tensor, fmt: str, head_dim: int, rope_dim: int) -> t
     """Pool/ring/new rows in entry format `fmt` -> float32 [rows, head_dim]."""
     flat = x.reshape(-1, x.shape[-1])
     if fmt == "fp8":
-        from hybridkv.cache.formats import unpack_main_fp8  # the packed layout is defined there
         return unpack_main_fp8(flat, head_dim, rope_dim)
     return flat.float()
 
@@ -79,7 +81,6 @@ def gather_paged(batch, new_kv, ring, pool, idx=None, ratio=0, fmt="bf16", head_
     win = torch.where(p >= start.unsqueeze(1), new_row, ring_row)
     cols = [torch.where(p >= 0, win, -1)]
     if idx is not None or ratio:
-        from hybridkv.ops.paged import entry_rows
         per_block = batch.block_tokens // ratio
         if idx is None:
             n = int((pos.max() + 1) // ratio) if pos.numel() else 0

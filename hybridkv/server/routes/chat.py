@@ -13,7 +13,7 @@ from hybridkv.server.admission import authorize, chat_prompt_ids, check_model, r
 from hybridkv.server.chat import plan_chat, token_logprobs, tool_call_objects, usage
 from hybridkv.server.driver import Output
 from hybridkv.server.protocol import ChatRequest, bad
-from hybridkv.server.reply_parser import REASONING, ReplyParser
+from hybridkv.chat.replies import REASONING, ReplyParser
 from hybridkv.server.state import AppState, app_state
 from hybridkv.server.streaming import Generation
 

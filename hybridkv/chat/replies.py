@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridkv.server.chat_format import THINK_END
-from hybridkv.server.dsml import CALLS_CLOSE, CALLS_OPEN, DSMLError, ToolCall, parse_tool_calls
+from hybridkv.chat.dsml import CALLS_CLOSE, CALLS_OPEN, DSMLError, ToolCall, parse_tool_calls
+from hybridkv.chat.format import THINK_END
 
 REASONING, CONTENT, TOOLS = "reasoning", "content", "tools"
 

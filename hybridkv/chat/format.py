@@ -28,7 +28,7 @@ import copy
 import json
 from typing import Any
 
-from hybridkv.server.dsml import DSML, Parts, tool_call_parts
+from hybridkv.chat.dsml import DSML, Parts, tool_call_parts
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

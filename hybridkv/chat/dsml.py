@@ -15,7 +15,7 @@ a second invoke) is written as a JSON string with the marker's characters escape
 names that markup cannot hold (a quote, a newline, an angle bracket, the marker) are refused.
 
 Rendering yields parts `(text, trusted)`: the markup is the template's, names and values are the
-caller's content (see chat_format's segments).
+caller's content (see hybridkv.chat.format's segments).
 """
 
 from __future__ import annotations
