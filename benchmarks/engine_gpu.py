@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from hybridkv.cache.layout import entry_bytes  # noqa: E402
 from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
+from decode_context import timed_steps  # noqa: E402  (this folder is on sys.path)
 
 GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_", re.I)
 WARM_STEPS = 3
@@ -125,21 +126,6 @@ class ExpertCounter:
 
 # ----- timing -------------------------------------------------------------------------------------
 
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def step_times(eng, steps: int, cuda: bool) -> list[float]:
-    out = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        sync(cuda)
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[str, float]]]:
     """(all kernels' device ms, GEMM kernels' device ms, top kernels) of fn() under the profiler."""
     if not cuda:
@@ -149,7 +135,7 @@ def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[st
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-        sync(cuda)
+        torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3
     gemm = sum(e.self_device_time_total for e in kernels if GEMM_KERNELS.search(e.key)) / 1e3
@@ -204,12 +190,12 @@ def worker(a) -> None:
         seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
         while any(s.first_token_time is None for s in seqs):
             eng.step()
-        step_times(eng, WARM_STEPS, cuda)
-        wall = statistics.median(step_times(eng, a.steps, cuda))
-        busy, _, top = device_ms(lambda: step_times(eng, a.steps, cuda), cuda)
+        timed_steps(eng, WARM_STEPS, a.device)
+        wall = statistics.median(timed_steps(eng, a.steps, a.device))
+        busy, _, top = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
         counter = ExpertCounter(model)
-        step_times(eng, 1, cuda)
+        timed_steps(eng, 1, a.device)
         counter.close()
         eng.graphs = graphs
         must = wb["non_expert"] + counter.total * wb["expert"] + b * kv_read_bytes(cfg, ctx, cfg.index_topk)

@@ -170,6 +170,7 @@ def save_checkpoint(model: torch.nn.Module, config: ModelConfig, model_dir: str 
     if len(shards) == 1:
         written.append((model_dir / (SINGLE_FILE + ".tmp"), model_dir / SINGLE_FILE))
         save_file(shards[0], written[-1][0], metadata=meta)
+        commit_checkpoint(model_dir, config, written)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
@@ -178,15 +179,25 @@ def save_checkpoint(model: torch.nn.Module, config: ModelConfig, model_dir: str 
             save_file(shard, written[-1][0], metadata=meta)
             weight_map.update({n: fname for n in shard})
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+        commit_checkpoint(model_dir, config, written, weight_map, total)
+
+
+def commit_checkpoint(model_dir: Path, config: ModelConfig, written: list[tuple[Path, Path]],
+                      weight_map: dict[str, str] | None = None, total_size: int = 0) -> None:
+    """Finish a checkpoint whose weight files are `written` as (temporary, final) paths: write the
+    shard index (when `weight_map` is given) and config.json under temporary names, rename them all
+    into place, and remove the other layout's file, so that a crash leaves no half checkpoint."""
+    written = list(written)
+    if weight_map is not None:
         idx_tmp = model_dir / (INDEX_FILE + ".tmp")
-        idx_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        idx_tmp.write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
         written.append((idx_tmp, model_dir / INDEX_FILE))
     cfg_tmp = model_dir / "config.json.tmp"
     cfg_tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     written.append((cfg_tmp, model_dir / "config.json"))
     for tmp, final in written:
         tmp.replace(final)
-    stale = model_dir / (INDEX_FILE if len(shards) == 1 else SINGLE_FILE)
+    stale = model_dir / (SINGLE_FILE if weight_map is not None else INDEX_FILE)
     if stale.exists():
         stale.unlink()
 

@@ -39,7 +39,7 @@ from hybridkv.model.linear import FP4_WEIGHT_BLOCK, Linear
 from hybridkv.ops.quant import E2M1_VALUES, quant_fp8_weight
 from hybridkv.presets import PRESETS
 from hybridkv.train.init import init_weights
-from hybridkv.weights import INDEX_FILE, SINGLE_FILE, _ST_NAMES
+from hybridkv.weights import INDEX_FILE, _ST_NAMES, commit_checkpoint
 
 INIT_STD = 0.02
 E2M1_UNIFORM_RMS = float(E2M1_VALUES.pow(2).mean().sqrt())   # rms of uniformly random E2M1 codes
@@ -221,16 +221,7 @@ def write_random_checkpoint(config: ModelConfig, out_dir: str | Path, seed: int 
             mod.to_empty(device="meta")             # the part's float weights are done with
         if progress:
             progress(label)
-    idx_tmp = out_dir / (INDEX_FILE + ".tmp")
-    idx_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    written.append((idx_tmp, out_dir / INDEX_FILE))
-    cfg_tmp = out_dir / "config.json.tmp"
-    cfg_tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    written.append((cfg_tmp, out_dir / "config.json"))
-    for tmp, final in written:
-        tmp.replace(final)
-    if (out_dir / SINGLE_FILE).exists():
-        (out_dir / SINGLE_FILE).unlink()
+    commit_checkpoint(out_dir, config, written, weight_map, total)
     return out_dir
 
 
