@@ -63,7 +63,7 @@ def test_resident_memory_stays_flat_over_distinct_long_prompts():
         env.pop(k, None)
     cmd = [sys.executable, "-c", "import sys; from hybridkv.cli import main; sys.exit(main())", "serve",
            str(FIXTURES / "v4-tiny"), "--tokenizer", str(TOKENIZER), "--port", str(port), "--num-blocks", "96",
-           "--max-batched-tokens", "1024", "--log-level", "warning"]
+           "--max-num-batched-tokens", "1024", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(0)
