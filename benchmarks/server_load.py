@@ -139,6 +139,15 @@ async def soak(url: str, model: str, clients: int, minutes: float, tokens: tuple
     return samples, done[0], errors
 
 
+def _finish(a, errors: list, filename: str, payload: dict) -> None:
+    """The first errors on stdout, and the run's JSON under --out."""
+    if errors:
+        print("errors:", *errors[:5], sep="\n  ")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / filename).write_text(json.dumps(payload, indent=2))
+
+
 def soak_report(a, server, url: str) -> int:
     lo, hi = (int(x) for x in a.soak_tokens.split("-"))
     hi = min(hi, server.engine.max_model_len - 8)
@@ -157,13 +166,9 @@ def soak_report(a, server, url: str) -> int:
         print(f"| {label} | {s['requests']} | {s['resident'] / mib:.0f} MiB | {s['dram'] / mib:.0f} MiB | "
               f"{s['snapshots'] / mib:.0f} MiB | {(s['resident'] - s['dram'] - s['snapshots']) / mib:.0f} MiB | "
               f"{s['blocks_active']} |")
-    if errors:
-        print("errors:", *errors[:5], sep="\n  ")
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "server_soak.json").write_text(json.dumps(
-            {"date": str(date.today()), "machine": machine, "minutes": a.soak_minutes, "tokens": [lo, hi],
-             "requests": n, "errors": len(errors), "samples": samples}, indent=2))
+    _finish(a, errors, "server_soak.json", {"date": str(date.today()), "machine": machine,
+                                           "minutes": a.soak_minutes, "tokens": [lo, hi], "requests": n,
+                                           "errors": len(errors), "samples": samples})
     return 0 if not errors else 1
 
 
@@ -260,11 +265,7 @@ def main() -> int:
           f"{report['ttft_p99_ms']:.0f} ms | {report['itl_p50_ms']:.1f} ms | {report['itl_p99_ms']:.1f} ms | "
           f"{report['output_tok_s']:.1f} | {report['requests_s']:.2f} | {100 * report['prefix_hit_rate']:.1f}% | "
           f"{'yes' if idle else 'NO'} ({mem['blocks']['active']} blocks held) |")
-    if errors:
-        print("errors:", *errors[:5], sep="\n  ")
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / f"server_load_c{a.clients}.json").write_text(json.dumps(report, indent=2))
+    _finish(a, errors, f"server_load_c{a.clients}.json", report)
     return 0 if not errors and idle else 1
 
 
