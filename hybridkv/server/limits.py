@@ -210,7 +210,10 @@ def uvicorn_config(app, limits: ListenLimits | None = None, *, host: str = "127.
                             timeout_graceful_shutdown=timeout_graceful_shutdown)
     config.hybridkv_limits = ListenLimits(limits.timeout_header, limits.timeout_body, limits.timeout_keep_alive,
                                           cap)
-    install_rate_limit()
+    # uvicorn's own handlers (set up by the Config above); the root logger's are the process's,
+    # and `serve.run` limits them: a library must not filter handlers it does not own (a test
+    # runner's, say)
+    install_rate_limit(loggers=("uvicorn", "uvicorn.error", "uvicorn.access"))
     return config
 
 

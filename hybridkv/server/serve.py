@@ -17,7 +17,7 @@ from hybridkv.errors import CheckpointError
 from hybridkv.server.app import ServerConfig, create_app
 from hybridkv.server.driver import EngineDriver
 from hybridkv.server.hostmem import HostMemory, tune_allocator
-from hybridkv.server.limits import ListenLimits, uvicorn_config
+from hybridkv.server.limits import ListenLimits, install_rate_limit, uvicorn_config
 from hybridkv.server.metrics import Metrics
 
 
@@ -90,4 +90,5 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_rate_limit(loggers=("",))      # asyncio's accept errors, the engine's warnings: root's handlers
     uvicorn.Server(uvicorn_config(server.app, limits, host=host, port=port, log_level=log_level)).run()
