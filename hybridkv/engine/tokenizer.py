@@ -9,6 +9,7 @@ segments and reads special tokens from the trusted (template) text only: content
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from pathlib import Path
 
 from hybridkv.errors import RequestError
@@ -18,17 +19,28 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _HFTokenizer
 
-        self._tok = _HFTokenizer.from_file(str(path))
-        # A second instance that reads special-token strings as plain text: the flag is per
-        # instance, and toggling one shared instance would race between threads.
-        self._plain = _HFTokenizer.from_file(str(path))
-        self._plain.encode_special_tokens = True
+        self._path = str(path)
+        self._tok = _HFTokenizer.from_file(self._path)
         self._special_ids = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         names = sorted(self._special_ids, key=len, reverse=True)
         self._special_split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+    @cached_property
+    def _plain(self):
+        """A second instance that reads special-token strings as plain text: the flag is per
+        instance, and toggling one shared instance would race between threads."""
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        tok = _HFTokenizer.from_file(self._path)
+        tok.encode_special_tokens = True
+        return tok
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the vocabulary's longest token (as decoded alone)."""
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.max_token_bytes = max(len(self._tok.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
-                                   for i in vocab.values()) if vocab else 1
+        return max((len(self._tok.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
+                    for i in vocab.values()), default=1)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
