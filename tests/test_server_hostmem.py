@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from hybridkv.errors import ConfigError
-from hybridkv.server.hostmem import parse_bytes
+from hybridkv.server.hostmem import parse_budget
 from hybridkv.server.serve import build_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,10 @@ def test_budget_reported_in_stats_and_metrics():
         srv.close()
 
 
-def test_parse_bytes():
-    assert parse_bytes("8G") == 8 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("1.5GiB") == 3 << 29
-    with pytest.raises(ConfigError, match="not a size"):
-        parse_bytes("lots")
+def test_parse_budget():
+    assert parse_budget("8G") == 8 << 30 and parse_budget("512M") == 512 << 20 and parse_budget("1.5GiB") == 3 << 29
+    assert parse_budget(None) is None
+    with pytest.raises(ConfigError, match="host-memory-budget.*not a size"):
+        parse_budget("lots")
+    with pytest.raises(ConfigError, match="must be positive"):
+        parse_budget("0")

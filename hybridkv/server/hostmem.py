@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hybridkv.cache.tiers.config import parse_size
 from hybridkv.errors import ConfigError
 
 log = logging.getLogger("hybridkv.server")
@@ -73,21 +74,17 @@ def resident_bytes() -> int | None:
         return None
 
 
-def parse_bytes(text: str | int | None) -> int | None:
-    """'8G', '512M', '1.5GiB', '1073741824' -> bytes (None/'' -> None)."""
-    if text is None or isinstance(text, int):
-        return text
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if not t:
+def parse_budget(text: str | int | None) -> int | None:
+    """`--host-memory-budget` in bytes ('8G', '512MiB', ...; None: no budget)."""
+    if text is None or text == "":
         return None
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1], 1)
     try:
-        value = float(t[:-1] if scale > 1 else t)
-    except ValueError:
-        raise ConfigError(f"--host-memory-budget {text!r}: not a size (e.g. 8G, 512M)") from None
+        value = parse_size(text)
+    except ConfigError as e:
+        raise ConfigError(f"--host-memory-budget: {e}") from None
     if value <= 0:
         raise ConfigError(f"--host-memory-budget {text!r}: must be positive")
-    return int(value * scale)
+    return value
 
 
 def _fmt(n: int) -> str:
@@ -99,7 +96,7 @@ class HostMemory:
 
     def __init__(self, engine, budget: int | str | None = None, trim_interval: float = 2.0,
                  busy_trim_interval: float = 30.0):
-        self.engine, self.budget = engine, parse_bytes(budget)
+        self.engine, self.budget = engine, parse_budget(budget)
         self.trim_interval, self.busy_trim_interval = trim_interval, busy_trim_interval
         self._dirty = False            # work finished since the last trim
         self._last_trim = 0.0
