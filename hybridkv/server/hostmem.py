@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from hybridkv.cache.tiers.config import parse_size
 from hybridkv.errors import ConfigError
@@ -104,8 +105,10 @@ class HostMemory:
         self._lock = threading.Lock()
 
     # ----- budget -----
-    def pools(self) -> dict[str, int]:
-        """Host bytes each configured pool may hold (its capacity, not its current use)."""
+    @cached_property
+    def capacities(self) -> dict[str, int]:
+        """Host bytes each configured pool may hold (its capacity, not its use; fixed for the
+        engine's life, so computed once rather than at every snapshot)."""
         eng = self.engine
         out = {}
         tiers = getattr(eng, "tiers", None)
@@ -123,7 +126,7 @@ class HostMemory:
         """Raise ConfigError when the pools cannot fit the budget."""
         if self.budget is None:
             return
-        pools = self.pools()
+        pools = self.capacities
         need = sum(pools.values())
         if need > self.budget:
             parts = ", ".join(f"{k} {_fmt(v)}" for k, v in pools.items() if v)
@@ -137,7 +140,7 @@ class HostMemory:
         eng = self.engine
         tiers = getattr(eng, "tiers", None)
         dram = tiers.tier("dram") if tiers is not None else None
-        pools = self.pools()
+        pools = self.capacities
         used = {"dram tier": dram.stats.bytes if dram is not None else 0,
                 "tier write queue": tiers._writer.pending if tiers is not None else 0,
                 "window snapshots": eng.prefix.snapshots.nbytes}
@@ -168,10 +171,10 @@ class HostMemory:
             self._dirty, self._last_trim = False, now
             trim()
             self.trims += 1
-        over = self.budget is not None and (resident_bytes() or 0) > self.budget
-        if over:
+        resident = resident_bytes() or 0
+        if self.budget is not None and resident > self.budget:
             log.warning("resident memory %s is above --host-memory-budget %s after giving free memory back",
-                        _fmt(resident_bytes() or 0), _fmt(self.budget))
+                        _fmt(resident), _fmt(self.budget))
         return True
 
 
