@@ -50,7 +50,20 @@ from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
 from decode_context import timed_steps  # noqa: E402  (this folder is on sys.path)
 
-GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_", re.I)
+GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
+# operator families of a step's kernels, first match wins (kernel names: Triton's function names,
+# torch's ATen kernel names, cuBLAS' nvjet/sm90 names)
+FAMILIES = [
+    ("linear (GEMM)", GEMM_KERNELS),
+    ("attention", re.compile(r"sparse_attn|combine_kernel|score_decode|score_tile|indexer|attn|flash", re.I)),
+    ("compressor", re.compile(r"compress", re.I)),
+    ("mHC / norms", re.compile(r"pre_kernel|post_kernel|sinkhorn|rms|norm|mhc", re.I)),
+    ("quantise", re.compile(r"act_quant|fp8_round_trip|quant|e4m3|e8m0", re.I)),
+    ("routing / sort", re.compile(r"sort|radix|topk|scatter|gather|index|histogram|cumsum|scan|bincount", re.I)),
+    ("reductions", re.compile(r"reduce", re.I)),
+    ("copies", re.compile(r"copy|memcpy|memset|cat|fill", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|triton_poi", re.I)),
+]
 WARM_STEPS = 3
 
 
@@ -126,11 +139,16 @@ class ExpertCounter:
 
 # ----- timing -------------------------------------------------------------------------------------
 
-def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[str, float]]]:
-    """(all kernels' device ms, GEMM kernels' device ms, top kernels) of fn() under the profiler."""
+def family(kernel: str) -> str:
+    return next((name for name, pattern in FAMILIES if pattern.search(kernel)), "other")
+
+
+def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[str, float]], dict[str, float]]:
+    """(all kernels' device ms, GEMM kernels' device ms, top kernels, ms by operator family) of fn()
+    under the profiler."""
     if not cuda:
         fn()
-        return None, None, []
+        return None, None, [], {}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -139,8 +157,11 @@ def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[st
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3
     gemm = sum(e.self_device_time_total for e in kernels if GEMM_KERNELS.search(e.key)) / 1e3
-    top = sorted(((e.key[:60], e.self_device_time_total / 1e3) for e in kernels), key=lambda kv: -kv[1])[:8]
-    return busy, gemm, top
+    top = sorted(((e.key[:60], e.self_device_time_total / 1e3) for e in kernels), key=lambda kv: -kv[1])[:12]
+    families: dict[str, float] = {}
+    for e in kernels:
+        families[family(e.key)] = families.get(family(e.key), 0.0) + e.self_device_time_total / 1e3
+    return busy, gemm, top, dict(sorted(families.items(), key=lambda kv: -kv[1]))
 
 
 # ----- the worker (one weight path, one process) ----------------------------------------------------
@@ -165,7 +186,7 @@ def worker(a) -> None:
     wb = weight_bytes(model)
     pool = sum(eng.store.nbytes_by_kind().values())
     ckpt = json.loads((Path(a.ckpt) / INDEX_FILE).read_text())["metadata"]["total_size"]
-    emit(dict(kind="memory", path=a.path, checkpoint_bytes=ckpt, kv_pool_bytes=pool, after_load_bytes=loaded,
+    emit(dict(kind="memory", path=a.path, layers=cfg.num_hidden_layers, checkpoint_bytes=ckpt, kv_pool_bytes=pool, after_load_bytes=loaded,
               non_expert_bytes=wb["non_expert"], expert_bytes=wb["expert"]))
     g = torch.Generator().manual_seed(0)
 
@@ -180,7 +201,7 @@ def worker(a) -> None:
             while seq.first_token_time is None:
                 eng.step()
         t = time.perf_counter()
-        busy, gemm, top = device_ms(run, cuda)
+        busy, gemm, top, _ = device_ms(run, cuda)
         wall = time.perf_counter() - t
         eng.abort(seq.request_id)
         emit(dict(kind="prefill", path=a.path, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy, gemm_ms=gemm,
@@ -192,7 +213,7 @@ def worker(a) -> None:
             eng.step()
         timed_steps(eng, WARM_STEPS, a.device)
         wall = statistics.median(timed_steps(eng, a.steps, a.device))
-        busy, _, top = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
+        busy, _, top, fams = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
         counter = ExpertCounter(model)
         timed_steps(eng, 1, a.device)
@@ -204,7 +225,8 @@ def worker(a) -> None:
         emit(dict(kind="decode", path=a.path, batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
                   device_ms=dev, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
                   ratio=dev / bytes_ms if dev is not None else None,
-                  wall_over_device=1e3 * wall / dev if dev else None, top=top))
+                  wall_over_device=1e3 * wall / dev if dev else None, top=top,
+                  families={k: v / a.steps for k, v in fams.items()}))
         for s in seqs:
             eng.abort(s.request_id)
     if cuda:
@@ -225,9 +247,39 @@ def ensure_checkpoint(a) -> None:
     cfg = (shaped_config("v4-tiny-fp8", layers=a.layers) if a.smoke
            else shaped_config("v4-flash", layers=a.layers))
     t = time.perf_counter()
-    write_random_checkpoint(cfg, a.ckpt)
+    write_random_checkpoint(cfg, a.ckpt, jobs=min(os.cpu_count() or 1, 10))
     print(f"# wrote {a.ckpt} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts x "
           f"{cfg.moe_intermediate_size}) in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def first_layers_view(ckpt: str, n: int) -> str:
+    """A checkpoint directory that serves the first `n` blocks of `ckpt` (with its embedding, MTP
+    block(s) and head): a config and index of their own, links to the same shards. The dense path's
+    bf16 expert copies do not fit an H200 at 8 blocks of real MoE width; this measures it on fewer."""
+    src = Path(ckpt)
+    cfg = json.loads((src / "config.json").read_text())
+    main = cfg["num_hidden_layers"]
+    if n >= main:
+        return ckpt
+    view = src.parent / f"{src.name}-first{n}"
+    view.mkdir(exist_ok=True)
+    index = json.loads((src / INDEX_FILE).read_text())
+    keep = {k: f for k, f in index["weight_map"].items()
+            if not (m := re.match(r"layers\.(\d+)\.", k)) or int(m.group(1)) < n}
+    for f in set(keep.values()):
+        if not (view / f).exists():
+            (view / f).symlink_to(src.resolve() / f)
+    ratios = cfg["compress_ratios"]
+    cfg.update(num_hidden_layers=n, compress_ratios=ratios[:n] + ratios[main:],
+               num_hash_layers=min(cfg.get("num_hash_layers", 0), n))
+    (view / "config.json").write_text(json.dumps(cfg, indent=2))
+    size = 0
+    for f in set(keep.values()):
+        with open(view / f, "rb") as h:                    # a safetensors header: length, then JSON
+            header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
+        size += sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k in keep)
+    (view / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": keep}, indent=2))
+    return str(view)
 
 
 def fmt_bytes(n) -> str:
@@ -252,20 +304,25 @@ def report(rows: list[dict], a) -> None:
             print(f"| {r['path']} | {r['batch']} | {r['context']:,} | {r['tok_s']:.1f} | {r['wall_ms']:.2f} | "
                   f"{fmt(r['device_ms'])} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
                   f"{r['bytes_ms']:.3f} | {fmt(r['ratio'])} | {r['experts_selected']} |")
+    print("\nDevice ms of one decode step by operator family:\n")
+    for r in rows:
+        if r["kind"] == "decode" and r.get("families"):
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["families"].items())
+            print(f"- {r['path']} B={r['batch']} ctx={r['context']:,}: {parts}")
     print("\n| path | prefill tokens | tok/s | device ms | GEMM ms | linear TFLOP/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         if r["kind"] == "prefill":
             print(f"| {r['path']} | {r['tokens']:,} | {r['tok_s']:.0f} | {fmt(r['device_ms'], '.1f')} | "
                   f"{fmt(r['gemm_ms'], '.1f')} | {fmt(r['linear_tflops'], '.0f')} |")
-    print("\n| path | checkpoint | KV pool | after load | peak | peak − (checkpoint + pool) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| path | blocks | checkpoint | KV pool | after load | peak | peak − (checkpoint + pool) |")
+    print("|---|---|---|---|---|---|---|")
     for path in dict.fromkeys(r["path"] for r in rows):
         mem = next((r for r in rows if r["kind"] == "memory" and r["path"] == path), None)
         peak = next((r for r in rows if r["kind"] == "peak" and r["path"] == path), None)
         if mem:
             over = peak["peak_bytes"] - mem["checkpoint_bytes"] - mem["kv_pool_bytes"] if peak else None
-            print(f"| {path} | {fmt_bytes(mem['checkpoint_bytes'])} | {fmt_bytes(mem['kv_pool_bytes'])} | "
+            print(f"| {path} | {mem['layers']} | {fmt_bytes(mem['checkpoint_bytes'])} | {fmt_bytes(mem['kv_pool_bytes'])} | "
                   f"{fmt_bytes(mem['after_load_bytes'])} | {fmt_bytes(peak and peak['peak_bytes'])} | "
                   f"{fmt_bytes(over)} |")
 
@@ -279,6 +336,8 @@ def main() -> int:
     ap.add_argument("--million", action="store_true", help="also decode at 1M tokens with batch 1")
     ap.add_argument("--prefill", default="16k,128k")
     ap.add_argument("--paths", default="packed,dense", help="packed and/or dense (HYBRIDKV_DENSE_WEIGHTS=1)")
+    ap.add_argument("--dense-layers", type=int, default=None,
+                    help="serve only the first N blocks on the dense path (its bf16 expert copies are 4x the FP4)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
     ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
@@ -304,6 +363,8 @@ def main() -> int:
             ap.error(f"--paths: unknown path {path!r} (packed, dense)")
         env = {**os.environ, "HYBRIDKV_DENSE_WEIGHTS": "1" if path == "dense" else "0"}
         cmd = [sys.executable, __file__, "--worker", path] + [x for x in sys.argv[1:]]
+        if path == "dense" and a.dense_layers:
+            cmd += ["--ckpt", first_layers_view(a.ckpt, a.dense_layers)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:
             if line.startswith("ROW "):

@@ -60,6 +60,18 @@ def test_written_part_by_part_in_release_dtypes(tmp_path):
     assert torch.equal(same.embed.weight, model.embed.weight)
 
 
+def test_parts_written_by_several_processes_are_the_same_bytes(tmp_path):
+    """`jobs` processes write the same shards, index and config as one."""
+    cfg = shaped_config("v4-tiny-fp8", layers=2, experts=4)
+    write_random_checkpoint(cfg, tmp_path / "one", seed=5)
+    write_random_checkpoint(cfg, tmp_path / "two", seed=5, jobs=2)
+    one = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert one == sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert not [n for n in one if n.endswith(".tmp")]
+    for name in one:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
 def test_random_checkpoint_gives_finite_logits_at_v4_flash_width(tmp_path):
     """V4-Flash's hidden size, attention and FP8 layout with a narrow MoE: the logits are finite and
     of the init's size."""

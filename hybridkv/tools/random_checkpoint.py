@@ -191,37 +191,71 @@ def _write_shard(path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ..
     return offset
 
 
-@torch.no_grad()
-def write_random_checkpoint(config: ModelConfig, out_dir: str | Path, seed: int = 0,
-                            progress: Callable[[str], None] | None = None) -> Path:
-    """Write `config.json` and one shard per part of a random-weight model in `config`'s release
-    format, with an index. Shards are written under temporary names and renamed at the end."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _models(config: ModelConfig) -> tuple[Transformer, Transformer]:
+    """(float32 training-init model, release-format model) of `config`, both on the meta device."""
     float_cfg = config.to_dict()
     float_cfg.pop("quantization_config", None)
     float_cfg["expert_dtype"] = "fp4" if weight_formats(config)[1] == "fp4" else "bf16"
     with torch.device("meta"):
-        float_model = Transformer(ModelConfig.from_dict(float_cfg), dtype=torch.float32)
-        release = Transformer(config, dtype=torch.bfloat16)
+        return (Transformer(ModelConfig.from_dict(float_cfg), dtype=torch.float32),
+                Transformer(config, dtype=torch.bfloat16))
+
+
+@torch.no_grad()
+def _write_part(config: ModelConfig, out_dir: Path, seed: int, i: int,
+                models: tuple[Transformer, Transformer] | None = None) -> tuple[Path, Path, list[str], int]:
+    """Write part `i` under a temporary name: (temporary path, final path, its tensor names, its
+    data bytes). A part's bytes depend on (seed, part label) alone, so parts can be written in any
+    order, by any process."""
+    float_model, release = models or _models(config)
     float_parts, release_parts = _parts(float_model), _parts(release)
-    n = len(release_parts)
-    weight_map, total, written = {}, 0, []
-    for i, ((label, fmods, fparams), (_, rmods, rparams)) in enumerate(zip(float_parts, release_parts)):
-        fpart = _Part(float_model.config, fmods, fparams)
-        _materialize(fpart)
-        init_weights(fpart, _seed(seed, label) & 0x7FFFFFFF)
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors = list(_part_tensors(config, fpart, _Part(config, rmods, rparams), seed, label))
-        tmp = out_dir / (fname + ".tmp")
-        total += _write_shard(tmp, tensors)
-        written.append((tmp, out_dir / fname))
-        weight_map.update({name: fname for name, *_ in tensors})
-        for mod in fmods.values():
-            mod.to_empty(device="meta")             # the part's float weights are done with
-        if progress:
-            progress(label)
-    commit_checkpoint(out_dir, config, written, weight_map, total)
+    (label, fmods, fparams), (_, rmods, rparams) = float_parts[i], release_parts[i]
+    fpart = _Part(float_model.config, fmods, fparams)
+    _materialize(fpart)
+    init_weights(fpart, _seed(seed, label) & 0x7FFFFFFF)
+    fname = f"model-{i + 1:05d}-of-{len(release_parts):05d}.safetensors"
+    tensors = list(_part_tensors(config, fpart, _Part(config, rmods, rparams), seed, label))
+    tmp = out_dir / (fname + ".tmp")
+    size = _write_shard(tmp, tensors)
+    for mod in fmods.values():
+        mod.to_empty(device="meta")             # the part's float weights are done with
+    return tmp, out_dir / fname, [name for name, *_ in tensors], size
+
+
+def _write_part_job(args: tuple) -> tuple[Path, Path, list[str], int]:
+    torch.set_num_threads(1)
+    return _write_part(*args)
+
+
+def write_random_checkpoint(config: ModelConfig, out_dir: str | Path, seed: int = 0,
+                            progress: Callable[[str], None] | None = None, jobs: int = 1) -> Path:
+    """Write `config.json` and one shard per part of a random-weight model in `config`'s release
+    format, with an index. Shards are written under temporary names and renamed at the end. `jobs`
+    processes write parts side by side (the bytes are the same for any `jobs`); each holds one
+    part's float weights."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = _models(config)
+    labels = [label for label, *_ in _parts(models[1])]
+    if jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(min(jobs, len(labels)), mp_context=mp.get_context("spawn")) as pool:
+            results = []
+            for r, label in zip(pool.map(_write_part_job, [(config, out_dir, seed, i) for i in range(len(labels))]),
+                                labels):
+                results.append(r)
+                if progress:
+                    progress(label)
+    else:
+        results = []
+        for i, label in enumerate(labels):
+            results.append(_write_part(config, out_dir, seed, i, models))
+            if progress:
+                progress(label)
+    weight_map = {name: final.name for _, final, names, _ in results for name in names}
+    commit_checkpoint(out_dir, config, [(tmp, final) for tmp, final, _, _ in results], weight_map,
+                      sum(size for *_, size in results))
     return out_dir
 
 
@@ -234,11 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--moe-inter", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="processes writing parts side by side")
     a = p.parse_args(argv)
     cfg = shaped_config(a.preset, a.layers, a.vocab, a.experts, a.moe_inter)
     from tqdm import tqdm
     bar = tqdm(total=cfg.num_hidden_layers + cfg.num_nextn_predict_layers + 2, desc="parts", unit="part")
-    out = write_random_checkpoint(cfg, a.out_dir, a.seed, progress=lambda _: bar.update())
+    out = write_random_checkpoint(cfg, a.out_dir, a.seed, progress=lambda _: bar.update(), jobs=a.jobs)
     bar.close()
     size = json.loads((out / INDEX_FILE).read_text())["metadata"]["total_size"]
     print(f"wrote {out}: {size / 1e9:.2f} GB, {cfg.num_hidden_layers} layers, ratios {list(cfg.compress_ratios)}, "
