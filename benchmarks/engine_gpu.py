@@ -173,6 +173,11 @@ def worker(a) -> None:
     batches = [int(b) for b in a.batches.split(",")]
     contexts = [_parse_count(c) for c in a.contexts.split(",")]
     cells = [(b, c) for b in batches for c in contexts] + ([(1, 1 << 20)] if a.million else [])
+    if a.max_tokens:
+        for b, c in cells:
+            if b * c > a.max_tokens:
+                print(f"# B={b} x {c:,} left out: {b * c:,} context tokens > --max-tokens", flush=True)
+        cells = [(b, c) for b, c in cells if b * c <= a.max_tokens]
     prefills = [_parse_count(c) for c in a.prefill.split(",")] if a.prefill else []
     longest = max([b * (c + 256) for b, c in cells] + [p + 256 for p in prefills])
     budget = WARM_STEPS + 2 * a.steps + 8
@@ -186,7 +191,13 @@ def worker(a) -> None:
     wb = weight_bytes(model)
     pool = sum(eng.store.nbytes_by_kind().values())
     ckpt = json.loads((Path(a.ckpt) / INDEX_FILE).read_text())["metadata"]["total_size"]
-    emit(dict(kind="memory", path=a.path, layers=cfg.num_hidden_layers, checkpoint_bytes=ckpt, kv_pool_bytes=pool, after_load_bytes=loaded,
+    kernels = {}
+    if cuda and a.path == "packed" and os.environ.get("HYBRIDKV_GROUPED_FP4") == "1":
+        from hybridkv.ops.qgemm import scaled
+        from hybridkv.ops.qgemm import triton as qk
+        kernels = dict(fp4_dot=qk.fp4_dot_report(torch.device(a.device)), scaled_mm=scaled.layout(torch.device(a.device))[1])
+        print(f"# grouped FP4 MMA: {kernels['fp4_dot']}; scaled_mm: {kernels['scaled_mm']}", flush=True)
+    emit(dict(kind="memory", path=a.path, layers=cfg.num_hidden_layers, kernels=kernels, checkpoint_bytes=ckpt, kv_pool_bytes=pool, after_load_bytes=loaded,
               non_expert_bytes=wb["non_expert"], expert_bytes=wb["expert"]))
     g = torch.Generator().manual_seed(0)
 
@@ -194,6 +205,11 @@ def worker(a) -> None:
         return torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
 
     flops_tok = linear_flops_per_token(model)
+    if prefills:                       # one chunk first: Triton compiles the prefill shapes outside the timing
+        warm = eng.add_request(prompt(a.chunk), SamplingParams(max_tokens=1, ignore_eos=True))
+        while warm.first_token_time is None:
+            eng.step()
+        eng.abort(warm.request_id)
     for n in prefills:
         seq = eng.add_request(prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
 
@@ -336,9 +352,14 @@ def main() -> int:
     ap.add_argument("--million", action="store_true", help="also decode at 1M tokens with batch 1")
     ap.add_argument("--prefill", default="16k,128k")
     ap.add_argument("--paths", default="packed,dense", help="packed and/or dense (HYBRIDKV_DENSE_WEIGHTS=1)")
+    ap.add_argument("--grouped-fp4", action="store_true",
+                    help="packed path: run the grouped FP4 expert kernels on CUDA (HYBRIDKV_GROUPED_FP4=1; off by "
+                         "default until they pass tests/gpu), else the experts use dense copies")
     ap.add_argument("--dense-layers", type=int, default=None,
                     help="serve only the first N blocks on the dense path (its bf16 expert copies are 4x the FP4)")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--max-tokens", type=_parse_count, default=None,
+                    help="leave out the decode cells whose batch x context exceeds this (their prefill is long)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
     ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
     ap.add_argument("--device", default="cuda")
@@ -362,6 +383,8 @@ def main() -> int:
         if path not in ("packed", "dense"):
             ap.error(f"--paths: unknown path {path!r} (packed, dense)")
         env = {**os.environ, "HYBRIDKV_DENSE_WEIGHTS": "1" if path == "dense" else "0"}
+        if path == "packed" and a.grouped_fp4:
+            env["HYBRIDKV_GROUPED_FP4"] = "1"
         cmd = [sys.executable, __file__, "--worker", path] + [x for x in sys.argv[1:]]
         if path == "dense" and a.dense_layers:
             cmd += ["--ckpt", first_layers_view(a.ckpt, a.dense_layers)]

@@ -2,11 +2,12 @@
 
 For each FP8 linear of a V4-Flash block and each row count, the Triton kernel
 (`hybridkv.ops.qgemm.triton.fp8_linear`) against a bf16 GEMM of the dequantised weight (what the
-dense-copy path runs) and, where this torch has it, `torch.nn.functional.scaled_mm` with 1×128
-activation and 128×128 weight block scales; then the routed experts (256 × 2048, top-6) as the two
+dense-copy path runs) and the prefill path through torch's block-scaled matmul
+(`hybridkv.ops.qgemm.scaled`, its activation quantisation included); then the routed experts (256 × 2048, top-6) as the two
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected.
-`--sweep` also times a grid of tile configurations per shape and prints the fastest (to copy into
-`fp8_config` / `grouped_config`).
+`--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
+fastest (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
+time of CUDA-graph replays (the decode step runs as a graph).
 
     python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--bandwidth 4.13e12]
     python benchmarks/qgemm_kernels.py --smoke     # small shapes in Triton's interpreter (CPU)
@@ -31,8 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from hybridkv.ops import grouped_moe  # noqa: E402
 from hybridkv.ops.qgemm import reference  # noqa: E402
+from hybridkv.ops.qgemm import scaled  # noqa: E402
 from hybridkv.ops.qgemm import triton as kernels  # noqa: E402
 from hybridkv.ops.quant import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
+from hybridkv.ops.quant.triton import fp8_round_trip  # noqa: E402
 
 # (name, N, K) of V4-Flash's FP8 linears
 FLASH = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
@@ -41,51 +44,18 @@ SMOKE = [("small", 256, 512)]
 
 
 def bench(fn, cuda: bool, reps: int = 20) -> float:
-    """Median ms of fn()."""
+    """Median device ms of fn(), replayed from a CUDA graph as the engine's decode step runs it (no
+    launch gaps of the host)."""
     if cuda:
-        from triton.testing import do_bench
-        return float(do_bench(fn, warmup=10, rep=50))
+        from triton.testing import do_bench_cudagraph
+        fn()
+        torch.cuda.synchronize()
+        return float(do_bench_cudagraph(fn, rep=30, return_mode="median"))
     fn()
     t = time.perf_counter()
     for _ in range(2):
         fn()
     return (time.perf_counter() - t) / 2 * 1e3
-
-
-def scaled_mm_fn(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
-    """torch's blockwise-scaled FP8 GEMM for this problem, or the reason it cannot run."""
-    F = torch.nn.functional
-    if not hasattr(F, "scaled_mm"):
-        return None, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
-    st = getattr(F, "ScalingType", None)
-    names = [n for n in ("Blockwise_1x128", "BlockWise1x128") if st is not None and hasattr(st, n)]
-    if not names:
-        return None, "no 1x128 blockwise ScalingType in this torch"
-    r1 = getattr(st, names[0])
-    r2 = getattr(st, names[0].replace("1x128", "128x128"))
-    m, k = x.shape
-    pad = -m % 4                                      # cuBLASLt wants the scale rows padded to 4
-    xp = torch.nn.functional.pad(x.float(), (0, 0, 0, pad))
-    xb = xp.view(m + pad, k // 128, 128)
-    a_s = kernels_pow2(xb.abs().amax(-1).clamp(min=1e-4) / 448.0)
-    a_q = (xb / a_s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(m + pad, k)
-    errors = []
-    # scale layouts to try: 1x128 scales outer-dim-major with the weight's [K/128, N/128] view
-    # (what SM90's cuBLASLt path documents), then both row-major
-    for a_scale, w_scale in ((a_s.t().contiguous().t(), s.float().t()), (a_s, s.float())):
-        def fn(a_scale=a_scale, w_scale=w_scale):
-            return F.scaled_mm(a_q, q.t(), a_scale, r1, w_scale, r2, output_dtype=torch.bfloat16)[:m]
-        try:
-            fn()
-            return fn, None
-        except Exception as e:  # what torch refuses is the finding
-            errors.append(str(e).splitlines()[0][:160])
-    return None, "; ".join(errors)
-
-
-def kernels_pow2(t: torch.Tensor) -> torch.Tensor:
-    mant, exp = torch.frexp(t)
-    return torch.ldexp(torch.ones_like(t), torch.where(mant == 0.5, exp - 1, exp))
 
 
 def fp8_rows(a, cuda: bool, dev: str) -> None:
@@ -101,7 +71,9 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
             out_dtype = dense.dtype
             t_k = bench(lambda: kernels.fp8_linear(x, q, s, out_dtype), cuda)
             t_d = bench(lambda: torch.nn.functional.linear(x, dense), cuda)
-            fn, why = scaled_mm_fn(x, q, s) if cuda else (None, "CPU")
+            fn, why = (lambda: scaled.fp8_linear(x, q, s, out_dtype), None) if cuda else (None, "CPU")
+            if cuda and scaled.layout(x.device)[0] is None:
+                fn, why = None, scaled.layout(x.device)[1]
             t_s = bench(fn, cuda) if fn else None
             if why:
                 notes.add(why)
@@ -110,17 +82,19 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
                         / reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32).pow(2).mean().sqrt())
             print(f"| {name} | {n} × {k} | {m} | {t_k:.4f} | {n * k / t_k / 1e6:.0f} | {2 * m * n * k / t_k / 1e9:.1f} | "
                   f"{t_d:.4f} | {'—' if t_s is None else f'{t_s:.4f}'} | {err:.1e} |", flush=True)
-            if a.sweep:
+            if a.sweep and m in a.sweep_rows:
                 sweep_fp8(x, q, s, out_dtype, cuda)
     for why in notes:
         print(f"scaled_mm: {why}")
+    if cuda:
+        print(f"scaled_mm layout: {scaled.layout(torch.device(dev))[1]}")
 
 
 def sweep_fp8(x, q, s, out_dtype, cuda: bool) -> None:
     m, (n, k) = x.shape[0], q.shape
     best = []
-    bms = [16, 32, 64] if m <= 64 else [64, 128]
-    for bm, bn, split, warps, stages in itertools.product(bms, [32, 64, 128], [1, 2, 4, 8], [4, 8], [3, 4]):
+    bms = [16 if m <= 16 else (32 if m <= 32 else 64)]
+    for bm, bn, split, warps, stages in itertools.product(bms, [32, 64, 128], [1, 4, 8, 16], [2, 4], [3]):
         if split > 1 and m > 64 or split > (k // 128) // 2 and split > 1:
             continue
         cfg = dict(BM=bm, BN=bn, SPLIT_K=split, GROUP_M=8 if m > 64 else 1, num_warps=warps, num_stages=stages)
@@ -142,8 +116,8 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
          for n_out, n_in in ((inter, dim), (inter, dim), (dim, inter))]
     tables = grouped_moe.expert_tables(*w)
     per_expert = 3 * (inter * dim // 2 + inter * dim // 32)
-    print("\n| tokens | experts selected | ms | GB/s (selected experts) | TFLOP/s |")
-    print("|---|---|---|---|---|")
+    print("\n| tokens | experts selected | ms | GB/s (selected experts) | TFLOP/s | up ms | down ms |")
+    print("|---|---|---|---|---|---|---|")
     g = torch.Generator(device=dev).manual_seed(0)
     for t in a.tokens:
         x = torch.randn(t, dim, device=dev, generator=g).to(torch.bfloat16 if cuda else torch.float32)
@@ -151,8 +125,38 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         weights = torch.rand(t, topk, device=dev, generator=g)
         ms = bench(lambda: grouped_moe.routed_experts_fp4(x, weights, ids, tables, 10.0, x.dtype), cuda)
         sel = int(ids.unique().numel())
+        sort = grouped_moe.sort_by_expert(ids, e_n)
+        p = sort.order.shape[0]
+        route = weights.reshape(-1)[sort.order].float().contiguous()
+        tok = sort.token.int()
+        xq = fp8_round_trip(x, 128)
+
+        def up(cfg=None):
+            cfg = cfg or kernels.grouped_config(p, inter)
+            return kernels.grouped_fp4(xq, tok, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w1, tables.s1), inter,
+                                       x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg)
+        h = up()
+
+        def down(cfg=None):
+            cfg = cfg or kernels.grouped_config(p, dim)
+            return kernels.grouped_fp4(h, None, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w2, tables.s2), dim,
+                                       x.dtype, config=cfg)
+        t_up, t_down = bench(up, cuda), bench(down, cuda)
         print(f"| {t} | {sel} | {ms:.4f} | {sel * per_expert / ms / 1e6:.0f} | "
-              f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} |", flush=True)
+              f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |", flush=True)
+        if a.sweep and t in a.sweep_rows:
+            for name, fn in (("up", up), ("down", down)):
+                best = []
+                bm = kernels.grouped_config(p, inter)["BM"]
+                for bn, warps, stages in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4]):
+                    cfg = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+                    try:
+                        best.append((bench(lambda c=cfg: fn(c), cuda), cfg))
+                    except Exception as e:  # out of resources: not a candidate
+                        print(f"    {cfg}: {type(e).__name__}")
+                best.sort(key=lambda tc: tc[0])
+                for tm, cfg in best[:3]:
+                    print(f"    sweep {name} {t} tokens: {tm:.4f} ms {cfg}", flush=True)
 
 
 def main() -> int:
@@ -160,10 +164,12 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,64,4096")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     a.rows = [int(r) for r in a.rows.split(",")]
     a.tokens = [int(r) for r in a.tokens.split(",")]
+    a.sweep_rows = [int(r) for r in a.sweep_rows.split(",")]
     if a.smoke:
         a.rows, a.tokens = [1, 70], [1, 20]
     cuda = torch.cuda.is_available() and not a.smoke

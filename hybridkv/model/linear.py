@@ -5,8 +5,8 @@
            quantised to e4m3 per `block_in` values with power-of-two scales before the GEMM.
 - "fp4":   E2M1 pairs packed in int8 [out, in/2] (low nibble = even element) + e8m0 scale per 32
            inputs; the input is FP8-quantised per `act_block` values as for fp8.
-On CUDA, FP8 weights with 128×128 blocks run through a Triton GEMM that reads the e4m3 weight
-itself (`hybridkv.ops.qgemm`) and FP4 experts through the MoE's grouped kernels: no dense copy is
+On CUDA, FP8 weights with 128×128 blocks run through GEMMs that read the e4m3 weight itself
+(`hybridkv.ops.qgemm`: a Triton kernel for decode, torch's block-scaled matmul for prefill) and FP4 experts through the MoE's grouped kernels: no dense copy is
 made. Elsewhere (the CPU, other block sizes, `HYBRIDKV_DENSE_WEIGHTS=1`) the weight is dequantised
 (exactly) once and cached; the activation quantisation is applied all the same, so the numerics
 equal the reference's.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.ops.qgemm import fp8_kernel_ok
+from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
 from hybridkv.ops.quant import act_quant_sim, dequant_fp4_weight, dequant_fp8_weight
 
 FORMATS = ("float", "fp8", "fp4")
@@ -75,8 +75,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block):
-            from hybridkv.ops.qgemm import triton as kernels
-            return kernels.fp8_linear(x, self.weight, self.scale, self.compute_dtype)
+            return packed_fp8_linear(x, self.weight, self.scale, self.compute_dtype)
         y = F.linear(self.prepare_input(x), self.dense_weight())
         return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)
 

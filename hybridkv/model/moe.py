@@ -4,13 +4,16 @@ V4.1's gate divides the logits by `gate_temp` and normalises the weights with a 
 multimodal V4.1 checkpoint also carries `bias_vl`, the selection bias of image tokens (the text
 path never uses it).
 
-Routed experts run three ways: on CUDA with FP4 experts, two grouped launches over the tokens
-sorted by expert that read the packed weights (`hybridkv.ops.grouped_moe`; no host
+Routed experts run three ways: with the grouped kernels on (FP4 experts; on CUDA only with
+`HYBRIDKV_GROUPED_FP4=1` until they pass their GPU test, see `grouped_moe.cuda_kernel_enabled`),
+two grouped launches over the tokens sorted by expert that read the packed weights (no host
 synchronisation, so also inside the decode CUDA graph); otherwise one GEMM per expert that has
 tokens (the reference, host-synchronising), or in captured forwards `_routed_static` over dense
 expert weights. Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +89,18 @@ class Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
+_WARNED = False
+
+
+def _warn_dense_experts() -> None:
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn("FP4 routed experts on CUDA run from dense bf16 copies (4x their packed bytes): the grouped "
+                      "FP4 kernels are off on CUDA until they pass tests/gpu (HYBRIDKV_GROUPED_FP4=1 runs them)",
+                      stacklevel=3)
+
+
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
         super().__init__()
@@ -155,6 +170,8 @@ class MoE(nn.Module):
         CUDA, not deterministic, not forced dense), else None. Built on first use and rebuilt when
         the parameters move."""
         first = self.experts[0]
+        if first.w1.fmt == "fp4" and x.is_cuda and not grouped_moe.cuda_kernel_enabled():
+            _warn_dense_experts()
         if (first.w1.fmt != "fp4" or is_deterministic()
                 or not grouped_moe.grouped_kernel_ok(x, first.w1.act_block, first.w1.in_features,
                                                      first.w1.out_features)):

@@ -22,6 +22,7 @@ from hybridkv.model.csa2 import CrossLayerShare
 from hybridkv.model.mhc import hc_collapse, hc_head, identity_pre
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import ForwardBatch
+from hybridkv.ops.backend import is_deterministic
 
 
 def _add_hc_head(module: nn.Module, hc: int, dim: int) -> None:
@@ -48,6 +49,17 @@ def weight_formats(config: ModelConfig) -> tuple[str, str]:
     fmt = "fp8" if config.quantized else "float"
     expert = {"fp4": "fp4", "fp8": "fp8", "bf16": "float", None: fmt}[config.expert_dtype]
     return fmt, expert
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits of x [N, dim] under the head weight [vocab, dim]: the products of the weight's
+    and x's values summed in float32. On CUDA with a bf16 head and bf16 x that is one bf16 GEMM with
+    a float32 output (no float32 copy of the 1 GB head at every step); elsewhere (and in the
+    batch-invariant mode, whose GEMMs are its own) both are widened first."""
+    if (x.is_cuda and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and not is_deterministic()
+            and not torch.is_grad_enabled()):
+        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    return F.linear(x.float(), weight.float())
 
 
 class Transformer(nn.Module):
@@ -104,10 +116,10 @@ class Transformer(nn.Module):
         """Rows of `forward`'s output -> float32 logits [N, vocab]. V4: stream rows [N, hc, dim],
         collapsed by the hc head of `owner` (the model itself, or an MTP block); V4.1: [N, dim]."""
         if self.single_pass:
-            return F.linear(self.norm(h).float(), self.head.weight.float())
+            return head_logits(self.norm(h), self.head.weight)
         m = owner if owner is not None else self
         x = hc_head(h, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, self.config.hc_eps, self.config.rms_norm_eps)
-        return F.linear(m.norm(x).float(), self.head.weight.float())
+        return head_logits(m.norm(x), self.head.weight)
 
     def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, depth: int = 0) -> torch.Tensor:
         """MTP block `depth` on stream rows h [T, hc, dim] and the ids of the following tokens

@@ -43,6 +43,36 @@ def test_fp8_linear_at_v4_flash_shapes(n, k, rows):
     assert err < BF16_TOL
 
 
+@pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 8192)])
+@pytest.mark.parametrize("rows", [65, 4096])
+def test_prefill_rows_through_torchs_block_scaled_matmul(n, k, rows):
+    """More than DECODE_ROWS rows go through torch's scaled matmul where this torch has the blockwise
+    recipes (the GPU image's does); its first call checks the scale layout against the reference."""
+    from hybridkv.ops.qgemm import packed_fp8_linear, scaled
+    lay, why = scaled.layout(torch.device(DEV))
+    print(f"scaled_mm layout: {why}")
+    if scaled._recipes() is not None:
+        assert lay is not None, why
+    q, s = quant_fp8_weight(torch.randn(n, k, device=DEV) * 0.02)
+    x = torch.randn(rows, k, device=DEV).bfloat16() * torch.logspace(-2, 1, k // 128, device=DEV).repeat_interleave(128)
+    x = x.bfloat16()
+    want = reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32)
+    got = packed_fp8_linear(x, q, s, torch.bfloat16)
+    err = rel_rms(want, got)
+    print(f"scaled fp8 {rows}x{k} @ {n}: rel rms {err:.2e}")
+    assert got.shape == (rows, n) and err < BF16_TOL
+
+
+def test_head_logits_in_one_bf16_gemm_with_float32_output():
+    from hybridkv.model.transformer import head_logits
+    w = (torch.randn(129280, 4096, device=DEV) * 0.02).bfloat16()
+    x = torch.randn(3, 4096, device=DEV).bfloat16()
+    got = head_logits(x, w)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    assert got.dtype == torch.float32 and got.shape == (3, 129280)
+    assert rel_rms(want, got) < 1e-5
+
+
 def _flash_moe(experts=256, layer_id=5):
     cfg = get_preset("v4-flash", n_routed_experts=experts)
     with torch.device(DEV):
@@ -73,7 +103,7 @@ def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens):
         got = grouped_moe.routed_experts_fp4(x, weights, ids, moe.expert_tables(x), moe.experts[0].limit,
                                              torch.bfloat16)
     err = rel_rms(want, got)
-    print(f"grouped MoE, {tokens} tokens: rel rms {err:.2e}")
+    print(f"grouped MoE, {tokens} tokens: rel rms {err:.2e}; {kernels.fp4_dot_report(x.device)}")
     assert err < BF16_TOL
 
 
@@ -86,8 +116,9 @@ def _dense_expert(ex, rows, route):
     return lin(ex.w2, route * (torch.nn.functional.silu(gate) * up))
 
 
-def test_grouped_moe_is_captured_in_a_cuda_graph():
+def test_grouped_moe_is_captured_in_a_cuda_graph(monkeypatch):
     """Sorting, tiling, both launches and the sum back replay from a graph with new routing."""
+    monkeypatch.setenv("HYBRIDKV_GROUPED_FP4", "1")
     moe = _flash_moe(experts=64)
     x = torch.randn(8, 4096, device=DEV).bfloat16()
     ids_in = torch.zeros(8, dtype=torch.long, device=DEV)
@@ -103,9 +134,11 @@ def test_grouped_moe_is_captured_in_a_cuda_graph():
     assert rel_rms(eager.float(), out.float()) < 1e-6
 
 
-def test_no_dense_weight_copy_after_a_request(tmp_path):
+def test_no_dense_weight_copy_after_a_request(tmp_path, monkeypatch):
     """A served request leaves every quantised weight packed: no Linear holds a dense cache, and
-    the allocated CUDA memory after the request is the weights plus the KV pool, not a bf16 copy."""
+    the allocated CUDA memory after the request is the weights plus the KV pool, not a bf16 copy
+    (with the grouped FP4 kernels on: without them CUDA experts use dense copies)."""
+    monkeypatch.setenv("HYBRIDKV_GROUPED_FP4", "1")
     cfg = shaped_config("v4-flash", layers=2, vocab=1024, experts=32, moe_inter=2048)
     write_random_checkpoint(cfg, tmp_path / "m")
     torch.cuda.empty_cache()

@@ -1,5 +1,6 @@
-"""The routed experts as grouped GEMMs over tokens sorted by expert. On CUDA (FP4 experts, 128-wide
-activation blocks) two launches compute every routed expert: w1 and w3 with the SwiGLU and the
+"""The routed experts as grouped GEMMs over tokens sorted by expert. With the kernels on (FP4
+experts, 128-wide activation blocks; on CUDA only with `cuda_kernel_enabled`) two launches compute
+every routed expert: w1 and w3 with the SwiGLU and the
 routing weight, then w2, each reading the packed FP4 weights; sorting, tiling and the weighted
 sum back are torch operations without host synchronisation (CUDA-graph capturable). Elsewhere
 `reference.routed_experts`: one dense GEMM per expert segment."""
@@ -7,6 +8,7 @@ sum back are torch operations without host synchronisation (CUDA-graph capturabl
 from __future__ import annotations
 
 import array
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,8 @@ import torch
 from hybridkv.ops.backend import dense_weights, use_triton
 from hybridkv.ops.grouped_moe import reference  # noqa: F401
 from hybridkv.ops.grouped_moe.reference import ExpertSort, combine, expert_tiles, sort_by_expert  # noqa: F401
+
+ACT_BLOCK = 128      # the activations' FP8 quantisation block in front of every expert GEMM
 
 
 @dataclass(frozen=True)
@@ -52,16 +56,29 @@ def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[to
         for w, s in proj:
             if not (w.is_contiguous() and s.is_contiguous()):
                 raise ValueError("grouped FP4 experts need contiguous weights and scales")
+            if w.data_ptr() % 16 or s.data_ptr() % 16:
+                raise ValueError("grouped FP4 experts need 16-byte-aligned weights and scales (the kernel "
+                                 "reads them with wide loads)")
     cols = [[w for w, _ in p] for p in (w1, w3, w2)] + [[s for _, s in p] for p in (w1, w3, w2)]
     a = [_addresses(c, dev) for c in cols]
     inter, dim = w1[0][0].shape[0], w1[0][0].shape[1] * 2
     return ExpertTables(a[0], a[3], a[1], a[4], a[2], a[5], dim, inter, table_key([w1, w3, w2]))
 
 
+def cuda_kernel_enabled() -> bool:
+    """`HYBRIDKV_GROUPED_FP4=1`: run the grouped FP4 kernels on CUDA. Off by default: on the H200
+    (torch 2.11, Triton 3.6) their output disagrees with the per-expert definition (relative RMS
+    1.4 at V4-Flash width, `tests/gpu/test_packed_gemm_cuda.py`) while the interpreter's matches it,
+    so CUDA keeps the dense expert copies until the GPU test passes. The flag is for that test and
+    for the work on the kernel."""
+    return os.environ.get("HYBRIDKV_GROUPED_FP4", "0") == "1"
+
+
 def grouped_kernel_ok(x: torch.Tensor, act_block: int, dim: int, inter: int) -> bool:
-    """Whether the grouped FP4 kernels run for x: CUDA (or the interpreter with
-    HYBRIDKV_KERNELS=triton), 128-value activation blocks, both widths multiples of 128."""
+    """Whether the grouped FP4 kernels run for x: the interpreter with HYBRIDKV_KERNELS=triton, or
+    CUDA with `cuda_kernel_enabled()`; 128-value activation blocks, both widths multiples of 128."""
     return (not dense_weights() and use_triton(x) and not (x.requires_grad and torch.is_grad_enabled())
+            and (not x.is_cuda or cuda_kernel_enabled())
             and act_block == 128 and dim % 128 == 0 and inter % 128 == 0
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
@@ -71,6 +88,7 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     """x [T, D], routing weights [T, k], ids [T, k] -> float32 [T, D], the routed experts' sum, in
     two grouped launches over the sorted pairs."""
     from hybridkv.ops.qgemm import triton as kernels
+    from hybridkv.ops.quant.triton import fp8_round_trip
     n_experts = tables.w1.shape[0]
     sort = sort_by_expert(ids, n_experts)
     p = sort.order.shape[0]
@@ -78,10 +96,11 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     cfg_down = kernels.grouped_config(p, tables.dim)
     tiles = expert_tiles(sort, cfg_up["BM"])
     route = weights.reshape(-1)[sort.order].float().contiguous()
-    xc = x.contiguous()
-    h = kernels.grouped_fp4(xc, sort.token.int(), tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
+    xq = fp8_round_trip(x.contiguous(), ACT_BLOCK)           # each token's input quantised once
+    h = kernels.grouped_fp4(xq, sort.token.int(), tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
                             w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up)
     if cfg_down["BM"] != cfg_up["BM"]:
         tiles = expert_tiles(sort, cfg_down["BM"])
-    out = kernels.grouped_fp4(h, None, tiles, (tables.w2, tables.s2), tables.dim, out_dtype, config=cfg_down)
+    out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles, (tables.w2, tables.s2), tables.dim, out_dtype,
+                              config=cfg_down)
     return combine(out, sort, ids)

@@ -2,7 +2,9 @@
 experts' FP4 lives in `hybridkv.ops.grouped_moe`). `reference` is the definition (input FP8
 round trip, exact dequantisation, one dense GEMM); on CUDA the Triton kernel reads the FP8 weight
 itself. `HYBRIDKV_DENSE_WEIGHTS=1` keeps the old path on CUDA (a dense copy cached per weight, see
-`hybridkv.model.linear`), the baseline of the GPU benchmark."""
+`hybridkv.model.linear`), the baseline of the GPU benchmark. On CUDA, inputs of more than
+`DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul where this torch computes
+it correctly (`scaled`), fewer rows (decode) through the Triton kernel (`triton`)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,25 @@ def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int])
     return kernels.fp8_supported(weight, block)
 
 
+DECODE_ROWS = 64
+
+
+def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel path of `fp8_linear` (for inputs where `fp8_kernel_ok`)."""
+    from hybridkv.ops.qgemm import triton as kernels
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k)
+    if x.is_cuda and x2.shape[0] > DECODE_ROWS:
+        from hybridkv.ops.qgemm import scaled
+        y = scaled.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale, out_dtype)
+        if y is not None:
+            return y.view(*x.shape[:-1], weight.shape[0])
+    return kernels.fp8_linear(x, weight, scale, out_dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                out_dtype: torch.dtype) -> torch.Tensor:
     """act_quant_sim(x) @ dequant(weight, scale)ᵀ -> [..., N] of out_dtype (see `reference`)."""
     if fp8_kernel_ok(x, weight, block):
-        from hybridkv.ops.qgemm import triton as kernels
-        return kernels.fp8_linear(x, weight, scale, out_dtype)
+        return packed_fp8_linear(x, weight, scale, out_dtype)
     return reference.fp8_linear(x, weight, scale, block, out_dtype)

@@ -1,20 +1,23 @@
 """Triton GEMMs that read the release's packed weights; no dense copy of a weight is ever made.
 
-- `fp8_linear`: e4m3 weight [N, K] with one e8m0 scale per 128×128 tile. Each program dequantises
-  its weight tile in registers (e4m3 and the power-of-two scale are exact in bf16) and runs the
-  MMA in bf16 with fp32 accumulation; the input's FP8 round trip per 128 values (`act_quant_sim`)
-  is done in the same program on the tile it loads, bit-identical with the one-launch kernel of
-  `hybridkv.ops.quant`. Two configurations: decode (≤ 64 rows: 16-row tiles, the K loop split
-  over programs so that a few rows still spread over every SM, partial sums added by one torch
-  sum) and prefill (128×128 tiles, grouped launch order for L2 reuse).
+- `fp8_linear`: e4m3 weight [N, K] with one e8m0 scale per 128×128 tile. The input is first
+  quantised to e4m3 codes and power-of-two scales per 128 values (`act_codes`, the rounding of
+  `act_quant_sim`); the GEMM multiplies codes by codes on the FP8 tensor cores and applies the
+  input's and the weight's scales to each 128-deep block's fp32 partial sum (the promotion the
+  release's kernels do), so no operand is ever widened in registers. Two configurations: decode
+  (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few rows still spread over
+  every SM, partial sums added by one torch sum) and prefill (128×128 tiles, grouped launch order
+  for L2 reuse; on CUDA prefill usually runs through `hybridkv.ops.qgemm.scaled` instead).
 - `grouped_fp4`: the routed experts' packed E2M1 weights (two per byte, low nibble = even element,
-  e8m0 scale per 32 inputs) over rows sorted by expert (`hybridkv.ops.grouped_moe`), one launch
+  e8m0 scale per 32 inputs, multiplied by Triton's scaled dot, which widens them on the way to the
+  MMA) over rows sorted by expert, their activations round-tripped through FP8 beforehand (`hybridkv.ops.grouped_moe`), one launch
   for all experts: each program owns a tile of one expert's rows (the tile table says which) and
   reads that expert's weight through a table of per-expert addresses (the experts stay separate
   parameters, no stacking copy). With `swiglu` the program runs w1 and w3 together and writes the
   clamped SwiGLU times the routing weight, what w2 reads.
 
-Under the interpreter (CPU tests) the MMA runs in fp32: the interpreter's bf16 dot is not usable.
+Under the interpreter (CPU tests) the MMAs run in fp32: the interpreter's bf16 and fp8 dots are not
+usable.
 """
 
 from __future__ import annotations
@@ -33,21 +36,33 @@ FP4_BLOCK = 32
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _dot_dtype():
-    return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else tl.bfloat16
+    return tl.float32 if _interpreting() else tl.bfloat16
+
+
+@triton.jit
+def _act_scales(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+    """Per-row power-of-two scale and its inverse for the FP8 round trip, from each row's amax."""
+    t = tl.maximum(amax, FLOOR) * (1.0 / QMAX)
+    s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    return s_bits.to(tl.float32, bitcast=True), (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _act_round(x, s, inv, QMAX: tl.constexpr):
+    return _e4m3_round(tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)) * s[:, None]
 
 
 @triton.jit
 def _act_quant(x, FLOOR: tl.constexpr, QMAX: tl.constexpr):
     """Each row of x [R, block] through the FP8 round trip with a power-of-two scale (as
     `hybridkv.ops.quant.triton.fp8_round_trip_kernel`)."""
-    amax = tl.maximum(tl.max(tl.abs(x), 1), FLOOR)
-    t = amax * (1.0 / QMAX)
-    s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-    s = s_bits.to(tl.float32, bitcast=True)
-    inv = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
-    return _e4m3_round(q) * s[:, None]
+    s, inv = _act_scales(tl.max(tl.abs(x), 1), FLOOR, QMAX)
+    return _act_round(x, s, inv, QMAX)
 
 
 @triton.jit
@@ -66,10 +81,45 @@ def _e2m1(nib):
 
 
 @triton.jit
-def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_ym, stride_ys, ws_stride, QUANT_X: tl.constexpr,
+def act_codes_kernel(X, Q, S, M, MP, K, stride_x, s_stride_row, s_stride_blk,
+                     FLOOR: tl.constexpr, QMAX: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [R] of one 128-column block of x -> e4m3 codes and the block's power-of-two scale per row
+    (rows in [M, MP), the padding, get zero codes)."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    kb = tl.program_id(1)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    x = x.to(tl.float32)
+    s, inv = _act_scales(tl.max(tl.abs(x), 1), FLOOR, QMAX)
+    q = _e4m3_round(tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX))
+    keep = rows < MP
+    tl.store(Q + rows.to(tl.int64)[:, None] * K + cols[None, :], q.to(Q.dtype.element_ty), mask=keep[:, None])
+    tl.store(S + rows.to(tl.int64) * s_stride_row + kb * s_stride_blk, s, mask=keep)
+
+
+def act_codes(x2: torch.Tensor, row_pad: int = 1, outer_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [Mp, K], float32 power-of-two scales [Mp, K/128]), the activation
+    quantisation of `act_quant_sim` (x = codes × scale per 128 values) with Mp = M rounded up to
+    `row_pad`; the scales' memory is [K/128, Mp] (outer-dim-major) when `outer_major`."""
+    m, k = x2.shape
+    mp = -(-m // row_pad) * row_pad
+    q = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    if outer_major:
+        s = torch.empty(k // SCALE_BLOCK, mp, dtype=torch.float32, device=x2.device).t()
+    else:
+        s = torch.empty(mp, k // SCALE_BLOCK, dtype=torch.float32, device=x2.device)
+    if mp:
+        r = 16
+        act_codes_kernel[(triton.cdiv(mp, r), k // SCALE_BLOCK)](
+            x2, q, s, m, mp, k, x2.stride(0), s.stride(0), s.stride(1), FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, R=r,
+            BLOCK=SCALE_BLOCK)
+    return q, s
+
+
+@triton.jit
+def fp8_gemm_kernel(XQ, XS, W, WS, Y, M, N, K, stride_xq, xs_row, xs_blk, stride_ym, stride_ys, ws_stride,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DOT: tl.constexpr,
-                    FLOOR: tl.constexpr, QMAX: tl.constexpr):
+                    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, NATIVE: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     width = GROUP_M * num_n
@@ -88,13 +138,16 @@ def fp8_gemm_kernel(X, W, WS, Y, M, N, K, stride_xm, stride_ym, stride_ys, ws_st
     srow = (pid_n * BN) // BK          # BN divides the 128-row scale tile
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb0, kb1):
-        x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + (kb * BK + rk)[None, :], mask=m_ok[:, None],
-                    other=0.0).to(tl.float32)
-        if QUANT_X:
-            x = _act_quant(x, FLOOR, QMAX)
+        xq = tl.load(XQ + rm.to(tl.int64)[:, None] * stride_xq + (kb * BK + rk)[None, :], mask=m_ok[:, None],
+                     other=0.0)
+        xs = tl.load(XS + rm * xs_row + kb * xs_blk, mask=m_ok, other=0.0)
         w = tl.load(W + rn.to(tl.int64)[:, None] * K + (kb * BK + rk)[None, :], mask=n_ok[:, None], other=0.0)
         s = _e8m0(tl.load(WS + srow * ws_stride + kb))
-        acc += tl.dot(x.to(DOT), tl.trans(w.to(DOT))) * s
+        if NATIVE:     # e4m3 × e4m3 on the tensor cores, promoted to fp32 once per 128-deep block
+            d = tl.dot(xq, tl.trans(w))
+        else:
+            d = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)))
+        acc += d * (xs[:, None] * s)
     out = Y + pid_k.to(tl.int64) * stride_ys
     tl.store(out + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -115,9 +168,10 @@ def fp8_config(m: int, n: int, k: int) -> dict:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-               quant_x: bool = True, config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] of out_dtype, the weight e4m3 [N, K] with e8m0 scales per 128×128
-    tile; the input goes through the FP8 round trip per 128 values unless quant_x is False."""
+    tile; the input is quantised to e4m3 per 128 values first (`act_codes`, one launch), and the
+    GEMM multiplies codes by codes and applies both scales per 128-deep block."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -129,11 +183,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     y = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else \
         torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
+        xq, xs = act_codes(x2)
         grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
         fp8_gemm_kernel[grid](
-            x2, weight, scale.view(torch.uint8), y, m, n, k, x2.stride(0), n, m * n, scale.stride(0),
-            QUANT_X=quant_x, BK=SCALE_BLOCK, SPLIT_K=split, DOT=_dot_dtype(), FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
-            **cfg)
+            xq, xs, weight, scale.view(torch.uint8), y, m, n, k, xq.stride(0), xs.stride(0), xs.stride(1), n, m * n,
+            scale.stride(0), BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not _interpreting(), **cfg)
     if split > 1:
         y = y.sum(0).to(out_dtype)
     return y.view(*lead, n)
@@ -144,10 +198,44 @@ def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 
 
 @triton.jit
-def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUTE, Y, N, K, stride_x, limit,
-                       GATHER: tl.constexpr, SWIGLU: tl.constexpr, QUANT_X: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                       FLOOR: tl.constexpr, QMAX: tl.constexpr):
+def _aligned(table, e):
+    """The 16-byte-aligned device address `table[e]` as a byte pointer (the alignment lets the
+    compiler use wide loads; `expert_tables` checks it)."""
+    return tl.multiple_of(tl.load(table + e), 16).to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def _fp4_block_dot(acc, x, xe, xo, w, sc, rn, n_ok, w_stride, s_stride, kb, rb,
+                   BK: tl.constexpr, BN: tl.constexpr, FP4_DOT: tl.constexpr):
+    """acc + x·wᵀ over one BK-deep block of packed E2M1 weights with e8m0 scales per 32 inputs.
+    FP4_DOT 1 (2): Triton's scaled dot widens the codes (`tl.dot_scaled`, the weight read as
+    [BK/2, BN] bytes; 2 with the nibbles of each byte swapped first). FP4_DOT 0: the low nibbles
+    (even inputs, `xe`) and high nibbles (odd inputs, `xo`) are decoded and multiplied separately
+    with float32 operands (exact: e2m1 and e4m3 values times powers of two fit tf32)."""
+    if FP4_DOT > 0:
+        b = tl.load(w + rn.to(tl.int64)[None, :] * w_stride + (kb * (BK // 2) + rb)[:, None], mask=n_ok[None, :],
+                    other=0)
+        if FP4_DOT == 2:
+            b = (b << 4) | (b >> 4)
+        rs = tl.arange(0, BK // 32)
+        sb = tl.load(sc + rn.to(tl.int64)[:, None] * s_stride + (kb * (BK // 32) + rs)[None, :], mask=n_ok[:, None],
+                     other=127)
+        acc = tl.dot_scaled(x, None, "bf16", b, sb, "e2m1", acc)
+    else:
+        b = tl.load(w + rn.to(tl.int64)[:, None] * w_stride + (kb * (BK // 2) + rb)[None, :], mask=n_ok[:, None],
+                    other=0).to(tl.int32)
+        scale = _e8m0(tl.load(sc + rn.to(tl.int64)[:, None] * s_stride + (kb * (BK // 32) + rb // 16)[None, :],
+                              mask=n_ok[:, None], other=127))
+        acc += tl.dot(xe, tl.trans(_e2m1(b & 15) * scale))
+        acc += tl.dot(xo, tl.trans(_e2m1(b >> 4) * scale))
+    return acc
+
+
+@triton.jit
+def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUTE, Y, N, K, w_stride, s_stride,
+                       stride_x, limit,
+                       GATHER: tl.constexpr, SWIGLU: tl.constexpr, FP4_DOT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(TILE_E + pid_m)
     if e < 0:
@@ -158,34 +246,25 @@ def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUT
     src = tl.load(ROWS + r, mask=r_ok, other=0) if GATHER else r
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
-    w1 = tl.load(WP1 + e).to(tl.pointer_type(tl.uint8))
-    s1 = tl.load(SP1 + e).to(tl.pointer_type(tl.uint8))
+    w1, s1 = _aligned(WP1, e), _aligned(SP1, e)
+    w3, s3 = w1, s1
     if SWIGLU:
-        w3 = tl.load(WP3 + e).to(tl.pointer_type(tl.uint8))
-        s3 = tl.load(SP3 + e).to(tl.pointer_type(tl.uint8))
+        w3, s3 = _aligned(WP3, e), _aligned(SP3, e)
     rb = tl.arange(0, BK // 2)
-    rs = tl.arange(0, BK // 32)
-    wrow = rn.to(tl.int64)[:, None] * (K // 2)
-    srow = rn.to(tl.int64)[:, None] * (K // 32)
+    xrow = X + src.to(tl.int64)[:, None] * stride_x
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, K // BK):
-        x = tl.load(X + src.to(tl.int64)[:, None] * stride_x + (kb * BK + tl.arange(0, BK))[None, :],
-                    mask=r_ok[:, None], other=0.0).to(tl.float32)
-        if QUANT_X:
-            x = _act_quant(x, FLOOR, QMAX)
-        x = x.to(DOT)
-        b = tl.load(w1 + wrow + (kb * (BK // 2) + rb)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-        s = _e8m0(tl.load(s1 + srow + (kb * (BK // 32) + rs)[None, :], mask=n_ok[:, None], other=127))
-        w = tl.reshape(tl.reshape(tl.interleave(_e2m1(b & 15), _e2m1(b >> 4)), (BN, BK // 32, 32)) * s[:, :, None],
-                       (BN, BK))
-        acc1 += tl.dot(x, tl.trans(w.to(DOT)))
+        if FP4_DOT > 0:
+            x = tl.load(xrow + (kb * BK + tl.arange(0, BK))[None, :], mask=r_ok[:, None], other=0.0).to(tl.bfloat16)
+            xe, xo = x, x
+        else:
+            x = None
+            xe = tl.load(xrow + (kb * BK + 2 * rb)[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(xrow + (kb * BK + 2 * rb + 1)[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        acc1 = _fp4_block_dot(acc1, x, xe, xo, w1, s1, rn, n_ok, w_stride, s_stride, kb, rb, BK, BN, FP4_DOT)
         if SWIGLU:
-            b = tl.load(w3 + wrow + (kb * (BK // 2) + rb)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-            s = _e8m0(tl.load(s3 + srow + (kb * (BK // 32) + rs)[None, :], mask=n_ok[:, None], other=127))
-            w = tl.reshape(tl.reshape(tl.interleave(_e2m1(b & 15), _e2m1(b >> 4)), (BN, BK // 32, 32))
-                           * s[:, :, None], (BN, BK))
-            acc3 += tl.dot(x, tl.trans(w.to(DOT)))
+            acc3 = _fp4_block_dot(acc3, x, xe, xo, w3, s3, rn, n_ok, w_stride, s_stride, kb, rb, BK, BN, FP4_DOT)
     if SWIGLU:
         # each projection's output is rounded to the compute dtype, as `Linear` returns it
         gate = acc1.to(Y.dtype.element_ty).to(tl.float32)
@@ -201,6 +280,61 @@ def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUT
              mask=r_ok[:, None] & n_ok[None, :])
 
 
+FP4_DOT_NAMES = {0: "codes decoded in registers, float32 MMA", 1: "tl.dot_scaled", 2: "tl.dot_scaled, nibbles swapped"}
+_FP4_DOT: dict = {}       # device -> (mode, what the check found)
+
+
+def fp4_dot_mode(device: torch.device) -> int:
+    """How the grouped FP4 kernel multiplies on `device`: 0 in the interpreter; on a GPU the first
+    of Triton's scaled dot (1, then 2) that agrees with the register decoding (0) on a random
+    problem, checked once per device (Triton releases have differed in how `dot_scaled` reads
+    packed E2M1), else 0. `fp4_dot_report` says what was found."""
+    if _interpreting() or device.type != "cuda":
+        return 0
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _FP4_DOT:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the grouped FP4 kernel's first call on a device must run outside CUDA-graph capture "
+                               "(it checks Triton's scaled dot once)")
+        _FP4_DOT[key] = _check_fp4_dot(torch.device("cuda", key))
+    return _FP4_DOT[key][0]
+
+
+def fp4_dot_report(device: torch.device) -> str:
+    mode = fp4_dot_mode(device)
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    return _FP4_DOT.get(key, (mode, FP4_DOT_NAMES[mode]))[1]
+
+
+def _check_fp4_dot(device: torch.device) -> tuple[int, str]:
+    g = torch.Generator(device=device).manual_seed(0)
+    p, k, n = 20, 512, 256
+    x = torch.randn(p, k, device=device, generator=g).bfloat16()
+    from hybridkv.ops.quant.triton import fp8_round_trip
+    x = fp8_round_trip(x, SCALE_BLOCK)
+    w = torch.randint(-128, 128, (n, k // 2), device=device, generator=g, dtype=torch.int8)
+    sc = (torch.randint(120, 130, (n, k // FP4_BLOCK), device=device, generator=g)).to(torch.uint8) \
+        .view(torch.float8_e8m0fnu)
+    table = torch.tensor([w.data_ptr()], dtype=torch.int64, device=device)
+    stable = torch.tensor([sc.data_ptr()], dtype=torch.int64, device=device)
+    tiles = (torch.zeros(2, dtype=torch.int32, device=device), torch.tensor([0, 16], dtype=torch.int32, device=device),
+             torch.tensor([16, p], dtype=torch.int32, device=device))
+    cfg = dict(BM=16, BN=64, num_warps=4, num_stages=2)
+    want = grouped_fp4(x, None, tiles, (table, stable), n, torch.float32, config=cfg, fp4_dot=0)
+    found = []
+    for mode in (1, 2):
+        try:
+            got = grouped_fp4(x, None, tiles, (table, stable), n, torch.float32, config=cfg, fp4_dot=mode)
+        except Exception as e:  # what this Triton cannot compile is the finding
+            found.append(f"{FP4_DOT_NAMES[mode]}: {type(e).__name__}")
+            continue
+        err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+        if err < 1e-3:
+            return mode, f"{FP4_DOT_NAMES[mode]} (agrees with register decoding, rel rms {err:.1e})"
+        found.append(f"{FP4_DOT_NAMES[mode]} disagrees (rel rms {err:.1e})")
+    return 0, f"{FP4_DOT_NAMES[0]} ({'; '.join(found)})"
+
+
 def grouped_config(pairs: int, n: int) -> dict:
     """Row tile and column tile of the grouped FP4 GEMM: decode (a row or two per expert) wants small
     row tiles and many column programs; prefill 64-row tiles."""
@@ -212,9 +346,10 @@ def grouped_config(pairs: int, n: int) -> dict:
 def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 w1: tuple[torch.Tensor, torch.Tensor], n: int, out_dtype: torch.dtype,
                 w3: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
-                limit: float = 0.0, quant_x: bool = True, config: dict | None = None) -> torch.Tensor:
+                limit: float = 0.0, config: dict | None = None, fp4_dot: int | None = None) -> torch.Tensor:
     """Sorted rows P (x[rows[i]] for row i, or x's own rows with rows None) × their experts' packed
-    weights -> [P, n] of out_dtype. `tiles` = (expert, first row, end row) per row tile, built by
+    weights -> [P, n] of out_dtype. x holds the activations already through their FP8 round trip
+    per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are. `tiles` = (expert, first row, end row) per row tile, built by
     `hybridkv.ops.grouped_moe.expert_tiles` with the same BM; w1/w3 = (weight addresses, scale
     addresses) per expert. With w3 the SwiGLU of (w1, w3) times `route` [P] is returned."""
     cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n))
@@ -227,6 +362,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     grid = (tiles[0].shape[0], triton.cdiv(n, cfg["BN"]))
     grouped_fp4_kernel[grid](
         x, rows if rows is not None else tiles[0], *tiles, w1[0], w1[1], *(w3 if swiglu else w1),
-        route if swiglu else x, y, n, k, x.stride(0), float(limit), GATHER=rows is not None, SWIGLU=swiglu,
-        QUANT_X=quant_x, BK=SCALE_BLOCK, DOT=_dot_dtype(), FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, **cfg)
+        route if swiglu else x, y, n, k, k // 2, k // FP4_BLOCK, x.stride(0), float(limit), GATHER=rows is not None,
+        SWIGLU=swiglu,
+        FP4_DOT=fp4_dot_mode(x.device) if fp4_dot is None else fp4_dot, BK=SCALE_BLOCK, **cfg)
     return y
