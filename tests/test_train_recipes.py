@@ -190,3 +190,13 @@ def test_prose_recipes_train_on_the_cpu(name, model, tmp_path):
     from hybridkv.tasks import prose
     long_sentences = [p.strip() for p in prose.pieces("train") if len(p) > 60]
     assert any(any(s in t for s in long_sentences) for t in texts)
+
+
+def test_the_shipped_model_is_a_base_tiny_v4_prose_accepts(tmp_path):
+    """`hybridkv train --recipe tiny-v4-prose --init-from models/tiny-v4` passes the base checks
+    (architecture, tokenizer rule) and keeps the shipped tokenizer."""
+    from hybridkv.train.loop import _take_base
+    _take_base(get_recipe("tiny-v4-prose"), SHIPPED_TOKENIZER, tmp_path)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (SHIPPED_TOKENIZER / "tokenizer.json").read_bytes()
+    with pytest.raises(TrainingError, match="does not keep hex characters apart"):
+        _take_base(get_recipe("tiny-v4-needles"), SHIPPED_TOKENIZER, tmp_path / "other")
