@@ -162,7 +162,8 @@ def test_prose_recipes_put_half_of_each_real_text_familys_rows_over_real_prose()
                 else:
                     assert mixed[task] == w and task + "_realtext" not in mixed
     plain_v41 = get_recipe("tiny-v41")
-    assert [(s.until, s.seq_len, s.batch) for s in v41.stages] == [(s.until, s.seq_len, s.batch) for s in plain_v41.stages]
+    shape = [(s.until, s.seq_len, s.batch) for s in v41.stages]
+    assert shape == [(s.until, s.seq_len, s.batch) for s in plain_v41.stages]
     assert plain_v41.task_mix(0) == {"passkey": 1.0} and v41.task_mix(0) == {"passkey": 0.5, "passkey_realtext": 0.5}
     with pytest.raises(TrainingError, match="realtext_share"):
         replace(r, realtext_share=1.5)

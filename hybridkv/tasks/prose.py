@@ -230,7 +230,9 @@ def pieces(split: str) -> tuple[str, ...]:
     shares a sentence with the training part (the documentation repeats itself across topics and
     modules), so that no held-out sentence was trained on."""
     _check(split)
-    seen = {s for src in split_sources("train") for p in src.paragraphs for s in sentences(p)} if split == "eval" else set()
+    seen = set()
+    if split == "eval":
+        seen = {s for src in split_sources("train") for p in src.paragraphs for s in sentences(p)}
     out = []
     for source in split_sources(split):
         for para in source.paragraphs:

@@ -71,7 +71,8 @@ class Recipe:
 
     def __post_init__(self):
         if not 0.0 <= self.realtext_share <= 1.0:
-            raise TrainingError(f"recipe {self.name!r}: realtext_share must be within [0, 1], got {self.realtext_share}")
+            raise TrainingError(f"recipe {self.name!r}: realtext_share must be within [0, 1], "
+                                f"got {self.realtext_share}")
 
     @property
     def pool_seed(self) -> int:
@@ -290,7 +291,8 @@ def _tiny_v41() -> Recipe:
 def _tiny_v41_prose() -> Recipe:
     """tiny-v41 with tiny-v4-prose's real-text share: half of the rows of every family with a
     real-text variant hide their needles in the training part of the real prose."""
-    return replace(_tiny_v41(), name="tiny-v41-prose", realtext_share=_PROSE_CONTINUATIONS["tiny-v4-prose"].realtext_share)
+    share = _PROSE_CONTINUATIONS["tiny-v4-prose"].realtext_share
+    return replace(_tiny_v41(), name="tiny-v41-prose", realtext_share=share)
 
 
 def _smoke() -> Recipe:
