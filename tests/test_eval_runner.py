@@ -151,3 +151,20 @@ def test_eval_in_another_compute_dtype_is_labelled_apart(tmp_path):
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["policy"] for r in runs] == ["full+bfloat16"]
     assert [r["score"] for r in runs[0]["results"]] == [1.0]
+
+
+def test_eval_over_real_text_names_its_tasks_and_its_text(tmp_path):
+    from hybridkv.tasks import prose
+    out = tmp_path / "realtext"
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--haystack", "realtext",
+                        "--tasks", "passkey", "--lengths", "512", "--samples", "1", "--out", str(out)],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["haystack_text"] == prose.describe("eval") and prose.fingerprint("eval") in data["haystack_text"]
+    (run,) = data["runs"]
+    assert run["tasks"] == ["passkey_realtext"] and [x["prompt_tokens"] for x in run["results"]] == [512]
+    assert "passkey_realtext" in (out / "results.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--haystack", "realtext",
+                          "--tasks", "passkey,vt", "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "'vt' has no real-text haystack" in bad.stderr and "Traceback" not in bad.stderr

@@ -4,6 +4,7 @@ tokenizer (a run must not die an hour in)."""
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,10 @@ from hybridkv.tasks.generators import GENERATED_TASKS, TASKS, Pools, build_token
 from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.data import TaskBatches
 from hybridkv.train.rundir import model_config
-from hybridkv.train.recipes import RECIPES, get_recipe
+from hybridkv.errors import TrainingError
+from hybridkv.tasks.generators import REALTEXT_FAMILIES
+from hybridkv.train.loop import train
+from hybridkv.train.recipes import RECIPES, SMOKE_MODEL, SMOKE_V41_MODEL, Stage, get_recipe
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
@@ -35,8 +39,10 @@ def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
                            ("tiny-v4-long", 700, 22.9, 14)]
     tiny_v41 = get_recipe("tiny-v41")
     assert (tiny_v41.steps, round(tiny_v41.tokens() / 1e6, 1), tiny_v41.base) == (2750, 80.3, None)
-    # only the recipes behind shipped or compared models, and the smoke recipes
-    assert set(RECIPES) == {name for name, *_ in chain} | {"tiny-v41", "smoke", "smoke-v41"}
+    # only the recipes behind shipped or compared models, the smoke recipes, and the real-prose
+    # continuation of the shipped model with its V4.1 twin (not yet trained)
+    assert set(RECIPES) == {name for name, *_ in chain} | {"tiny-v41", "smoke", "smoke-v41", "tiny-v4-prose",
+                                                           "tiny-v41-prose"}
 
 
 @functools.cache
@@ -64,6 +70,7 @@ def test_recipe_is_well_formed(name):
     assert ends == sorted(set(ends)) and ends[-1] == r.steps
     for s in r.stages:
         assert set(s.tasks or r.task_weights or TASKS) <= set(GENERATED_TASKS)
+        assert set(r.task_mix(s.until - 1) or TASKS) <= set(GENERATED_TASKS)
     cfg = model_config(r, r.vocab_size)
     assert cfg.vocab_size == r.vocab_size
 
@@ -75,9 +82,9 @@ def test_every_stage_task_fits_its_length(name):
     tok = _tiny_v4_tokenizer().with_hex_chars() if _adds_hex_chars_in_chain(r) else _tiny_v4_tokenizer()
     assert tok.hex_chars == r.hex_chars
     assert tok.vocab_size == r.vocab_size
-    pools = Pools(tok, seed=0)
+    pools = Pools(tok, seed=0, prose_split="train")
     for s in r.stages:
-        for task in s.tasks or r.task_weights:
+        for task in r.task_mix(s.until - 1):
             ids, sup = training_example(7, pools, s.seq_len, {task: 1.0}, r.next_document)
             assert len(ids) == s.seq_len and sup.any()
             if r.next_document:    # the longest next document leaves the prompt the least room
@@ -137,3 +144,60 @@ def test_batches_of_a_next_document_recipe_end_their_answers_before_the_row_end(
                 assert ids[row, -a] == tok.bos_id
     finally:
         data.close()
+
+
+def test_prose_recipes_put_half_of_each_real_text_familys_rows_over_real_prose():
+    """tiny-v4-prose continues the shipped model on its filler; it and tiny-v41-prose move half the
+    weight of every family with a real-text variant to that variant, and nothing else."""
+    r, v41 = get_recipe("tiny-v4-prose"), get_recipe("tiny-v41-prose")
+    assert r.base == "tiny-v4-long" and r.hex_chars and not r.adds_hex_chars and r.realtext_share == 0.5
+    assert (r.steps, r.stages[-1].seq_len) == (850, 32768)
+    for recipe in (r, v41):
+        for s in recipe.stages:
+            plain, mixed = s.tasks or recipe.task_weights, recipe.task_mix(s.until - 1)
+            assert sum(mixed.values()) == pytest.approx(sum(plain.values()))
+            for task, w in plain.items():
+                if task in REALTEXT_FAMILIES:
+                    assert mixed[task] == pytest.approx(w / 2) == mixed[task + "_realtext"]
+                else:
+                    assert mixed[task] == w and task + "_realtext" not in mixed
+    plain_v41 = get_recipe("tiny-v41")
+    shape = [(s.until, s.seq_len, s.batch) for s in v41.stages]
+    assert shape == [(s.until, s.seq_len, s.batch) for s in plain_v41.stages]
+    assert plain_v41.task_mix(0) == {"passkey": 1.0} and v41.task_mix(0) == {"passkey": 0.5, "passkey_realtext": 0.5}
+    with pytest.raises(TrainingError, match="realtext_share"):
+        replace(r, realtext_share=1.5)
+
+
+@pytest.mark.parametrize("name,model", [("tiny-v4-prose", SMOKE_MODEL), ("tiny-v41-prose", SMOKE_V41_MODEL)])
+def test_prose_recipes_train_on_the_cpu(name, model, tmp_path):
+    """The prose recipes' data mix through the training loop: a smoke-size model, a few steps of
+    each recipe's last stage mix (half of its needle rows over the training prose)."""
+    r = get_recipe(name)
+    mix = r.task_mix(r.steps - 1)
+    small = replace(r, model=model, vocab_size=512, tokenizer_texts=300, steps=3, base=None, warmup=1, log_every=1,
+                    kl_queries=16, stages=[Stage(3, 640, 2, dense_indexer=False, qat_experts=True, tasks=mix)])
+    progress = train(small, tmp_path, echo=lambda *_: None)
+    assert progress["step"] == 3
+    rows = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(np.isfinite(row["loss"]) for row in rows)
+    # the rows those steps trained on: some over the training prose
+    tok = TaskTokenizer.load(tmp_path)
+    data = TaskBatches(tok, small.seed, small.pool_seed, small.next_document)
+    try:
+        texts = [tok.decode(row.tolist()) for step in range(3) for row in data.get(step, 2, 640, mix)[0]]
+    finally:
+        data.close()
+    from hybridkv.tasks import prose
+    long_sentences = [p.strip() for p in prose.pieces("train") if len(p) > 60]
+    assert any(any(s in t for s in long_sentences) for t in texts)
+
+
+def test_the_shipped_model_is_a_base_tiny_v4_prose_accepts(tmp_path):
+    """`hybridkv train --recipe tiny-v4-prose --init-from models/tiny-v4` passes the base checks
+    (architecture, tokenizer rule) and keeps the shipped tokenizer."""
+    from hybridkv.train.loop import _take_base
+    _take_base(get_recipe("tiny-v4-prose"), SHIPPED_TOKENIZER, tmp_path)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (SHIPPED_TOKENIZER / "tokenizer.json").read_bytes()
+    with pytest.raises(TrainingError, match="does not keep hex characters apart"):
+        _take_base(get_recipe("tiny-v4-needles"), SHIPPED_TOKENIZER, tmp_path / "other")

@@ -11,7 +11,7 @@ from pathlib import Path
 from hybridkv.engine.config import EngineConfig, engine_options
 from hybridkv.eval.report import compare, load, load_with_command, markdown, merge, plots
 from hybridkv.eval.runner import build_samples, run_policy
-from hybridkv.eval.tasks import expand_tasks
+from hybridkv.eval.tasks import HAYSTACKS, REALTEXT, expand_tasks
 
 
 def _lengths(text: str) -> list[int]:
@@ -87,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of `hybridkv eval MODEL_DIR ...` (an evaluation run)."""
     p = argparse.ArgumentParser(prog="hybridkv eval", description="long-context evaluation through the engine")
     p.add_argument("model_dir")
-    p.add_argument("--tasks", default="ruler,mrcr,passkey", help="suites (ruler, mrcr, passkey) or task names")
+    p.add_argument("--tasks", default="ruler,mrcr,passkey",
+                   help="suites (ruler, mrcr, passkey, realtext) or task names")
+    p.add_argument("--haystack", choices=HAYSTACKS, default="synthetic",
+                   help="realtext: the needle tasks over held-out real prose (passkey -> passkey_realtext; "
+                        "suites keep the tasks that have such a haystack)")
     p.add_argument("--lengths", default="4k,8k,16k,32k")
     p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model directory's)")
@@ -162,7 +166,16 @@ def main(argv: list[str]) -> int:
     from hybridkv.tasks.tokenizer import TaskTokenizer
 
     tok = TaskTokenizer.load(a.tokenizer or a.model_dir)
-    tasks, lengths = expand_tasks(a.tasks), _lengths(a.lengths)
+    try:
+        tasks = expand_tasks(a.tasks, a.haystack)
+    except ValueError as e:
+        p.error(str(e))
+    lengths = _lengths(a.lengths)
+    header = {}
+    if set(tasks) & set(REALTEXT):     # which text the haystacks were (it depends on the Python release)
+        from hybridkv.tasks import prose
+        header["haystack_text"] = prose.describe("eval")
+        print(header["haystack_text"], file=sys.stderr)
     options = engine_options(a)
     policies = [x.strip() for x in options.pop("memory_policy").split(",") if x.strip()]
     for policy in policies:     # a bad option fails now, not after the prompts and the first runs
@@ -180,10 +193,11 @@ def main(argv: list[str]) -> int:
                                        progress=bar.update, dtype=a.dtype, **options))
     out = Path(a.out) if a.out else Path(a.model_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv),
+    (out / "results.json").write_text(json.dumps({"command": "hybridkv eval " + " ".join(argv), **header,
                                                   "runs": [r.to_json() for r in runs]}, indent=1))
     table = markdown(runs)
-    (out / "results.md").write_text(f"`hybridkv eval {' '.join(argv)}`\n\n" + table)
+    text_line = f"{header['haystack_text']}\n\n" if header else ""
+    (out / "results.md").write_text(f"`hybridkv eval {' '.join(argv)}`\n\n{text_line}" + table)
     written = plots(runs, out)
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(written)} plots", file=sys.stderr)

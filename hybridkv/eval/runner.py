@@ -91,7 +91,7 @@ def score(sample: EvalSample, output: str) -> float:
 
 def build_samples(tok: TaskTokenizer, tasks: list[str], lengths: list[int], n: int, seed: int = 0,
                   progress=None) -> list[tuple[int, EvalSample]]:
-    pools = Pools(tok, seed=seed)
+    pools = Pools(tok, seed=seed, prose_split="eval")     # real-text haystacks: the held-out prose
     out = []
     for task in tasks:
         for length in lengths:

@@ -4,6 +4,11 @@ sized to a target token length with the model's own tokenizer, deterministic by 
 The needle, variable-tracking and passkey families come from `hybridkv.tasks.generators` (shared
 with training, token-exact assembly). This module adds the families the training mix does not use:
 common- and frequent-word extraction (cwe, fwe), templated fact QA (qa), and MRCR.
+
+Real-text haystacks (`passkey_realtext`, `niah_single_1_realtext`, ...; the `realtext` suite, or
+`expand_tasks(..., haystack="realtext")`) hide the same needles in the held-out part of the real
+prose (`hybridkv.tasks.prose`), which training never reads; their pools must be made with
+`prose_split="eval"` (`hybridkv.eval.runner.build_samples` does).
 """
 
 from __future__ import annotations
@@ -13,13 +18,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from hybridkv.tasks import words
-from hybridkv.tasks.generators import NIAH_VARIANTS, Pools, make_sample
+from hybridkv.tasks.generators import REALTEXT as REALTEXT_SUFFIX
+from hybridkv.tasks.generators import NIAH_VARIANTS, REALTEXT_FAMILIES, Pools, family, make_sample
 
 # RULER's generation budgets (tokens)
 MAX_NEW = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32, "passkey": 16, "mrcr": 160}
 RULER = (*NIAH_VARIANTS, "vt", "cwe", "fwe", "qa")
-SUITES = {"ruler": RULER, "mrcr": ("mrcr",), "passkey": ("passkey",)}
-NEEDLE_TASKS = frozenset(("passkey", *NIAH_VARIANTS))
+# the evaluation's families with a real-text variant (the drills are training's)
+REALTEXT = tuple(t + REALTEXT_SUFFIX for t in ("passkey", *NIAH_VARIANTS) if t in REALTEXT_FAMILIES)
+SUITES = {"ruler": RULER, "mrcr": ("mrcr",), "passkey": ("passkey",), "realtext": REALTEXT}
+NEEDLE_TASKS = frozenset(("passkey", *NIAH_VARIANTS, *REALTEXT))
+HAYSTACKS = ("synthetic", "realtext")
 
 
 @dataclass
@@ -33,15 +42,31 @@ class EvalSample:
     meta: dict = field(default_factory=dict)
 
 
-def expand_tasks(spec: str) -> list[str]:
-    """'ruler,mrcr,passkey' or individual task names -> task list (order kept, no duplicates)."""
+def expand_tasks(spec: str, haystack: str = "synthetic") -> list[str]:
+    """'ruler,mrcr,passkey' or individual task names -> task list (order kept, no duplicates).
+
+    `haystack="realtext"`: every task becomes its real-text variant (`passkey` -> `passkey_realtext`);
+    a suite keeps the members that have one, a task named alone without one is an error."""
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
     out: list[str] = []
     for name in (t.strip() for t in spec.split(",") if t.strip()):
-        for task in SUITES.get(name, (name,)):
+        members = SUITES.get(name, (name,))
+        for task in members:
             if task not in ALL_TASKS:
                 raise ValueError(f"unknown task {task!r}; choose from {', '.join(SUITES)} or {', '.join(ALL_TASKS)}")
+            if haystack == "realtext" and task not in REALTEXT:
+                variant = f"{task}{REALTEXT_SUFFIX}"
+                if variant not in REALTEXT:
+                    if name in SUITES:
+                        continue
+                    raise ValueError(f"task {task!r} has no real-text haystack; these do: "
+                                     f"{', '.join(family(t) for t in REALTEXT)}")
+                task = variant
             if task not in out:
                 out.append(task)
+    if not out:
+        raise ValueError(f"no task of {spec!r} has a {haystack} haystack")
     return out
 
 
@@ -49,7 +74,8 @@ def make_eval_sample(task: str, seed: int, pools: Pools, length: int, depth: flo
     if task in NEEDLE_TASKS or task == "vt":
         kw = {} if depth is None or task == "vt" else {"depth": depth}
         s = make_sample(task, seed, pools, length, **kw)
-        budget = MAX_NEW["passkey"] if task == "passkey" else MAX_NEW["vt" if task == "vt" else "niah"]
+        kind = family(task)
+        budget = MAX_NEW["passkey"] if kind == "passkey" else MAX_NEW["vt" if kind == "vt" else "niah"]
         return EvalSample(task, s.prompt, s.answers, "string_match_all", budget, s.depth, dict(s.meta))
     return _EXTRA[task](random.Random(f"eval:{task}:{seed}:{length}"), pools, length)
 
@@ -164,4 +190,4 @@ def _mrcr(rng: random.Random, pools: Pools, length: int, n_needles: int = 4) -> 
 
 
 _EXTRA = {"cwe": _cwe, "fwe": _fwe, "qa": _qa, "mrcr": _mrcr}
-ALL_TASKS = (*RULER, "mrcr", "passkey")
+ALL_TASKS = (*RULER, "mrcr", "passkey", *REALTEXT)

@@ -15,6 +15,7 @@ question) at which the first needle sits.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from hybridkv.tasks import text
+from hybridkv.tasks import prose, text
 from hybridkv.tasks.text import tokenizer_corpus
 from hybridkv.tasks.tokenizer import TaskTokenizer
 
@@ -34,7 +35,32 @@ TRAIN_TASKS = TASKS          # the default training mix (uniform)
 # niah_multikey_hard: niah_multikey_1 whose three distractor keys each share a word with the asked key
 # (its adjective or its noun), so a needle is found by the whole key, not by one of its words.
 DRILLS = ("niah_multikey_hard",)
-GENERATED_TASKS = (*TASKS, *DRILLS)
+# Real-text haystacks: a family whose haystack is filler (template sentences or RULER's noise) also
+# comes with real English prose as its haystack (`hybridkv.tasks.prose`), named with this suffix:
+# `passkey_realtext`, `niah_single_2_realtext`, ... The pools' `prose_split` says which part of the
+# prose fills them (training reads "train", the evaluation "eval"). niah_single_1 and niah_single_2
+# differ only in their haystack (RULER's noise, template sentences), so over real text they are one
+# family drawn with different seeds; niah_multikey_2/3 (haystacks of distractor needles), vt, assoc
+# and copy have no real-text variant.
+REALTEXT = "_realtext"
+REALTEXT_FAMILIES = ("passkey", "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+                     "niah_multivalue", "niah_multiquery", "niah_multikey_hard")
+REALTEXT_TASKS = tuple(t + REALTEXT for t in REALTEXT_FAMILIES)
+GENERATED_TASKS = (*TASKS, *DRILLS, *REALTEXT_TASKS)
+
+
+def family(task: str) -> str:
+    """The task family of a task name: `passkey_realtext` -> `passkey`."""
+    return task.removesuffix(REALTEXT)
+
+
+def realtext_task(task: str) -> str:
+    """The real-text variant of a task (itself if it is one), or a ValueError naming those that have one."""
+    if task.endswith(REALTEXT):
+        return task
+    if task not in REALTEXT_FAMILIES:
+        raise ValueError(f"task {task!r} has no real-text haystack; these do: {', '.join(REALTEXT_FAMILIES)}")
+    return task + REALTEXT
 
 
 class Units:
@@ -97,10 +123,17 @@ class Units:
 class Pools:
     """Pre-tokenised material shared by all samples: filler `sentences`, RULER's repeated `noise`,
     and needle-like distractors (`number_needles` with word keys, `uuid_needles`); each piece is
-    encoded once with a leading space so pieces concatenate."""
+    encoded once with a leading space so pieces concatenate.
 
-    def __init__(self, tok: TaskTokenizer, seed: int = 0, n_sentences: int = 4096, n_needles: int = 2048):
-        self.tok, self.seed = tok, seed
+    `prose_split` ("train" or "eval") is the part of the real prose that the `_realtext` tasks'
+    haystacks are made of; None: the pools make no real-text haystack."""
+
+    def __init__(self, tok: TaskTokenizer, seed: int = 0, n_sentences: int = 4096, n_needles: int = 2048,
+                 prose_split: str | None = None):
+        if prose_split is not None and prose_split not in prose.SPLITS:
+            raise ValueError(f"unknown prose split {prose_split!r}; choose from {', '.join(prose.SPLITS)}")
+        self.tok, self.seed, self.prose_split = tok, seed, prose_split
+        self._realtext: Pools | None = None
         rng = random.Random(f"pools:{seed}")
         sentences = [" " + text.sentence(rng) for _ in range(n_sentences)]
         self.needle_keys: set[str] = set()
@@ -118,6 +151,21 @@ class Pools:
 
     def encode(self, s: str) -> np.ndarray:
         return np.asarray(self.tok.encode(s), np.int32)
+
+    def realtext(self) -> "Pools":
+        """These pools with the prose split's sentences, in reading order (cyclic, from a random
+        start), as both filler kinds (`sentences` and `noise`): what a `_realtext` task is built from.
+        Encoded once, when first asked for."""
+        if self.prose_split is None:
+            raise ValueError("real-text tasks need pools with a prose split: Pools(..., prose_split='train') "
+                             "to train, 'eval' to evaluate")
+        if self._realtext is None:
+            view = copy.copy(self)
+            view.sentences = view.noise = Units(self.tok.encode_batch(list(prose.pieces(self.prose_split))),
+                                                cyclic=True)
+            view._realtext = view
+            self._realtext = view
+        return self._realtext
 
     def fixed(self, s: str) -> np.ndarray:
         """The tokens of a recurring string (instructions), encoded once."""
@@ -243,12 +291,13 @@ def _spec(task: str, seed: int, pools: Pools, length: int, depth: float | None,
           stream: str = "sample") -> tuple[_Spec, random.Random]:
     """The task's pieces and the generator that goes on to size the haystack; `stream` keeps training
     draws apart from evaluation draws of the same seed."""
-    if task not in _BUILDERS:
+    if task not in GENERATED_TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(GENERATED_TASKS)}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be within [0, 1], got {depth}")
+    material = pools.realtext() if task.endswith(REALTEXT) else pools
     rng = random.Random(f"{pools.seed}:{stream}:{task}:{seed}:{length}")
-    return _BUILDERS[task](rng, pools, depth, length), rng
+    return _BUILDERS[family(task)](rng, material, depth, length), rng
 
 
 def _assemble(spec: _Spec, pools: Pools, rng: random.Random, prompt_len: int) -> tuple[np.ndarray, dict]:

@@ -14,8 +14,9 @@ from hybridkv.tasks.generators import Pools, training_example
 class TaskBatches:
     def __init__(self, tok, seed: int, pool_seed: int | None = None, next_document: int = 0):
         """`seed` draws the examples; `pool_seed` (default `seed`) the haystack material;
-        `next_document`: see `training_example`."""
-        self.pools = Pools(tok, seed=seed if pool_seed is None else pool_seed)
+        `next_document`: see `training_example`. Real-text tasks read the training part of the
+        prose only (`hybridkv.tasks.prose`)."""
+        self.pools = Pools(tok, seed=seed if pool_seed is None else pool_seed, prose_split="train")
         self.seed, self.next_document = seed, next_document
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._ahead: tuple[tuple, Future] | None = None

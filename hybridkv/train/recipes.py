@@ -11,6 +11,10 @@ optimisation settings.
   (`python -m hybridkv.train.average A B --weight 0.5`).
 - `tiny-v41`: tiny-v4's data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md).
+- `tiny-v4-prose`: continues the shipped model (`--init-from models/tiny-v4`) on its needle mix with
+  half of every needle family's rows hiding the needles in real prose (`realtext_share`; the
+  training part of `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same
+  mix (half of each stage's rows of a family with a real-text variant over real prose).
 
 The recipes tried and dropped, with their results, are in docs/training-log.md.
 """
@@ -62,6 +66,13 @@ class Recipe:
     # > 0: each row goes on after its answer's EOS with a next document's start of up to this many
     # tokens, so that answers end anywhere within the compression blocks (`training_example`)
     next_document: int = 0
+    # this share of every task's weight goes to its real-text variant (`with_realtext`), in every stage
+    realtext_share: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.realtext_share <= 1.0:
+            raise TrainingError(f"recipe {self.name!r}: realtext_share must be within [0, 1], "
+                                f"got {self.realtext_share}")
 
     @property
     def pool_seed(self) -> int:
@@ -75,11 +86,28 @@ class Recipe:
         return self.stages[-1]
 
     def task_mix(self, step: int) -> dict[str, float] | None:
-        return self.stage(step).tasks or self.task_weights
+        mix = self.stage(step).tasks or self.task_weights
+        return with_realtext(mix, self.realtext_share) if self.realtext_share else mix
 
     def tokens(self) -> int:
         """Tokens of the whole run."""
         return sum(self.stage(i).seq_len * self.stage(i).batch for i in range(self.steps))
+
+
+def with_realtext(mix: dict[str, float] | None, share: float) -> dict[str, float]:
+    """`mix` (None: uniform over the default training tasks) with `share` of the weight of every
+    task that has a real-text variant moved to that variant (`passkey` -> `passkey_realtext`); the
+    other tasks keep theirs."""
+    from hybridkv.tasks.generators import REALTEXT_FAMILIES, TRAIN_TASKS, realtext_task
+    out: dict[str, float] = {}
+    for task, weight in (mix or dict.fromkeys(TRAIN_TASKS, 1.0)).items():
+        if task in REALTEXT_FAMILIES and share > 0:
+            out[task] = out.get(task, 0.0) + weight * (1 - share)
+            variant = realtext_task(task)
+            out[variant] = out.get(variant, 0.0) + weight * share
+        else:
+            out[task] = out.get(task, 0.0) + weight
+    return {t: w for t, w in out.items() if w > 0}
 
 
 _V4_BASE = {
@@ -182,6 +210,7 @@ class _Continuation:
     filler_seed: int | None = None
     answer_weight: float = 1.0
     next_document: int = 0
+    realtext_share: float = 0.0
 
     def recipe(self, name: str) -> Recipe:
         stages = [Stage(until, seq_len, batch, dense_indexer=False, qat_experts=True)
@@ -190,7 +219,8 @@ class _Continuation:
                       steps=stages[-1].until, stages=stages, lr=self.lr, warmup=30, log_every=20,
                       task_weights=self.mix, base=self.base, seed=self.seed, filler_seed=self.filler_seed,
                       loss=LossWeights(answer=self.answer_weight), hex_chars=self.hex_chars or self.adds_hex_chars,
-                      adds_hex_chars=self.adds_hex_chars, next_document=self.next_document)
+                      adds_hex_chars=self.adds_hex_chars, next_document=self.next_document,
+                      realtext_share=self.realtext_share)
 
 
 _POLISH_SCHEDULE = ((200, 1024, 32), (350, 2048, 16), (550, 4096, 8), (700, 8192, 4), (800, 16384, 2))
@@ -220,6 +250,18 @@ _CONTINUATIONS = {
                                                      (700, 16384, 2)), seed=14, lr=3e-4, next_document=128,
                                   **_ON_HEXSPLIT_FILLER),
 }
+# not yet trained: continues the shipped model, the weight average of tiny-v4-anypos and tiny-v4-long
+# (same model and tokenizer as tiny-v4-long's export, so its `base` is tiny-v4-long). Half of every
+# needle family's rows over real prose, at 2K to 32K (the real-text bars go to 32K); multi-key
+# weighted up for its 8K bar
+_PROSE_CONTINUATIONS = {
+    "tiny-v4-prose": _Continuation("tiny-v4-long", ((100, 2048, 16), (300, 4096, 8), (500, 8192, 4),
+                                                    (750, 16384, 2), (850, 32768, 1)),
+                                   {"passkey": 0.15, "niah_single_1": 0.1, "niah_single_2": 0.15, "niah_single_3": 0.2,
+                                    "niah_multikey_1": 0.25, "niah_multikey_hard": 0.1, "niah_multiquery": 0.05},
+                                   seed=15, lr=3e-4, hex_chars=True, filler_seed=9, answer_weight=4.0,
+                                   next_document=128, realtext_share=0.5),
+}
 
 
 TINY_V41_MODEL = {
@@ -246,6 +288,13 @@ def _tiny_v41() -> Recipe:
                   log_every=r.log_every, task_weights=r.task_weights)
 
 
+def _tiny_v41_prose() -> Recipe:
+    """tiny-v41 with tiny-v4-prose's real-text share: half of the rows of every family with a
+    real-text variant hide their needles in the training part of the real prose."""
+    share = _PROSE_CONTINUATIONS["tiny-v4-prose"].realtext_share
+    return replace(_tiny_v41(), name="tiny-v41-prose", realtext_share=share)
+
+
 def _smoke() -> Recipe:
     return Recipe(
         name="smoke", model=SMOKE_MODEL, vocab_size=512, tokenizer_texts=300, steps=30,
@@ -265,6 +314,8 @@ RECIPES = {
     "smoke": _smoke, "smoke-v41": _smoke_v41, "tiny-v4": _tiny_v4,
     **{name: partial(c.recipe, name) for name, c in _CONTINUATIONS.items()},
     "tiny-v41": _tiny_v41,
+    **{name: partial(c.recipe, name) for name, c in _PROSE_CONTINUATIONS.items()},
+    "tiny-v41-prose": _tiny_v41_prose,
 }
 
 
