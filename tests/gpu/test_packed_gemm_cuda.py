@@ -92,7 +92,8 @@ def _flash_moe(experts=256, layer_id=5):
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 2048])
-def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens):
+def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_GROUPED_FP4", "1")
     moe = _flash_moe()
     x = torch.randn(tokens, 4096, device=DEV).bfloat16()
     with torch.no_grad():
