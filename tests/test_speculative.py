@@ -357,3 +357,30 @@ def test_command_line_flags():
     assert EngineConfig.from_args(p.parse_args([])).speculative is None
     with pytest.raises(SystemExit):
         p.parse_args(["--speculative-config", '{"method": "ngram"}'])
+
+
+def test_server_reports_acceptance_in_usage_and_metrics():
+    import httpx
+
+    from serverkit import LiveServer
+
+    server = LiveServer(speculative="mtp", num_speculative_tokens=2)
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 8,
+                                                           "ignore_eos": True}, timeout=60).json()
+        u = r["usage"]
+        sd = u["speculative_decoding"]
+        assert u["completion_tokens"] == 8 and sd["num_drafts"] >= 3
+        details = u["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] == sd["num_accepted_tokens"]
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == sd["num_draft_tokens"]
+        server.wait_idle()
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(("vllm:spec_decode", "hybridkv:spec_decode"))}
+        assert values['vllm:spec_decode_num_drafts_total{model_name="tiny"}'] == sd["num_drafts"]
+        assert values['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}'] == sd["num_draft_tokens"]
+        assert values['hybridkv:spec_decode_accepted_tokens_per_step_count{model_name="tiny"}'] == sd["num_drafts"]
+        assert values['hybridkv:spec_decode_accepted_tokens_per_step_sum{model_name="tiny"}'] == sd["num_accepted_tokens"]
+    finally:
+        server.close()
