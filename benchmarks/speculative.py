@@ -1,0 +1,174 @@
+"""Speculative decoding with the MTP block against plain decoding, in the same run.
+
+    python benchmarks/speculative.py [--model models/tiny-v4] [--ks 1,2,3] [--batches 1,8]
+                                     [--context 1024] [--cpu-time] [--mtp-stats 8] [--json OUT]
+
+Workloads, greedy: "needle" = pass-key and single-needle prompts (`hybridkv.tasks`), decoding their
+answers (the model stops at its EOS); "free text" = a haystack of filler sentences without a
+question, continued for `--free-tokens` tokens (ignore_eos). For every workload, batch and k
+(0 = no speculation): decode tokens/s (tokens after each request's first, over the decode steps'
+time), the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft
+acceptance rate, and whether the outputs equal plain decoding's.
+
+`--mtp-stats N` also measures the MTP block itself on N training-distribution rows of `--context`
+tokens (teacher forcing through the reference path): its loss (cross-entropy of token t+2 at
+position t), its top-1 accuracy, and how often its argmax equals the main model's argmax for the
+same token (what greedy acceptance needs), on answer tokens and on the rest.
+
+`--cpu-time` times with this process's CPU time (set OMP_NUM_THREADS=1 so that it equals the work),
+which other jobs on a shared machine do not inflate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridkv.engine import LLM, SamplingParams  # noqa: E402
+from hybridkv.tasks.generators import Pools, make_sample, training_example  # noqa: E402
+from hybridkv.tasks.tokenizer import TaskTokenizer  # noqa: E402
+
+clock = time.perf_counter
+
+
+def workloads(tok: TaskTokenizer, context: int, batch: int, free_tokens: int) -> dict[str, tuple[list, SamplingParams]]:
+    pools = Pools(tok, seed=0)
+    tasks = ["passkey", "niah_single_1", "niah_single_2", "niah_single_3"]
+    needle = [make_sample(tasks[i % len(tasks)], 1000 + i, pools, context, depth=(i + 0.5) / batch).prompt
+              for i in range(batch)]
+    rng = np.random.default_rng(7)
+    free = []
+    for _ in range(batch):
+        filler, _ = pools.sentences.fill(rng, context - 1)
+        free.append([tok.bos_id, *filler.astype(int).tolist()])
+    return {"needle": (needle, SamplingParams(max_tokens=64)),
+            "free text": (free, SamplingParams(max_tokens=free_tokens, ignore_eos=True))}
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Prefill every prompt, then time the decode steps (each request has its first token by then)."""
+    eng = llm.engine
+    eng.prefix.clear_device()
+    before = (eng.stats.spec_drafts, eng.stats.spec_draft_tokens, eng.stats.spec_accepted_tokens)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    while eng.scheduler.waiting or any(s.first_token_time is None for s in seqs):
+        eng.step()
+    first = sum(len(s.output_ids) for s in seqs)
+    t, steps = clock(), 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    dt = clock() - t
+    produced = sum(len(s.output_ids) for s in seqs) - first
+    drafts, drafted, accepted = (a - b for a, b in zip((eng.stats.spec_drafts, eng.stats.spec_draft_tokens,
+                                                        eng.stats.spec_accepted_tokens), before))
+    return {"tokens_per_s": produced / dt if dt > 0 else None, "decode_tokens": produced, "steps": steps,
+            "seconds": dt, "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / drafted if drafted else None, "outputs": [s.output_ids for s in seqs]}
+
+
+@torch.inference_mode()
+def mtp_stats(model, tok: TaskTokenizer, rows: int, length: int) -> dict:
+    """The MTP block on training-distribution rows, teacher-forced through the reference path."""
+    from hybridkv.model import ContiguousKV, ForwardBatch
+
+    pools = Pools(tok, seed=0)
+    acc = {k: {"loss": 0.0, "top1": 0, "agree": 0, "n": 0} for k in ("answer", "other")}
+    for r in range(rows):
+        ids, supervised = training_example(50_000 + r, pools, length, next_document=128)
+        x = torch.tensor(ids, dtype=torch.long)
+        batch = ForwardBatch.build([(ContiguousKV(model.config), 0, length)])
+        h = model(x, batch)
+        main = model.logits(h)                                        # row t predicts t + 1
+        mb = ForwardBatch.build([(ContiguousKV(model.config), 0, length - 1)])
+        m = model.mtp_logits(model.mtp_forward(h[:-1], x[1:], mb))   # row t predicts t + 2
+        target = x[2:]
+        m = m[:-1]
+        loss = torch.nn.functional.cross_entropy(m, target, reduction="none")
+        top1 = m.argmax(-1) == target
+        agree = m.argmax(-1) == main[1:-1].argmax(-1)
+        sup = torch.tensor(supervised[2:])
+        for key, mask in (("answer", sup), ("other", ~sup)):
+            a = acc[key]
+            a["loss"] += float(loss[mask].sum())
+            a["top1"] += int(top1[mask].sum())
+            a["agree"] += int(agree[mask].sum())
+            a["n"] += int(mask.sum())
+    return {k: {"mtp_loss": a["loss"] / a["n"], "mtp_top1": a["top1"] / a["n"],
+                "agrees_with_main_argmax": a["agree"] / a["n"], "tokens": a["n"]} for k, a in acc.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/tiny-v4")
+    ap.add_argument("--ks", default="1,2,3", help="draft lengths to run beside plain decoding")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    ap.add_argument("--free-tokens", type=int, default=64, help="tokens generated per free-text request")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time")
+    ap.add_argument("--mtp-stats", type=int, default=0, metavar="N", help="measure the MTP block on N rows")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    if not Path(a.model).exists() and (ROOT / a.model).exists():
+        a.model = str(ROOT / a.model)
+    global clock
+    if a.cpu_time:
+        clock = time.process_time
+    ks = [0] + [int(k) for k in a.ks.split(",") if k]
+    batches = [int(b) for b in a.batches.split(",")]
+    tok = TaskTokenizer.load(Path(a.model) / "tokenizer.json")
+    print(f"# {a.model}, context {a.context}, {platform.processor() or platform.machine()}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads, {'CPU' if a.cpu_time else 'wall'} time, "
+          f"{date.today()}")
+    results = []
+    engines = {}
+    for k in ks:
+        opts = dict(speculative="mtp", num_speculative_tokens=k) if k else {}
+        engines[k] = LLM(a.model, device=a.device, num_blocks=16 * max(batches) * (a.context // 128 + 2),
+                         max_num_seqs=max(batches), max_num_batched_tokens=max(2048, a.context), **opts)
+    print(f"{'workload':<10} {'batch':>5} {'k':>2} {'decode tok/s':>12} {'speedup':>8} {'accept len':>10} "
+          f"{'accept rate':>11} {'tokens':>6} {'same':>5}")
+    for batch in batches:
+        for name, (prompts, params) in workloads(tok, a.context, batch, a.free_tokens).items():
+            base = None
+            for k in ks:
+                r = decode_run(engines[k], prompts, params)
+                if k == 0:
+                    base = r
+                same = r["outputs"] == base["outputs"]
+                speedup = r["tokens_per_s"] / base["tokens_per_s"]
+                al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+                ar = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+                print(f"{name:<10} {batch:>5} {k:>2} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} {ar:>11} "
+                      f"{r['decode_tokens']:>6} {'yes' if same else 'NO':>5}", flush=True)
+                results.append({"workload": name, "batch": batch, "k": k, "speedup": speedup, "same_outputs": same,
+                                **{key: v for key, v in r.items() if key != "outputs"}})
+    out = {"model": a.model, "context": a.context, "date": str(date.today()), "threads": torch.get_num_threads(),
+           "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,
+           "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    if a.mtp_stats:
+        stats = mtp_stats(engines[0].model, tok, a.mtp_stats, a.context)
+        out["mtp"] = stats
+        for key, s in stats.items():
+            print(f"MTP on {key} tokens ({s['tokens']}): loss {s['mtp_loss']:.3f}, top-1 {s['mtp_top1']:.3f}, "
+                  f"agrees with the main model's argmax {s['agrees_with_main_argmax']:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
