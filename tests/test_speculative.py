@@ -384,3 +384,15 @@ def test_server_reports_acceptance_in_usage_and_metrics():
         assert values['hybridkv:spec_decode_accepted_tokens_per_step_sum{model_name="tiny"}'] == sd["num_accepted_tokens"]
     finally:
         server.close()
+
+
+def test_generate_command_speculates(fixtures, capsys):
+    from hybridkv.cli import main
+
+    args = ["generate", str(fixtures / "v4-tiny"), "--prompt-ids", "5 6 7 8", "--max-tokens", "6", "--num-blocks", "8"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--speculative", "mtp", "--num-speculative-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain
+    assert "[speculative mtp: " in out.err and "acceptance length" in out.err

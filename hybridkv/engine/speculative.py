@@ -228,13 +228,13 @@ def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator
     accepted drafts, then the main model's own token (greedy: its argmax; sampled: rejection
     sampling, a token from the residual max(p − q, 0) at the first rejection, else from p)."""
     if params.temperature == 0:
+        targets = logits.argmax(-1).tolist()        # the first maximum of each row, as `sample` takes
         out = []
-        for i, d in enumerate(draft.tokens):
-            t = int(torch.argmax(logits[i]))
+        for d, t in zip(draft.tokens, targets):
             if t != d:
                 return out + [t]
             out.append(d)
-        return out + [int(torch.argmax(logits[len(draft.tokens)]))]
+        return out + [targets[len(draft.tokens)]]
     out = []
     for i, d in enumerate(draft.tokens):
         p = filtered_probs(logits[i], params)
@@ -292,10 +292,11 @@ class MTPDrafter:
         streams = h[last]
         logits = model.mtp_logits(streams)
         drafts = {}
+        greedy = logits.argmax(-1).tolist()
         for row, i in enumerate(drafting):
             seq = work[i].seq
             drafts[seq.request_id] = Draft([], [] if seq.params.temperature > 0 else None)
-            self._take(drafts[seq.request_id], logits[row], seq)
+            self._take(drafts[seq.request_id], logits[row], seq, greedy[row])
         chain = [work[i] for i in drafting]
         k_max = max(w.k for w in chain)
         if k_max > 1:
@@ -321,19 +322,20 @@ class MTPDrafter:
             idx = torch.tensor(live, device=self.device)
             out = self.model.mtp_forward(streams[idx], torch.tensor(ids, dtype=torch.long, device=self.device), batch)
             logits = self.model.mtp_logits(out)
+            greedy = logits.argmax(-1).tolist()
             for row, r in enumerate(live):
                 seq = chain[r].seq
-                self._take(drafts[seq.request_id], logits[row], seq)
+                self._take(drafts[seq.request_id], logits[row], seq, greedy[row])
             streams = streams.clone()
             streams[idx] = out
         for slot, first, rows in saved:
             self.cache.put_rows(slot, first, rows)
 
     @staticmethod
-    def _take(draft: Draft, logits: torch.Tensor, seq) -> None:
+    def _take(draft: Draft, logits: torch.Tensor, seq, argmax: int) -> None:
         p = seq.params
         if p.temperature == 0:
-            draft.tokens.append(int(torch.argmax(logits)))
+            draft.tokens.append(argmax)
             return
         q = filtered_probs(logits, p)
         draft.tokens.append(int(torch.multinomial(q, 1, generator=seq.generator)))
