@@ -62,6 +62,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     eng = llm.engine
     eng.prefix.clear_device()
     before = (eng.stats.spec_drafts, eng.stats.spec_draft_tokens, eng.stats.spec_accepted_tokens)
+    eng.record_logits = True
     seqs = [eng.add_request(p, params) for p in prompts]
     while eng.scheduler.waiting or any(s.first_token_time is None for s in seqs):
         eng.step()
@@ -76,7 +77,21 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
                                                         eng.stats.spec_accepted_tokens), before))
     return {"tokens_per_s": produced / dt if dt > 0 else None, "decode_tokens": produced, "steps": steps,
             "seconds": dt, "acceptance_length": 1 + accepted / drafts if drafts else None,
-            "acceptance_rate": accepted / drafted if drafted else None, "outputs": [s.output_ids for s in seqs]}
+            "acceptance_rate": accepted / drafted if drafted else None, "outputs": [s.output_ids for s in seqs],
+            "logits": [s.step_logits for s in seqs]}
+
+
+def first_difference(run: dict, base: dict) -> str:
+    """Where the outputs first differ, and the baseline's margin between its top two logits there
+    (a near tie that a different float rounding order flips) against how far the two logits rows differ."""
+    for r, (a, b) in enumerate(zip(run["outputs"], base["outputs"])):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                want, got = base["logits"][r][i], run["logits"][r][i]
+                top = torch.topk(want, 2).values
+                return (f"request {r} token {i}: {x} for {y}; baseline top-2 margin {float(top[0] - top[1]):.2e}, "
+                        f"logits differ by {float((got - want).abs().max()):.2e} (max abs)")
+    return "lengths differ"
 
 
 @torch.inference_mode()
@@ -154,8 +169,10 @@ def main() -> int:
                 ar = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
                 print(f"{name:<10} {batch:>5} {k:>2} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} {ar:>11} "
                       f"{r['decode_tokens']:>6} {'yes' if same else 'NO':>5}", flush=True)
+                if not same:
+                    print(f"    outputs differ: {first_difference(r, base)}", flush=True)
                 results.append({"workload": name, "batch": batch, "k": k, "speedup": speedup, "same_outputs": same,
-                                **{key: v for key, v in r.items() if key != "outputs"}})
+                                **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
     out = {"model": a.model, "context": a.context, "date": str(date.today()), "threads": torch.get_num_threads(),
            "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,
            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
