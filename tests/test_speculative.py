@@ -396,3 +396,39 @@ def test_generate_command_speculates(fixtures, capsys):
     out = capsys.readouterr()
     assert out.out == plain
     assert "[speculative mtp: " in out.err and "acceptance length" in out.err
+
+
+def test_mtp_window_holds_only_rows_of_the_main_model_streams(fixtures):
+    """After decoding with k = 3 (chained drafts write speculative MTP rows, then put them back), the
+    MTP layer's window rows equal those of a teacher-forced MTP pass over the final tokens."""
+    from hybridkv.model import ContiguousKV, ForwardBatch
+
+    d = fixtures / "v4-tiny"
+    llm = make(d, speculative="mtp", num_speculative_tokens=3)
+    eng = llm.engine
+    rows = {}
+    step = eng.step
+
+    def wrapped():
+        events = step()
+        cache = eng.drafter.cache
+        for seq in eng.scheduler.running:     # the MTP block has run over every computed position
+            if seq.draft is not None and len(seq.draft.tokens) == 3:    # a whole chain ran this step
+                n = seq.num_computed
+                first = max(seq.mtp_start, n - cache.window)
+                rows[seq.request_id] = (list(seq.token_ids), first, n, cache.rows(seq.cache.slot, first, n - first))
+        return events
+    eng.step = wrapped
+    run(llm, prompts_of([40, 160], seed=8), 20)
+    assert len(rows) == 2 and eng.stats.spec_draft_tokens > 2 * eng.stats.spec_drafts
+    model, cfg = llm.model, llm.config
+    for tokens, first, n, got in rows.values():
+        with torch.inference_mode():
+            x = torch.tensor(tokens[:n + 1])
+            h = model(x[:n], ForwardBatch.build([(ContiguousKV(cfg), 0, n)]))
+            kv = ContiguousKV(cfg)
+            model.mtp_forward(h, x[1:n + 1], ForwardBatch.build([(kv, 0, n)]))
+        ring = kv.layer(cfg.num_hidden_layers).ring
+        want = ring[torch.arange(first, n) % cfg.sliding_window]
+        assert n - first == min(n, cfg.sliding_window)
+        assert rel(got.float(), want.float()) < 1e-3, rel(got.float(), want.float())
