@@ -7,8 +7,9 @@ Workloads, greedy: "needle" = pass-key and single-needle prompts (`hybridkv.task
 answers (the model stops at its EOS); "free text" = a haystack of filler sentences without a
 question, continued for `--free-tokens` tokens (ignore_eos). For every workload, batch and k
 (0 = no speculation): decode tokens/s (tokens after each request's first, over the decode steps'
-time), the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft
-acceptance rate, and whether the outputs equal plain decoding's.
+time; `--prompts` prompts in groups of the batch size, each group's fastest of `--repeats` runs),
+the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft acceptance
+rate, and whether the outputs equal plain decoding's.
 
 `--mtp-stats N` also measures the MTP block itself on N training-distribution rows of `--context`
 tokens (teacher forcing through the reference path): its loss (cross-entropy of token t+2 at
@@ -43,18 +44,36 @@ from hybridkv.tasks.tokenizer import TaskTokenizer  # noqa: E402
 clock = time.perf_counter
 
 
-def workloads(tok: TaskTokenizer, context: int, batch: int, free_tokens: int) -> dict[str, tuple[list, SamplingParams]]:
+def workloads(tok: TaskTokenizer, context: int, n: int, free_tokens: int) -> dict[str, tuple[list, SamplingParams]]:
     pools = Pools(tok, seed=0)
     tasks = ["passkey", "niah_single_1", "niah_single_2", "niah_single_3"]
-    needle = [make_sample(tasks[i % len(tasks)], 1000 + i, pools, context, depth=(i + 0.5) / batch).prompt
-              for i in range(batch)]
+    needle = [make_sample(tasks[i % len(tasks)], 1000 + i, pools, context, depth=(i + 0.5) / n).prompt
+              for i in range(n)]
     rng = np.random.default_rng(7)
     free = []
-    for _ in range(batch):
+    for _ in range(n):
         filler, _ = pools.sentences.fill(rng, context - 1)
         free.append([tok.bos_id, *filler.astype(int).tolist()])
     return {"needle": (needle, SamplingParams(max_tokens=64)),
             "free text": (free, SamplingParams(max_tokens=free_tokens, ignore_eos=True))}
+
+
+def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int, repeats: int) -> dict:
+    """`decode_run` over the prompts in groups of `batch`, `repeats` times: tokens/s from each
+    group's fastest repeat (the least disturbed by other work on the machine)."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    runs = [[decode_run(llm, g, params) for _ in range(repeats)] for g in groups]
+    best = [min(r, key=lambda x: x["seconds"]) for r in runs]
+    seconds, tokens = sum(b["seconds"] for b in best), sum(b["decode_tokens"] for b in best)
+    first = [r[0] for r in runs]
+    drafts = sum(x["drafts"] for x in first)
+    drafted, accepted = sum(x["drafted"] for x in first), sum(x["accepted"] for x in first)
+    return {"tokens_per_s": tokens / seconds, "decode_tokens": tokens, "seconds": seconds,
+            "steps": sum(b["steps"] for b in best),
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "outputs": [o for x in first for o in x["outputs"]], "logits": [lg for x in first for lg in x["logits"]],
+            "repeats_agree": all(x["outputs"] == r[0]["outputs"] for r in runs for x in r)}
 
 
 def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -75,10 +94,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     produced = sum(len(s.output_ids) for s in seqs) - first
     drafts, drafted, accepted = (a - b for a, b in zip((eng.stats.spec_drafts, eng.stats.spec_draft_tokens,
                                                         eng.stats.spec_accepted_tokens), before))
-    return {"tokens_per_s": produced / dt if dt > 0 else None, "decode_tokens": produced, "steps": steps,
-            "seconds": dt, "acceptance_length": 1 + accepted / drafts if drafts else None,
-            "acceptance_rate": accepted / drafted if drafted else None, "outputs": [s.output_ids for s in seqs],
-            "logits": [s.step_logits for s in seqs]}
+    return {"decode_tokens": produced, "steps": steps, "seconds": dt, "drafts": drafts, "drafted": drafted,
+            "accepted": accepted, "outputs": [s.output_ids for s in seqs], "logits": [s.step_logits for s in seqs]}
 
 
 def first_difference(run: dict, base: dict) -> str:
@@ -100,7 +117,7 @@ def mtp_stats(model, tok: TaskTokenizer, rows: int, length: int) -> dict:
     from hybridkv.model import ContiguousKV, ForwardBatch
 
     pools = Pools(tok, seed=0)
-    acc = {k: {"loss": 0.0, "top1": 0, "agree": 0, "n": 0} for k in ("answer", "other")}
+    acc = {k: {"loss": 0.0, "top1": 0, "agree": 0, "n": 0, "main_loss": 0.0, "main_top1": 0} for k in ("answer", "other")}
     for r in range(rows):
         ids, supervised = training_example(50_000 + r, pools, length, next_document=128)
         x = torch.tensor(ids, dtype=torch.long)
@@ -114,6 +131,8 @@ def mtp_stats(model, tok: TaskTokenizer, rows: int, length: int) -> dict:
         loss = torch.nn.functional.cross_entropy(m, target, reduction="none")
         top1 = m.argmax(-1) == target
         agree = m.argmax(-1) == main[1:-1].argmax(-1)
+        main_loss = torch.nn.functional.cross_entropy(main[1:-1], target, reduction="none")   # the same tokens
+        main_top1 = main[1:-1].argmax(-1) == target
         sup = torch.tensor(supervised[2:])
         for key, mask in (("answer", sup), ("other", ~sup)):
             a = acc[key]
@@ -121,8 +140,11 @@ def mtp_stats(model, tok: TaskTokenizer, rows: int, length: int) -> dict:
             a["top1"] += int(top1[mask].sum())
             a["agree"] += int(agree[mask].sum())
             a["n"] += int(mask.sum())
+            a["main_loss"] += float(main_loss[mask].sum())
+            a["main_top1"] += int(main_top1[mask].sum())
     return {k: {"mtp_loss": a["loss"] / a["n"], "mtp_top1": a["top1"] / a["n"],
-                "agrees_with_main_argmax": a["agree"] / a["n"], "tokens": a["n"]} for k, a in acc.items()}
+                "agrees_with_main_argmax": a["agree"] / a["n"], "main_loss": a["main_loss"] / a["n"],
+                "main_top1": a["main_top1"] / a["n"], "tokens": a["n"]} for k, a in acc.items()}
 
 
 def main() -> int:
@@ -132,6 +154,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
     ap.add_argument("--free-tokens", type=int, default=64, help="tokens generated per free-text request")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per workload at the smaller batches (run in "
+                    "groups of the batch size; a batch larger than this runs that many)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each group; the fastest counts")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time")
     ap.add_argument("--mtp-stats", type=int, default=0, metavar="N", help="measure the MTP block on N rows")
@@ -156,11 +181,12 @@ def main() -> int:
                          max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (a.context + 4), **opts)
     print(f"{'workload':<10} {'batch':>5} {'k':>2} {'decode tok/s':>12} {'speedup':>8} {'accept len':>10} "
           f"{'accept rate':>11} {'tokens':>6} {'same':>5}")
+    sets = workloads(tok, a.context, max(batches), a.free_tokens)
     for batch in batches:
-        for name, (prompts, params) in workloads(tok, a.context, batch, a.free_tokens).items():
+        for name, (prompts, params) in sets.items():
             base = None
             for k in ks:
-                r = decode_run(engines[k], prompts, params)
+                r = measure(engines[k], prompts[:max(batch, a.prompts)], params, batch, a.repeats)
                 if k == 0:
                     base = r
                 same = r["outputs"] == base["outputs"]
@@ -169,6 +195,8 @@ def main() -> int:
                 ar = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
                 print(f"{name:<10} {batch:>5} {k:>2} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} {ar:>11} "
                       f"{r['decode_tokens']:>6} {'yes' if same else 'NO':>5}", flush=True)
+                if not r["repeats_agree"]:
+                    print("    repeats of a group gave different outputs", flush=True)
                 if not same:
                     print(f"    outputs differ: {first_difference(r, base)}", flush=True)
                 results.append({"workload": name, "batch": batch, "k": k, "speedup": speedup, "same_outputs": same,
@@ -181,7 +209,8 @@ def main() -> int:
         out["mtp"] = stats
         for key, s in stats.items():
             print(f"MTP on {key} tokens ({s['tokens']}): loss {s['mtp_loss']:.3f}, top-1 {s['mtp_top1']:.3f}, "
-                  f"agrees with the main model's argmax {s['agrees_with_main_argmax']:.3f}")
+                  f"agrees with the main model's argmax {s['agrees_with_main_argmax']:.3f}; the main model on the "
+                  f"same tokens (one step later): loss {s['main_loss']:.3f}, top-1 {s['main_top1']:.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0
