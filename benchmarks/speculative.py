@@ -117,7 +117,8 @@ def mtp_stats(model, tok: TaskTokenizer, rows: int, length: int) -> dict:
     from hybridkv.model import ContiguousKV, ForwardBatch
 
     pools = Pools(tok, seed=0)
-    acc = {k: {"loss": 0.0, "top1": 0, "agree": 0, "n": 0, "main_loss": 0.0, "main_top1": 0} for k in ("answer", "other")}
+    acc = {k: {"loss": 0.0, "top1": 0, "agree": 0, "n": 0, "main_loss": 0.0, "main_top1": 0}
+           for k in ("answer", "other")}
     for r in range(rows):
         ids, supervised = training_example(50_000 + r, pools, length, next_document=128)
         x = torch.tensor(ids, dtype=torch.long)

@@ -231,7 +231,6 @@ def test_prefix_hits_and_chunked_prefill(fixtures, policy):
     assert llm.engine.stats.cached_prompt_tokens == plain.engine.stats.cached_prompt_tokens == 256
 
 
-@pytest.mark.slow
 def test_preemption_and_budget_limits(fixtures):
     """A pool too small for the batch (requests are preempted and recomputed) and a step budget that
     cuts drafts: outputs equal decoding without speculation."""
@@ -293,7 +292,6 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert second.sum() > 0.2 * n        # the accept branch really ran
 
 
-@pytest.mark.slow
 def test_sampled_engine_outputs_follow_the_model(fixtures):
     """The engine with speculation (top-k 3, so 3 × 3 outcomes) over 300 seeds: the joint frequency
     of the 2nd and 3rd output tokens (the verified ones) matches the main model's probabilities
@@ -352,7 +350,8 @@ def test_command_line_flags():
     EngineConfig.add_arguments(p)
     ec = EngineConfig.from_args(p.parse_args(["--speculative", "mtp", "--num-speculative-tokens", "3"]))
     assert (ec.speculative, ec.num_speculative_tokens) == ("mtp", 3)
-    ec = EngineConfig.from_args(p.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']))
+    vllm = '{"method": "mtp", "num_speculative_tokens": 2}'
+    ec = EngineConfig.from_args(p.parse_args(["--speculative-config", vllm]))
     assert (ec.speculative, ec.num_speculative_tokens) == ("mtp", 2)
     assert EngineConfig.from_args(p.parse_args([])).speculative is None
     with pytest.raises(SystemExit):
@@ -381,7 +380,8 @@ def test_server_reports_acceptance_in_usage_and_metrics():
         assert values['vllm:spec_decode_num_drafts_total{model_name="tiny"}'] == sd["num_drafts"]
         assert values['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}'] == sd["num_draft_tokens"]
         assert values['hybridkv:spec_decode_accepted_tokens_per_step_count{model_name="tiny"}'] == sd["num_drafts"]
-        assert values['hybridkv:spec_decode_accepted_tokens_per_step_sum{model_name="tiny"}'] == sd["num_accepted_tokens"]
+        hist = "hybridkv:spec_decode_accepted_tokens_per_step_sum"
+        assert values[hist + '{model_name="tiny"}'] == sd["num_accepted_tokens"]
     finally:
         server.close()
 

@@ -33,9 +33,12 @@ prefix cache registers blocks only up to the accepted positions. Copying costs t
 the compressor states per layer (KBs per request for tiny-v4; about 12 MB for V4-Flash's twenty
 128-row HCA states) and no second forward.
 
-Numerics: the accepted tokens are the non-speculative tokens exactly; their logits come from a
-(k+1)-row forward instead of k+1 one-row forwards, which changes float rounding as chunked prefill
-does (relative 1e-5..1e-4 on CPU float32): greedy outputs match unless two logits tie within that.
+Numerics: a verify step computes the request's rows as one multi-token segment where plain decoding
+runs one batched decode row per step, so the logits differ by float rounding, as between chunked
+prefill and decoding (relative 1e-5..1e-4 in float32; up to a few 1e-3 on a quantized checkpoint,
+whose FP8 activation round trips turn rounding into quantization steps). Greedy outputs therefore
+equal plain decoding's except where the top two logits tie within that (BENCHMARKS.md has the one
+case measured); the rollback itself is exact to the bit.
 
 Not combined with: V4.1 (no MTP), offloading memory policies, CUDA graphs (verify steps are
 multi-token segments and drafting needs the streams; the engine launches every step eagerly when
@@ -108,7 +111,8 @@ class MTPSeqKV:
 
     def write_window(self, start_pos: int, rows: torch.Tensor) -> None:
         keep = min(rows.shape[0], self.cache.window)
-        self.cache.put_rows(self.slot, start_pos + rows.shape[0] - keep, rows[rows.shape[0] - keep:].to(self.cache.ring.dtype))
+        n = rows.shape[0]
+        self.cache.put_rows(self.slot, start_pos + n - keep, rows[n - keep:].to(self.cache.ring.dtype))
 
     def done(self, end_pos: int) -> None:
         pass

@@ -74,7 +74,8 @@ async def completions(request: Request, st: AppState = Depends(app_state)):
                 yield c
             if out.finished and include_usage:
                 c = choice("", None, None)
-                c["choices"], c["usage"] = [], usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens, speculative=out.speculative)
+                c["choices"], c["usage"] = [], usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens,
+                                                     speculative=out.speculative)
                 yield c
         return gen.stream(render)
 
