@@ -100,6 +100,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
           f"{n_out} tokens at {(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0:.1f} tok/s, "
           f"finish {seq.finish_reason}; KV {store.bytes_per_token():.2f} B/token ({store.fmt}): {_human(held)} in "
           f"{blocks} blocks + {_human(sum(r[0].nbytes for r in store.ring))} window]", file=sys.stderr)
+    if seq.spec_steps:
+        print(f"[speculative mtp: {seq.spec_steps} verify steps, {seq.spec_accepted_tokens} of "
+              f"{seq.spec_draft_tokens} draft tokens accepted, acceptance length "
+              f"{1 + seq.spec_accepted_tokens / seq.spec_steps:.2f}]", file=sys.stderr)
     llm.close()
     tiers = llm.engine.cache_stats()
     print("[prefix cache: " + "; ".join(

@@ -24,6 +24,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.memory import parse_policy
 
 INDEXERS = ("native", "random")
+SPECULATIVE_METHODS = ("mtp",)
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float": torch.float32}
@@ -62,6 +63,8 @@ class EngineConfig:
     cuda_graphs: bool = True             # replay captured decode steps on CUDA (engine/graphs.py); also
                                          # off with the environment variable HYBRIDKV_CUDA_GRAPHS=0
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
+    speculative: str | None = None       # "mtp": speculative decoding with the MTP block (engine/speculative.py)
+    num_speculative_tokens: int = 1      # draft tokens per step with speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):
@@ -85,6 +88,11 @@ class EngineConfig:
             raise ConfigError(f"memory policy {self.memory_policy!r} lists several; an engine runs one "
                               f"(`hybridkv eval` takes a list and runs each in turn)")
         parse_policy(self.memory_policy)     # a ConfigError naming the policies, now rather than at the first request
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(f"unknown speculative method {self.speculative!r}; use {', '.join(SPECULATIVE_METHODS)}")
+        if (not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
+                or self.num_speculative_tokens < 1):
+            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
 
     # ----- the command line -----
     @staticmethod
@@ -138,6 +146,13 @@ class EngineConfig:
                        help="seed of the random indexer (default: %(default)s)")
         g.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
                        help="launch every decode step eagerly instead of replaying CUDA graphs")
+        g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=d.speculative,
+                       help="speculative decoding: mtp = the checkpoint's MTP block drafts, the model verifies "
+                            "(outputs unchanged; steps run without CUDA graphs) (default: off)")
+        g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                       help="draft tokens per step with --speculative (default: %(default)s)")
+        g.add_argument("--speculative-config", action=_SpeculativeConfig, default=argparse.SUPPRESS,
+                       metavar="JSON", help="vLLM's spelling: '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
         old = parser.add_argument_group("deprecated spellings")
         old.add_argument("--max-concurrency", dest="max_num_seqs", type=int, action=_Renamed, new="--max-num-seqs",
                          default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -225,3 +240,23 @@ class _PrefixCache(argparse.Action):
         else:
             _deprecated(f"{option_string} {values}", f"--enable-prefix-caching --window-policy {values}")
             namespace.enable_prefix_caching, namespace.window_policy = True, values
+
+
+class _SpeculativeConfig(argparse.Action):
+    """vLLM's --speculative-config JSON: its "method" and "num_speculative_tokens" keys."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import json
+        try:
+            cfg = json.loads(values)
+        except json.JSONDecodeError as e:
+            parser.error(f"{option_string}: not JSON ({e}): {values!r}")
+        if not isinstance(cfg, dict) or set(cfg) - {"method", "num_speculative_tokens"}:
+            parser.error(f"{option_string} takes an object with \"method\" and \"num_speculative_tokens\"; "
+                         f"got {values!r}")
+        method = cfg.get("method", "mtp")
+        if method not in SPECULATIVE_METHODS:
+            parser.error(f"{option_string}: method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+        namespace.speculative = method
+        if "num_speculative_tokens" in cfg:
+            namespace.num_speculative_tokens = cfg["num_speculative_tokens"]

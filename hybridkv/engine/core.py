@@ -18,9 +18,11 @@ from hybridkv.config import ModelConfig
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenize import release
 from hybridkv.engine.graphs import DecodeGraphs
-from hybridkv.engine.sampling import SamplingParams, sample
+from hybridkv.engine.sampling import Sampled, SamplingParams, sample, scored
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
+from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
+                                         check_supported)
 from hybridkv.engine.tokenizer import Tokenizer, require
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.memory import PolicyContext, parse_policy
@@ -37,6 +39,7 @@ class Event:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    index: int | None = None     # the token's index in the request's output_ids
 
 
 @dataclass
@@ -51,6 +54,11 @@ class EngineStats:
     pages_loaded: int = 0      # memory policy: resident CSA pages brought to the device
     pages_evicted: int = 0
     graph_steps: int = 0       # decode steps replayed from a CUDA graph (or run by its fixed-shape forward)
+    spec_drafts: int = 0       # speculative verify steps (requests × steps with at least one draft token)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts accepted at position i
+    spec_accepted_hist: list[int] = field(default_factory=list)      # [a]: verify steps that accepted a drafts
 
 
 class EngineCore:
@@ -73,8 +81,12 @@ class EngineCore:
                               f"prefix caching cannot be combined with it (leave enable_prefix_caching unset)")
         if self.ec.enable_prefix_caching is None:
             self.ec = replace(self.ec, enable_prefix_caching=not self.memory.offloads)
+        self.speculative = self.ec.speculative is not None
+        if self.speculative:
+            check_supported(model, self.memory.offloads)
+        # verify steps are multi-token segments and drafting reads the streams: no decode graphs then
         graphs = (self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
-                  and self.device.type == "cuda")
+                  and self.device.type == "cuda" and not self.speculative)
         # CUDA-graph decode reserves a slot for its padding rows
         self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs + graphs, self.ec.kv_format,
                                   model.dtype, self.device,
@@ -94,6 +106,11 @@ class EngineCore:
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
         self.graphs = DecodeGraphs(model, self.store) if graphs else None
+        self.drafter = (MTPDrafter(model, MTPCache(self.config, self.store.max_slots, model.dtype, self.device),
+                                   self.device) if self.speculative else None)
+        if self.speculative:
+            k = self.ec.num_speculative_tokens
+            self.stats.spec_accepted_per_pos, self.stats.spec_accepted_hist = [0] * k, [0] * (k + 1)
         self._ids = itertools.count()
 
     def _set_indexer(self, mode: str, seed: int) -> None:
@@ -168,6 +185,8 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.speculative:
+            return self._speculative_step(chunks)
         logits = self._forward(chunks)
         events: list[Event] = []
         for c in chunks:
@@ -183,12 +202,100 @@ class EngineCore:
         self.stats.forward_tokens += sum(c.length for c in chunks)
         return events
 
-    def _forward(self, chunks: list[Chunk]) -> dict[str, torch.Tensor]:
+    def _speculative_step(self, chunks: list[Chunk]) -> list[Event]:
+        """A step with MTP speculation (engine/speculative.py): verify chunks check their drafts,
+        emit the accepted tokens and roll the rest back; then the MTP block runs over what the step
+        computed and drafts the next step's tokens."""
+        checkpoints = {id(c): VerifyCheckpoint.take(self.store, c.seq.cache, c.start, c.length)
+                       for c in chunks if c.draft}
+        known = {c.seq.request_id: c.seq.num_tokens for c in chunks}
+        hidden: dict[str, torch.Tensor] = {}
+        logits = self._forward(chunks, checkpoints, hidden)
+        events: list[Event] = []
+        work: list[MTPWork] = []
+        for c in chunks:
+            seq = c.seq
+            if seq.status is not Status.RUNNING:
+                continue
+            reason = None
+            if c.draft:
+                rows = logits[seq.request_id]
+                probs = seq.draft.probs[:len(c.draft)] if seq.draft.probs is not None else None
+                tokens = accept(rows, Draft(c.draft, probs), seq.params, seq.generator)
+                for i, t in enumerate(tokens):
+                    event, reason = self._add_token(seq, rows[i], scored(rows[i], t, seq.params))
+                    events.append(event)
+                    if reason:
+                        break
+                emitted = i + 1
+                self._count_verify(seq, len(c.draft), len(tokens) - 1)
+                checkpoints[id(c)].rollback(self.model, emitted)
+                seq.num_computed = c.start + emitted
+                self._drop_rejected(seq)
+            else:
+                seq.num_computed = c.start + c.length
+            seq.draft = None
+            self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
+            self._publish_snapshots(seq)
+            if not c.draft and c.wants_logits:
+                event, reason = self._add_token(seq, logits[seq.request_id],
+                                                sample(logits[seq.request_id], seq.params, seq.generator))
+                events.append(event)
+            if reason:
+                self._finish(seq, reason)
+                continue
+            # the MTP block needs the last `window` positions before decoding starts, and every one after
+            first = max(c.start, known[seq.request_id] - self.config.sliding_window)
+            if first < seq.num_computed:
+                h = hidden[seq.request_id][first - c.start:seq.num_computed - c.start]
+                work.append(MTPWork(seq, first, h, self._draft_len(seq)))
+        for rid, draft in self.drafter.run(work).items():
+            self.requests[rid].draft = draft
+        self.stats.steps += 1
+        self.stats.forward_tokens += sum(c.length for c in chunks)
+        return events
+
+    def _draft_len(self, seq: Sequence) -> int:
+        """Draft tokens for the request's next step (0 while in prefill): k, fewer where its
+        max_tokens or the model length ends it sooner."""
+        if seq.num_computed != seq.num_tokens - 1:
+            return 0
+        p = seq.params
+        return max(0, min(self.ec.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                          self.max_model_len - 1 - seq.num_tokens))
+
+    def _count_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        st = self.stats
+        st.spec_drafts += 1
+        st.spec_draft_tokens += drafted
+        st.spec_accepted_tokens += accepted
+        for i in range(accepted):
+            st.spec_accepted_per_pos[i] += 1
+        st.spec_accepted_hist[accepted] += 1
+        seq.spec_steps += 1
+        seq.spec_draft_tokens += drafted
+        seq.spec_accepted_tokens += accepted
+
+    def _drop_rejected(self, seq: Sequence) -> None:
+        """After a rollback: blocks only rejected positions needed go back to the pool (as many as a
+        request decoded without speculation holds), snapshots past the kept positions are dropped."""
+        table = seq.cache.block_table
+        need = -(-seq.num_computed // self.store.block_tokens)
+        while len(table) > need:
+            self.store.pool.release(table.pop())
+        seq.new_snapshots = [(b, snap) for b, snap in seq.new_snapshots if b <= seq.num_computed]
+        seq.pending_snapshots = {b: v for b, v in seq.pending_snapshots.items() if b <= seq.num_computed}
+
+    def _forward(self, chunks: list[Chunk], checkpoints: dict | None = None,
+                 hidden: dict | None = None) -> dict[str, torch.Tensor]:
         """One model forward over the step's chunks: prefill chunks as segments, single-token steps
         as one batched decode group. Returns the logits of every chunk that ends its request's
-        known tokens."""
+        known tokens ([vocab]; [length, vocab] for a verify chunk, which carries draft tokens).
+        Verify chunks run through the views of their `checkpoints` (by chunk id); with `hidden`
+        given, it receives every chunk's stream rows [length, hc, dim] by request id."""
         snapshots = self.policy.snapshots and self.prefix.enabled
         items, ids, logit_rows, owners = [], [], [], []
+        spans: dict[str, tuple[int, int]] = {}      # request id -> (first row, rows)
         decodes = [] if self.v41 else [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
         decode_ids = {id(c) for c in decodes}
         row = 0
@@ -196,15 +303,21 @@ class EngineCore:
             if id(c) in decode_ids:
                 continue
             seq = c.seq
-            view = self.store.view(seq.cache, self._snapshot_hook(seq) if snapshots else None)
+            hook = self._snapshot_hook(seq) if snapshots else None
+            view = checkpoints[id(c)].view(hook) if c.draft else self.store.view(seq.cache, hook)
             if self.memory.needs_attention_mass and c.wants_logits and seq.first_token_time is None:
                 # the chunk that ends the prompt: record which entries its final queries attend to
                 view.capture = seq.capture = AttentionCapture(self.ec.oracle_query_tokens, c.start + c.length)
+            spans[seq.request_id] = (row, c.length)
+            tokens = c.input_ids()
             for start, n in c.segments:
                 items.append((view, start, n))
-                ids.extend(seq.token_ids[start:start + n])
+                ids.extend(tokens[start - c.start:start - c.start + n])
                 row += n
-            if c.wants_logits:
+            if c.draft:
+                logit_rows.extend(range(row - c.length, row))
+                owners.append((seq.request_id, c.length))
+            elif c.wants_logits:
                 logit_rows.append(row - 1)
                 owners.append(seq.request_id)
         if decodes and len(decodes) == len(chunks) and self.graphs is not None:
@@ -222,12 +335,23 @@ class EngineCore:
                 ids.append(c.seq.token_ids[c.start])
                 logit_rows.append(row)
                 owners.append(c.seq.request_id)
+                spans[c.seq.request_id] = (row, 1)
                 row += 1
         batch = ForwardBatch.build(items, self.device, decode)
         with torch.inference_mode():
             h = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
             out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
-        return {rid: out[i] for i, rid in enumerate(owners)}
+        if hidden is not None:
+            hidden.update({rid: h[a:a + n] for rid, (a, n) in spans.items()})
+        logits, i = {}, 0
+        for owner in owners:
+            if isinstance(owner, tuple):       # a verify chunk: every row's logits
+                logits[owner[0]] = out[i:i + owner[1]]
+                i += owner[1]
+            else:
+                logits[owner] = out[i]
+                i += 1
+        return logits
 
     def _graph_decode(self, decodes: list[Chunk], snapshots: bool) -> dict[str, torch.Tensor] | None:
         """A pure decode step through `self.graphs`, where it applies (None otherwise). The window-state
@@ -270,9 +394,16 @@ class EngineCore:
         seq.new_snapshots = []
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
+        event, reason = self._add_token(seq, logits, sample(logits, seq.params, seq.generator))
+        if reason:
+            self._finish(seq, reason)
+        return event
+
+    def _add_token(self, seq: Sequence, logits: torch.Tensor, s: Sampled) -> tuple[Event, str | None]:
+        """Append one sampled token to the request; the event and why the request ends with it
+        (None: it goes on). The caller finishes it."""
         if self.record_logits:
             seq.step_logits.append(logits.detach().clone())
-        s = sample(logits, seq.params, seq.generator)
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -293,9 +424,7 @@ class EngineCore:
             delta, stopped = release(self.tokenizer.decode(ids), seq.text, seq.params.stop, reason is not None)
             seq.text += delta
             reason = "stop" if stopped else reason
-        if reason:
-            self._finish(seq, reason)
-        return Event(seq.request_id, s.token_id, delta, reason is not None, reason)
+        return Event(seq.request_id, s.token_id, delta, reason is not None, reason, len(seq.output_ids) - 1), reason
 
     def _after_token(self, seq: Sequence) -> None:
         """Run the memory policy when the prefill has ended, then every `interval` decode steps."""

@@ -31,13 +31,21 @@ class RequestOutput:
     latency: float | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    spec_steps: int = 0              # speculative decoding: verify steps, draft tokens, accepted drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the model's own token); None without drafts."""
+        return 1 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finish_reason, seq.error,
                    seq.num_cached_tokens, seq.num_replayed_tokens, seq.ttft,
                    None if seq.finish_time is None else seq.finish_time - seq.arrival, list(seq.logprobs),
-                   list(seq.top_logprobs))
+                   list(seq.top_logprobs), seq.spec_steps, seq.spec_draft_tokens, seq.spec_accepted_tokens)
 
 
 class LLM:

@@ -45,28 +45,39 @@ class Sampled:
     top_logprobs: list[tuple[int, float]] | None
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
-    """One token from float32 logits [vocab]."""
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, -1)
-    if params.temperature == 0:
-        token = int(torch.argmax(logits))
-    else:
-        scaled = logits / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(scaled, descending=True)
-            probs = torch.softmax(sorted_logits, -1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = (probs.cumsum(-1) - probs) >= params.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-        probs = torch.softmax(scaled, -1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (temperature > 0) request draws from: float32 logits [vocab] scaled
+    by the temperature, cut by top-k and top-p, softmaxed. Speculative decoding's rejection sampling
+    compares the target's and the draft's distributions after the same processing."""
+    scaled = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
+    return torch.softmax(scaled, -1)
+
+
+def scored(logits: torch.Tensor, token: int, params: SamplingParams) -> Sampled:
+    """A chosen token with its logprob (under the unprocessed logits) and the top-N logprobs."""
+    logprobs = torch.log_softmax(logits.float(), -1)
     top = None
     if params.logprobs:
         v, i = torch.topk(logprobs, params.logprobs)
         top = list(zip(i.tolist(), v.tolist()))
     return Sampled(token, float(logprobs[token]), top)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
+    """One token from float32 logits [vocab]."""
+    logits = logits.float()
+    if params.temperature == 0:
+        token = int(torch.argmax(logits))
+    else:
+        token = int(torch.multinomial(filtered_probs(logits, params), 1, generator=generator))
+    return scored(logits, token, params)

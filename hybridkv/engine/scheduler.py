@@ -1,6 +1,7 @@
 """Continuous batching: which requests run in the next forward, and with how many tokens.
 
-Each step has a token budget. Decoding requests go first (one token each), then requests still in
+Each step has a token budget. Decoding requests go first (one token each, plus their draft tokens
+under speculative decoding: a verify chunk), then requests still in
 prefill get chunks, then waiting requests are admitted (after a prefix-cache lookup) while slots,
 blocks and budget remain. A chunk is cut into segments at the block boundaries where the window
 policy takes state snapshots. When a running request needs a block and none is free, the most
@@ -10,7 +11,7 @@ recently admitted request is preempted: its blocks are freed and it will be reco
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv.cache.block_pool import OutOfBlocks
 from hybridkv.cache.paged import PagedKVStore
@@ -25,6 +26,13 @@ class Chunk:
     length: int
     segments: list[tuple[int, int]]   # (start_pos, length) pieces, in order
     wants_logits: bool                 # ends at the request's last known token
+    draft: list[int] = field(default_factory=list)   # speculative: draft tokens after the last known one
+
+    def input_ids(self) -> list[int]:
+        """The token ids of positions [start, start + length)."""
+        if self.draft:
+            return self.seq.token_ids[self.start:self.start + 1] + self.draft
+        return self.seq.token_ids[self.start:self.start + self.length]
 
 
 class Scheduler:
@@ -48,6 +56,9 @@ class Scheduler:
         while len(table) < need:
             table.append(self.store.pool.allocate())
         self.store.attach_pages(seq.cache)
+
+    def _new_blocks(self, seq: Sequence, end_pos: int) -> int:
+        return max(0, -(-end_pos // self.store.block_tokens) - len(seq.cache.block_table))
 
     def _free(self, seq: Sequence) -> None:
         if seq.cache is not None:
@@ -106,9 +117,16 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.in_prefill:
                 continue
-            if self._grow(seq, seq.num_computed + 1, scheduled):
-                scheduled.append(self._chunk(seq, 1))
-                budget -= 1
+            draft = seq.draft.tokens[:budget - 1] if seq.draft is not None else []
+            if draft and self._new_blocks(seq, seq.num_computed + 1 + len(draft)) > self.store.pool.num_free:
+                draft = []       # draft tokens never preempt a request: this step decodes one token
+            n = 1 + len(draft)
+            if self._grow(seq, seq.num_computed + n, scheduled):
+                chunk = self._chunk(seq, n)
+                if draft:
+                    chunk.draft, chunk.wants_logits = draft, True
+                scheduled.append(chunk)
+                budget -= n
         for seq in list(self.running):
             if budget == 0:
                 break

@@ -49,6 +49,11 @@ class Sequence:
     device_kv_bytes: dict[str, int] | None = None  # device KV this request held when it finished, by kind
     new_snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)
     rolling_snapshot: tuple[int, Snapshot] | None = None
+    draft: object | None = None                    # speculative: the next step's draft (speculative.Draft)
+    mtp_start: int | None = None                   # speculative: first position of the MTP window computed
+    spec_steps: int = 0                            # speculative verify steps, draft tokens, accepted drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -77,4 +82,6 @@ class Sequence:
         self.pending_snapshots = {}
         self.new_snapshots = []
         self.rolling_snapshot = None
+        self.draft = None
+        self.mtp_start = None
         self.num_preemptions += 1

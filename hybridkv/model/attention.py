@@ -268,7 +268,10 @@ class Attention(nn.Module):
         if self.indexer is not None:
             parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
         frozen = layer_kv.seq.frozen_until // self.ratio if kargs is not None else 0
+        record = getattr(layer_kv, "record_compressor_rows", None)   # a store that may roll tokens back
         for kind, compressor, kv_rows, score_rows in parts:
+            if record is not None:
+                record(kind, start_pos, kv_rows, score_rows)
             write = self._paged_writer(kargs, kind, compressor, frozen)
             first, new = compressor.update(layer_kv.compressor_state(kind), kv_rows, score_rows, start_pos,
                                            self.inv_freq, write)

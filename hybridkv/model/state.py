@@ -65,6 +65,10 @@ class LayerKV(Protocol):
     def done(self, end_pos: int) -> None:
         """Called when the layer has processed the request up to end_pos (a store may snapshot)."""
 
+    # Optional: `record_compressor_rows(kind, start_pos, kv, score)` is called with the compressor's
+    # per-token input rows before a segment's update (speculative decoding replays the accepted ones
+    # after rolling the state back; engine/speculative.py).
+
 
 def layer_storage(config: ModelConfig, layer_id: int) -> tuple[dict[str, int], dict[str, int], bool]:
     """What a layer owns besides its window: (width of each kind of compressed entry, width of each

@@ -113,10 +113,22 @@ def token_logprobs(token_texts, logprobs, top) -> list[dict]:
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int, reasoning_tokens: int | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int, reasoning_tokens: int | None = None,
+          speculative: tuple[int, int, int] | None = None) -> dict:
+    """OpenAI's usage object. With speculative decoding, (verify steps, draft tokens, accepted drafts)
+    go where OpenAI reports predicted outputs (completion_tokens_details.accepted_prediction_tokens /
+    rejected_prediction_tokens), with the steps and mean acceptance length under "speculative_decoding"."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
          "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt_tokens - cached}
+    details = {}
     if reasoning_tokens is not None:
-        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        details["reasoning_tokens"] = reasoning_tokens
+    if speculative is not None:
+        steps, drafted, accepted = speculative
+        details.update(accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted)
+        u["speculative_decoding"] = {"num_drafts": steps, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                                     "mean_acceptance_length": 1 + accepted / steps if steps else None}
+    if details:
+        u["completion_tokens_details"] = details
     return u

@@ -48,6 +48,7 @@ class Output:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    speculative: tuple[int, int, int] | None = None    # (verify steps, draft tokens, accepted) with speculation
 
 
 class RequestHandle:
@@ -203,6 +204,8 @@ class EngineDriver:
         if self.metrics is not None and n > self._preemptions:
             self.metrics.preemptions.inc(n - self._preemptions)
         self._preemptions = n
+        if self.metrics is not None and self.engine.speculative:
+            self.metrics.speculative(self.engine.stats)
         for ev in events:
             live = self._live.get(ev.request_id)
             if live is not None:
@@ -229,13 +232,16 @@ class EngineDriver:
         out = Output(ev.text, [ev.token_id] if ev.token_id is not None else [], finished=ev.finished,
                      finish_reason=ev.finish_reason, prompt_tokens=len(seq.prompt_ids),
                      cached_tokens=seq.num_cached_tokens, completion_tokens=len(seq.output_ids))
+        if self.engine.speculative:
+            out.speculative = (seq.spec_steps, seq.spec_draft_tokens, seq.spec_accepted_tokens)
         if ev.token_id is not None:
-            out.logprobs = [seq.logprobs[-1]]
+            i = -1 if ev.index is None else ev.index       # a speculative step emits several tokens
+            out.logprobs = [seq.logprobs[i]]
             if live.want_tokens:
                 tok = self.engine.tokenizer
                 out.token_texts = [tok.decode([ev.token_id]) if tok else str(ev.token_id)]
                 if seq.params.logprobs:
-                    out.top_logprobs = [[(tok.decode([i]) if tok else str(i), lp) for i, lp in seq.top_logprobs[-1]]]
+                    out.top_logprobs = [[(tok.decode([t]) if tok else str(t), lp) for t, lp in seq.top_logprobs[i]]]
         if self.metrics is not None:
             self.metrics.token(live, now)
         live.last_time = now

@@ -13,6 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+SPEC_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16)   # draft tokens accepted per verify step
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -131,6 +132,15 @@ class Metrics:
         self._itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                          ITL_BUCKETS)
         self._e2e = hist("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self._spec = {key: counter(f"vllm:spec_decode_{key}", doc) for key, doc in (
+            ("num_drafts", "Speculative verify steps (one per request and step with draft tokens)."),
+            ("num_draft_tokens", "Draft tokens proposed."),
+            ("num_accepted_tokens", "Draft tokens accepted."))}
+        self._spec_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+                                 "in the draft.", ["position"])
+        self._spec_hist = hist("hybridkv:spec_decode_accepted_tokens_per_step", "Draft tokens accepted per verify "
+                               "step (the mean acceptance length is 1 + sum / count).", SPEC_BUCKETS)
+        self._spec_seen: dict | None = None
         self.registry.register(_SnapshotCollector(self))
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
@@ -158,6 +168,22 @@ class Metrics:
         self._success.labels(self.model_name, reason).inc()
         self._totals["requests"] += 1
         self._e2e.labels(self.model_name).observe(now - live.arrival)
+
+    def speculative(self, stats) -> None:
+        """Count what the engine's speculative steps did since the last call (from its EngineStats)."""
+        n = self.model_name
+        now = {"num_drafts": stats.spec_drafts, "num_draft_tokens": stats.spec_draft_tokens,
+               "num_accepted_tokens": stats.spec_accepted_tokens, "pos": list(stats.spec_accepted_per_pos),
+               "hist": list(stats.spec_accepted_hist)}
+        seen = self._spec_seen or {k: (0 if isinstance(v, int) else [0] * len(v)) for k, v in now.items()}
+        for key, c in self._spec.items():
+            c.labels(n).inc(now[key] - seen[key])
+        for pos, (a, b) in enumerate(zip(now["pos"], seen["pos"])):
+            self._spec_pos.labels(n, str(pos)).inc(a - b)
+        for accepted, (a, b) in enumerate(zip(now["hist"], seen["hist"])):
+            for _ in range(a - b):
+                self._spec_hist.labels(n).observe(accepted)
+        self._spec_seen = now
 
     # ----- called by the app -----
     def rejected(self, status: int) -> None:

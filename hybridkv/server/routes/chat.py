@@ -40,7 +40,7 @@ class _Reply:
 
     def usage(self, out: Output) -> dict:
         return usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens,
-                     self.reasoning_tokens if self.thinking else 0)
+                     self.reasoning_tokens if self.thinking else 0, out.speculative)
 
 
 @router.post("/v1/chat/completions")

@@ -74,7 +74,8 @@ async def completions(request: Request, st: AppState = Depends(app_state)):
                 yield c
             if out.finished and include_usage:
                 c = choice("", None, None)
-                c["choices"], c["usage"] = [], usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+                c["choices"], c["usage"] = [], usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens,
+                                                     speculative=out.speculative)
                 yield c
         return gen.stream(render)
 
@@ -91,5 +92,5 @@ async def completions(request: Request, st: AppState = Depends(app_state)):
         return Response(status_code=499)
     body = choice("".join(acc["text"]), out.finish_reason,
                   _logprobs(acc["tokens"], acc["lps"], acc["top"], 0) if want else None)
-    body["usage"] = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+    body["usage"] = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens, speculative=out.speculative)
     return body
