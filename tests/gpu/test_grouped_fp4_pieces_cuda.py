@@ -93,3 +93,26 @@ def test_one_block_product(mode):
     err = float((y.double() - want).norm() / want.norm())
     print(f"{FP4_DOT_NAMES[mode]}: rel err {err:.2e}")
     assert err < 1e-6, FP4_DOT_NAMES[mode]
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("k", [512, 4096])
+def test_one_expert_launch_against_torch(mode, k):
+    """The whole launch (`grouped_fp4`, no gather, no SwiGLU) for one expert's 20 rows in two row
+    tiles: what the kernel's first-use check compares, here against torch."""
+    from hybridkv.ops.qgemm.triton import grouped_fp4
+    from hybridkv.ops.quant.triton import fp8_round_trip
+    g = torch.Generator(device=DEV).manual_seed(3)
+    n, p = 256, 20
+    w, s = _packed(n, k, g)
+    x = fp8_round_trip(torch.randn(p, k, device=DEV, generator=g).bfloat16(), 128)
+    table = torch.tensor([w.data_ptr()], dtype=torch.int64, device=DEV)
+    stable = torch.tensor([s.data_ptr()], dtype=torch.int64, device=DEV)
+    tiles = (torch.zeros(2, dtype=torch.int32, device=DEV), torch.tensor([0, 16], dtype=torch.int32, device=DEV),
+             torch.tensor([16, p], dtype=torch.int32, device=DEV))
+    got = grouped_fp4(x, None, tiles, (table, stable), n, torch.float32,
+                      config=dict(BM=16, BN=64, num_warps=4, num_stages=2), fp4_dot=mode)
+    want = x.double() @ dequant_fp4_weight(w, s.view(torch.float8_e8m0fnu), 32, torch.float64).t()
+    err = float((got.double() - want).norm() / want.norm())
+    print(f"{FP4_DOT_NAMES[mode]}, K={k}: rel err {err:.2e}")
+    assert err < 1e-5, FP4_DOT_NAMES[mode]
