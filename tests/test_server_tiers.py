@@ -116,3 +116,16 @@ def test_a_server_without_lower_tiers_reports_none(tmp_path):
         assert server.stats()["memory"]["lower_tiers"] == {} and metrics(server) == {}
     finally:
         server.close()
+
+
+def test_stopping_the_server_writes_the_queued_records_and_closes_the_tiers(tmp_path):
+    """The engine thread closes the engine when the server stops: the disk tier's queued writes are
+    on disk and the tiers are released, and no request is left without an answer."""
+    server = make(tmp_path, 0)
+    try:
+        complete(server, ids(3 * BLOCK - 20, seed=3))
+    finally:
+        server.close()
+    assert not server.driver.alive and server.engine.tiers._closed
+    records = [p for p in (tmp_path / "kv").rglob("*") if p.is_file() and not p.name.endswith(".tmp")]
+    assert len(records) >= 3, records          # the prompt's two full blocks and its window state at least

@@ -6,7 +6,9 @@ queue. Text is the engine's (`Event.text`, engine/detokenize.py), so the server 
 release the same text. An exception
 inside a step fails the requests of that step (their blocks are freed) and the loop goes on.
 The thread also publishes a snapshot of the memory system for /metrics and the web page, and
-gives freed host memory back when the engine goes idle (hostmem.HostMemory).
+gives freed host memory back when the engine goes idle (hostmem.HostMemory). When the server stops,
+the thread fails the requests still live and closes the engine, which writes the tiers' queued
+prefix-cache records before the process exits.
 """
 
 from __future__ import annotations
@@ -101,10 +103,15 @@ class EngineDriver:
         self.alive = True
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 90.0) -> None:
+        """Stop the engine thread; it finishes the step in flight, fails the requests still live
+        and closes the engine (the disk and Redis tiers' queued writes are written first)."""
         self._stop.set()
         self._cmds.put(("wake",))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine thread did not stop within %.0f s (tier writes still pending)", timeout)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, want_tokens: bool = False) -> RequestHandle:
         """Queue a request; raises RequestError when the engine refuses it."""
@@ -134,7 +141,14 @@ class EngineDriver:
                     self.steps_failed += 1
                     self._fail_running(f"internal server error ({type(e).__name__}: {e}); the request was aborted")
         finally:
-            self.alive = False
+            try:
+                self._fail_all("the server is shutting down; the request was aborted")
+            finally:
+                try:
+                    self.engine.close()
+                except Exception:  # noqa: BLE001 - report and stop; nothing else runs after this
+                    log.exception("closing the engine failed")
+                self.alive = False
 
     def _iteration(self) -> None:
         busy = self.engine.has_unfinished()
@@ -226,6 +240,18 @@ class EngineDriver:
                     self.metrics.finished(live, "error", time.perf_counter())
                 self._send(live, Output(finished=True, finish_reason="error", error=message,
                                         prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids)))
+
+    def _fail_all(self, message: str) -> None:
+        """Finish every live request, running or waiting, with `message` (the server stops)."""
+        for rid, live in list(self._live.items()):
+            del self._live[rid]
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("abort at shutdown failed for %s", rid)
+            self._send(live, Output(finished=True, finish_reason="error", error=message,
+                                    prompt_tokens=len(live.seq.prompt_ids),
+                                    completion_tokens=len(live.seq.output_ids)))
 
     def _deliver(self, live: _Live, ev: Event) -> None:
         seq, now = live.seq, time.perf_counter()
