@@ -136,3 +136,31 @@ def remap_share(share, p: CedPlan):
         if s_full in share.candidates:
             out.candidates[s] = share.candidates[s_full][local]
     return out
+
+
+def token_weight_flops(block, runs_compressor: bool = True) -> int:
+    """Matmul FLOPs one token spends on a block's weights: 2 per weight element it multiplies (the
+    mHC mixes, the attention and indexer projections, the gate, the shared expert and top-k routed
+    experts). Attention over the window and the entries, and the indexer's scoring, come on top
+    (they grow with the context) and are not counted. `runs_compressor=False` leaves out the
+    compressor's projection (CED's source layer still runs it over every row)."""
+    from hybridkv.model.linear import Linear
+    attn, moe = block.attn, block.ffn
+    skip = set() if runs_compressor or attn.compressor is None else {id(m) for m in attn.compressor.modules()}
+    n = block.hc_attn_fn.numel() + block.hc_ffn_fn.numel() + moe.gate.weight.numel()
+    n += sum(m.in_features * m.out_features for m in attn.modules() if isinstance(m, Linear) and id(m) not in skip)
+    if attn.indexer is not None and hasattr(attn.indexer, "wk"):   # keys are derived per entry, from the latent
+        n -= attn.indexer.wk.in_features * attn.indexer.wk.out_features
+    expert = sum(m.in_features * m.out_features for m in moe.shared_experts.modules() if isinstance(m, Linear))
+    n += expert * (1 + moe.gate.topk)
+    return 2 * n
+
+
+def skipped_flops(model, p: CedPlan | None) -> int:
+    """The weight matmul FLOPs (`token_weight_flops`) the plan's forward did not spend: every skipped
+    row, on every decoder layer (the source layer's compressor aside, which ran)."""
+    if p is None:
+        return 0
+    per_row = sum(token_weight_flops(model.layers[i], runs_compressor=i != p.source)
+                  for i in range(p.source, p.source + p.num_layers))
+    return p.skipped_rows * per_row
