@@ -6,8 +6,8 @@
 Without --model it builds the `tiny-v41` recipe's model with the training init (random weights:
 prefill time does not depend on what the weights learned). Each row is one request of that many
 random tokens, generating one token, timed with process CPU time (other jobs on a shared machine
-do not inflate it; run with OMP_NUM_THREADS=1), after a warm-up prefill of each kind. Also printed: the rows the decoder skipped and
-their weight matmul FLOPs (EngineStats.ced_skipped_rows / ced_skipped_flops).
+do not inflate it; run with OMP_NUM_THREADS=1), after a warm-up prefill of each kind. Also
+printed: the rows the decoder skipped and their weight matmul FLOPs (EngineStats.ced_skipped_rows / ced_skipped_flops).
 """
 
 from __future__ import annotations

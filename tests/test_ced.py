@@ -2,7 +2,7 @@
 and the logits and every later decode step equal the full prefill's.
 
 The fixtures' window (128) with 4 decoder layers gives a dependency cone of 4 · 127 rows, longer
-than their 250-token prompts, so the tests run the fixture weights with an 16-token window (the
+than their 250-token prompts, so the tests run the fixture weights with a 16-token window (the
 window is no weight; CED is compared with the full prefill of the same model)."""
 
 import json
@@ -80,7 +80,8 @@ def test_a_shorter_cone_is_not_exact(small_window, monkeypatch):
     ids = torch.tensor(prompts_of([258], seed=3)[0])
     full, _ = _run(model, ids, [250], False)
     ranges = ced._ranges
-    monkeypatch.setattr(ced, "_ranges", lambda c, b, o: [(max(lo, hi - 20), hi, False) for lo, hi, _ in ranges(c, b, o)])
+    monkeypatch.setattr(ced, "_ranges",
+                        lambda c, b, o: [(max(lo, hi - 20), hi, False) for lo, hi, _ in ranges(c, b, o)])
     got, _ = _run(model, ids, [250], True)
     assert rel(got, full) > 10 * TOL
 

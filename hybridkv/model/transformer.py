@@ -127,6 +127,7 @@ class Transformer(nn.Module):
         y = hc_collapse(out, out_pre)
         if plan is None:
             return y
+        plan.comp = {}   # the compressor rows are spent; last_ced keeps only the plan's layout
         full = y.new_full((plan.full.num_tokens, y.shape[-1]), float("nan"))   # rows not computed: NaN
         full[plan.rows] = y
         return full
