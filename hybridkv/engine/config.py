@@ -65,6 +65,7 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
     speculative: str | None = None       # "mtp": speculative decoding with the MTP block (engine/speculative.py)
     num_speculative_tokens: int = 1      # draft tokens per step with speculative decoding
+    ced_prefill: bool = True             # V4.1: decoder layers only over the rows a later step reads (model/ced.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):
@@ -130,6 +131,9 @@ class EngineConfig:
                             "offloads)")
         g.add_argument("--window-policy", default=d.window_policy,
                        help="the window state kept for prefix hits: full | checkpoint(N) | zero (default: %(default)s)")
+        g.add_argument("--ced-prefill", action=argparse.BooleanOptionalAction, default=d.ced_prefill,
+                       help="V4.1: run the decoder layers of a prefill only over the rows whose state or output "
+                            "is read later (exact; default: on)")
         g.add_argument("--snapshot-bytes", type=_size, default=d.snapshot_bytes,
                        help="memory for window-state snapshots kept for prefix hits (e.g. 256M; default 256M)")
         g.add_argument("--memory-policy", default=d.memory_policy,

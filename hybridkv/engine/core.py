@@ -27,6 +27,7 @@ from hybridkv.engine.tokenizer import Tokenizer, require
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.memory import PolicyContext, parse_policy
 from hybridkv.model import ForwardBatch, Transformer
+from hybridkv.model.ced import skipped_flops as ced_skipped_flops
 from hybridkv.model.state import AttentionCapture
 
 
@@ -59,6 +60,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: drafts accepted at position i
     spec_accepted_hist: list[int] = field(default_factory=list)      # [a]: verify steps that accepted a drafts
+    ced_skipped_rows: int = 0   # V4.1 CED prefill: rows the decoder layers skipped (each on every decoder layer)
+    ced_skipped_flops: int = 0  # their weight matmul FLOPs (model/ced.py: skipped_flops)
 
 
 class EngineCore:
@@ -299,11 +302,13 @@ class EngineCore:
         decodes = [] if self.v41 else [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
         decode_ids = {id(c) for c in decodes}
         row = 0
+        ced = self.v41 and self.ec.ced_prefill and hidden is None
         for c in chunks:
             if id(c) in decode_ids:
                 continue
             seq = c.seq
-            hook = self._snapshot_hook(seq) if snapshots else None
+            unread = self._unread_boundaries(c) if ced else set()
+            hook = self._snapshot_hook(seq, unread) if snapshots else None
             view = checkpoints[id(c)].view(hook) if c.draft else self.store.view(seq.cache, hook)
             if self.memory.needs_attention_mass and c.wants_logits and seq.first_token_time is None:
                 # the chunk that ends the prompt: record which entries its final queries attend to
@@ -311,7 +316,7 @@ class EngineCore:
             spans[seq.request_id] = (row, c.length)
             tokens = c.input_ids()
             for start, n in c.segments:
-                items.append((view, start, n))
+                items.append((view, start, n, start + n not in unread))
                 ids.extend(tokens[start - c.start:start - c.start + n])
                 row += n
             if c.draft:
@@ -338,8 +343,13 @@ class EngineCore:
                 spans[c.seq.request_id] = (row, 1)
                 row += 1
         batch = ForwardBatch.build(items, self.device, decode)
+        if ced:
+            batch.outputs = list(logit_rows)
         with torch.inference_mode():
             h = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+            if ced and self.model.last_ced is not None:
+                self.stats.ced_skipped_rows += self.model.last_ced.skipped_rows
+                self.stats.ced_skipped_flops += ced_skipped_flops(self.model, self.model.last_ced)
             out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
         if hidden is not None:
             hidden.update({rid: h[a:a + n] for rid, (a, n) in spans.items()})
@@ -370,12 +380,22 @@ class EngineCore:
         self.stats.graph_steps += 1
         return {c.seq.request_id: logits[i] for i, c in enumerate(decodes)}
 
-    def _snapshot_hook(self, seq: Sequence):
+    def _unread_boundaries(self, c: Chunk) -> set[int]:
+        """The chunk's inner segment ends whose state no later step reads: no snapshot is kept there
+        (`full` keeps one at every block; `checkpoint(N)` at multiples of N and at the request's last
+        boundary; `zero` none, and then the chunk is one segment). CED skips the decoder there."""
+        ends = {start + n for start, n in c.segments[:-1]}
+        if self.policy.kind == "full":
+            return set()
+        last = c.seq.num_tokens // self.store.block_tokens * self.store.block_tokens
+        return {e for e in ends if e != last and not self.policy.publishes(e)}
+
+    def _snapshot_hook(self, seq: Sequence, unread: set[int] = frozenset()):
         bt = self.store.block_tokens
         n_layers = self.store.num_layers
 
         def on_layer_done(layer_id: int, end_pos: int) -> None:
-            if end_pos % bt or end_pos <= seq.cache.frozen_until:
+            if end_pos % bt or end_pos <= seq.cache.frozen_until or end_pos in unread:
                 return
             per_layer = seq.pending_snapshots.setdefault(end_pos, {})
             per_layer[layer_id] = self.prefix.capture(seq.cache.slot, layer_id)

@@ -95,13 +95,28 @@ class Attention(nn.Module):
         else:
             kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
                             kv[..., -self.rope_dim:]], -1)
-        rows = self._token_rows(x, qr, freqs, batch)
+        ced = batch.ced
+        ahead = ced is not None and ced.source == self.layer_id   # CED: the compressor ran over every row
+        rows = self._token_rows(x, qr, freqs, batch, compress=not ahead)
 
         o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        for s, seg in enumerate(batch.segments):
-            r = seg.rows
-            o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
-                                        {k: v[r] for k, v in rows.items()}, share)
+        if ahead:
+            full = ced.full
+            for s_full, seg_full in enumerate(full.segments):
+                r = seg_full.rows
+                self._append_global_kv(seg_full.start_pos, seg_full.kv.layer(self.layer_id), ced.comp["kv"][r],
+                                       ced.comp["score"][r] if "score" in ced.comp else None)
+                s = ced.sub_of[s_full]
+                if s is not None:
+                    seg = batch.segments[s]
+                    r = seg.rows
+                    o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
+                                                {k: v[r] for k, v in rows.items()}, share)
+        else:
+            for s, seg in enumerate(batch.segments):
+                r = seg.rows
+                o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
+                                            {k: v[r] for k, v in rows.items()}, share)
         if batch.decode is not None:
             if self.v41:
                 raise NotImplementedError("batched decode over a paged store is not implemented for V4.1 layers")
@@ -113,10 +128,16 @@ class Attention(nn.Module):
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
         return self.wo_b(o.flatten(1))
 
-    def _token_rows(self, x, qr, freqs, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+    def compress_rows(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The compressor's per-token rows of a V4.1 source layer ("kv", and "score" unless ratio 1)
+        from its attention input x [T, dim]: what CED runs over every row of a forward."""
+        kv, score = self.compressor.project(x, positions)
+        return {"kv": kv} if score is None else {"kv": kv, "score": score}
+
+    def _token_rows(self, x, qr, freqs, batch: ForwardBatch, compress: bool = True) -> dict[str, torch.Tensor]:
         """Per-token inputs of the compressed path, computed once for the flat batch."""
         rows: dict[str, torch.Tensor] = {}
-        if self.compressor is not None:
+        if self.compressor is not None and compress:
             rows["comp_kv"], score = self.compressor.project(x, batch.positions)
             if score is not None:
                 rows["comp_score"] = score
@@ -162,6 +183,8 @@ class Attention(nn.Module):
             layer_kv.done(seg.end_pos)
             return out
         prev = layer_kv.window_rows(seg.start_pos)
+        if seg.window_from is not None:   # CED: the rows before window_from were not computed
+            prev = prev[max(0, prev.shape[0] - max(0, seg.start_pos - seg.window_from)):]
         layer_kv.write_window(seg.start_pos, kv)
         keys = torch.cat([prev.to(kv.dtype), kv])
         first_pos = seg.start_pos - prev.shape[0]
@@ -315,18 +338,22 @@ class Attention(nn.Module):
             comp_idx = torch.where(cols.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), cols, -1)
         return entries, comp_idx
 
+    def _append_global_kv(self, start_pos: int, layer_kv: LayerKV, comp_kv, comp_score) -> None:
+        """A V4.1 Full layer: feed one segment's compressor rows, store the entries they complete
+        (global KV and indexer keys)."""
+        state = None if self.compressor.stateless else layer_kv.compressor_state("kv")
+        first, latent = self.compressor.update(state, comp_kv, comp_score, start_pos, self.inv_freq)
+        if latent.shape[0]:
+            starts = torch.arange(first, first + latent.shape[0], device=latent.device) * self.ratio
+            freqs = rope_freqs(starts, self.inv_freq)
+            layer_kv.append_entries("index", first, self.indexer.keys(latent, freqs))
+            layer_kv.append_entries("kv", first, global_kv(latent, freqs))
+
     def _compressed_v41(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows,
                         share: CrossLayerShare):
         """The kv source's entries, selected by this layer's indexer or the last one's top-k."""
-        if self.mode == "full":
-            state = None if self.compressor.stateless else layer_kv.compressor_state("kv")
-            first, latent = self.compressor.update(state, rows["comp_kv"], rows.get("comp_score"), seg.start_pos,
-                                                   self.inv_freq)
-            if latent.shape[0]:
-                starts = torch.arange(first, first + latent.shape[0], device=latent.device) * self.ratio
-                freqs = rope_freqs(starts, self.inv_freq)
-                layer_kv.append_entries("index", first, self.indexer.keys(latent, freqs))
-                layer_kv.append_entries("kv", first, global_kv(latent, freqs))
+        if self.mode == "full" and "comp_kv" in rows:   # (under CED the source's update ran already)
+            self._append_global_kv(seg.start_pos, layer_kv, rows["comp_kv"], rows.get("comp_score"))
         source = seg.kv.layer(self.kv_source)
         n_entries = seg.end_pos // self.ratio
         entries = source.entries("kv", n_entries)

@@ -239,6 +239,10 @@ class Segment:
     start: int
     length: int
     start_pos: int
+    # V4.1 CED (`ced.py`): whether a later step reads the state at end_pos (the next chunk, a
+    # snapshot); and the first position whose window rows exist, where earlier ones were skipped
+    state_read: bool = True
+    window_from: int | None = None
 
     @property
     def rows(self) -> slice:
@@ -264,6 +268,9 @@ class ForwardBatch:
     decode: DecodeGroup | None = None               # rows outside `segments` run batched
     # fixed shapes and no host synchronisation anywhere in the forward (it is captured into a CUDA graph)
     static: bool = False
+    # rows whose outputs the caller reads (None: all); lets V4.1 skip decoder rows (`ced.py`)
+    outputs: list[int] | None = None
+    ced: object = None                              # the CedPlan of a V4.1 decoder sub-batch
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, inv_freq: torch.Tensor, key: object) -> torch.Tensor:
@@ -275,15 +282,15 @@ class ForwardBatch:
         return self._rope[key]
 
     @classmethod
-    def build(cls, items: list[tuple[SequenceKV, int, int]], device=None,
+    def build(cls, items: list[tuple], device=None,
               decode: tuple[DecodeKV, torch.Tensor] | None = None) -> "ForwardBatch":
-        """items: (kv, start_pos, length) per request, in row order. `decode`: a DecodeKV and the
-        positions of its rows, which come after the items' rows."""
+        """items: (kv, start_pos, length[, state_read]) per request, in row order. `decode`: a
+        DecodeKV and the positions of its rows, which come after the items' rows."""
         segments, start, pos = [], 0, []
-        for kv, start_pos, length in items:
+        for kv, start_pos, length, *rest in items:
             if length <= 0:
                 raise ValueError("a segment needs at least one token")
-            segments.append(Segment(kv, start, length, start_pos))
+            segments.append(Segment(kv, start, length, start_pos, *rest))
             pos.append(torch.arange(start_pos, start_pos + length))
             start += length
         group = None

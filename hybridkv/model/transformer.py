@@ -16,6 +16,7 @@ from torch import nn
 
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
+from hybridkv.model import ced
 from hybridkv.model.block import Block
 from hybridkv.model.linear import Linear
 from hybridkv.model.csa2 import CrossLayerShare
@@ -73,6 +74,7 @@ class Transformer(nn.Module):
                               f"implemented; use a config without them")
         c = self.config = config
         self.dtype = dtype
+        self.last_ced: ced.CedPlan | None = None   # the last forward's CED plan (None: every row ran)
         self.single_pass = c.family == "v4.1"
         fmt, expert_fmt = weight_formats(c)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
@@ -98,7 +100,17 @@ class Transformer(nn.Module):
         h = self.embed(input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         pre = identity_pre(h) if self.single_pass else None
         share = CrossLayerShare()
+        plan = ced.plan(self.config, batch) if self.single_pass and after_layer is None else None
+        self.last_ced = plan
         for i, layer in enumerate(self.layers):
+            if plan is not None and i == plan.source:
+                # CED: the source's compressor over every row, the decoder over the plan's rows only
+                x = layer.attn_norm(hc_collapse(h, pre))
+                plan.comp = layer.attn.compress_rows(x, batch.positions)
+                h, pre, input_ids = h[plan.rows], pre[plan.rows], input_ids[plan.rows]
+                share = ced.remap_share(share, plan)
+                batch = plan.batch
+                batch.ced = plan
             if self.single_pass:
                 h, pre = layer.forward_single_pass(h, pre, batch, input_ids, share)
             else:
@@ -110,7 +122,15 @@ class Transformer(nn.Module):
                     h, pre = replaced
                 elif replaced is not None:
                     h = replaced
-        return hc_collapse(out, out_pre) if self.single_pass else out
+        if not self.single_pass:
+            return out
+        y = hc_collapse(out, out_pre)
+        if plan is None:
+            return y
+        plan.comp = {}   # the compressor rows are spent; last_ced keeps only the plan's layout
+        full = y.new_full((plan.full.num_tokens, y.shape[-1]), float("nan"))   # rows not computed: NaN
+        full[plan.rows] = y
+        return full
 
     def logits(self, h: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
         """Rows of `forward`'s output -> float32 logits [N, vocab]. V4: stream rows [N, hc, dim],
