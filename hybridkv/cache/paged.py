@@ -518,9 +518,12 @@ class PagedDecodeKV:
         ring = self.store.ring[layer_id]
         codec = self.store.codec["window"]
         ring[self.slots, self.positions % W] = codec.encode(rows)
-        window_pos = self.positions.unsqueeze(1) - W + 1 + torch.arange(W, device=rows.device)
+        # listed as a one-token segment lists them: from max(0, pos − W + 1) on, positions past the
+        # token (before the window fills) invalid at the end, so the reductions run in the same order
+        pos = self.positions.unsqueeze(1)
+        window_pos = (pos - W + 1).clamp(min=0) + torch.arange(W, device=rows.device)
         keys = codec.decode(ring[self.slots.unsqueeze(1), window_pos % W])
-        return keys, window_pos >= self.window_start.clamp(min=0).unsqueeze(1)
+        return keys, (window_pos >= self.window_start.clamp(min=0).unsqueeze(1)) & (window_pos <= pos)
 
     def kernel_args(self) -> KernelArgs | None:
         """The group's layout for the paged kernels, or None when attention takes the reference path."""

@@ -66,6 +66,9 @@ class EngineConfig:
     speculative: str | None = None       # "mtp": speculative decoding with the MTP block (engine/speculative.py)
     num_speculative_tokens: int = 1      # draft tokens per step with speculative decoding
     ced_prefill: bool = True             # V4.1: decoder layers only over the rows a later step reads (model/ced.py)
+    # decode rows of every request in one batched pass per layer; off: each runs as a one-token
+    # segment (the path batched decode is tested and measured against)
+    batched_decode: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):
@@ -134,6 +137,9 @@ class EngineConfig:
         g.add_argument("--ced-prefill", action=argparse.BooleanOptionalAction, default=d.ced_prefill,
                        help="V4.1: run the decoder layers of a prefill only over the rows whose state or output "
                             "is read later (exact; default: on)")
+        g.add_argument("--batched-decode", action=argparse.BooleanOptionalAction, default=d.batched_decode,
+                       help="run the decode rows of all requests as one batched pass per layer (default: on; off: "
+                            "one-token segments, one request at a time)")
         g.add_argument("--snapshot-bytes", type=_size, default=d.snapshot_bytes,
                        help="memory for window-state snapshots kept for prefix hits (e.g. 256M; default 256M)")
         g.add_argument("--memory-policy", default=d.memory_policy,

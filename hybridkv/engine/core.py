@@ -70,8 +70,7 @@ class EngineCore:
         self.model, self.tokenizer = model, tokenizer
         self.config: ModelConfig = model.config
         self.ec = replace(config) if config is not None else EngineConfig()   # a copy: the caller's stays as given
-        # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it;
-        # decode steps run as one-token segments (the batched decode path is V4's)
+        # V4.1: only the Full (source) layers store compressed KV, read by the layers that share it
         self.v41 = self.config.family == "v4.1"
         self.device = next(model.parameters()).device
         self.memory = parse_policy(self.ec.memory_policy)
@@ -299,12 +298,22 @@ class EngineCore:
         snapshots = self.policy.snapshots and self.prefix.enabled
         items, ids, logit_rows, owners = [], [], [], []
         spans: dict[str, tuple[int, int]] = {}      # request id -> (first row, rows)
-        decodes = [] if self.v41 else [c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
+        decodes = ([c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
+                   if self.ec.batched_decode else [])
         decode_ids = {id(c) for c in decodes}
         row = 0
         ced = self.v41 and self.ec.ced_prefill and hidden is None
+        decode_rows: list[int] = []
         for c in chunks:
             if id(c) in decode_ids:
+                # a decode row keeps its chunk's place in the flat batch: every row-wise op (the GEMMs
+                # included) sees the same rows as when it runs as a one-token segment
+                decode_rows.append(row)
+                ids.append(c.seq.token_ids[c.start])
+                logit_rows.append(row)
+                owners.append(c.seq.request_id)
+                spans[c.seq.request_id] = (row, 1)
+                row += 1
                 continue
             seq = c.seq
             unread = self._unread_boundaries(c) if ced else set()
@@ -336,13 +345,7 @@ class EngineCore:
             on_done = (lambda sc, layer, end: hooks[id(sc)](layer, end)) if snapshots else None
             dkv = PagedDecodeKV(self.store, [c.seq.cache for c in decodes], positions, on_done)
             decode = (dkv, positions)
-            for c in decodes:
-                ids.append(c.seq.token_ids[c.start])
-                logit_rows.append(row)
-                owners.append(c.seq.request_id)
-                spans[c.seq.request_id] = (row, 1)
-                row += 1
-        batch = ForwardBatch.build(items, self.device, decode)
+        batch = ForwardBatch.build(items, self.device, decode, decode_rows)
         if ced:
             batch.outputs = list(logit_rows)
         with torch.inference_mode():

@@ -35,6 +35,9 @@ from hybridkv.ops.indexer_topk import indexer_topk_paged
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
+# the CrossLayerShare key of a forward's decode group (segments use their index)
+DECODE_GROUP = -1
+
 
 def layer_inv_freq(config: ModelConfig, ratio: int) -> torch.Tensor:
     """Compressing layers use compress_rope_theta with YaRN; pure-window layers plain rope_theta."""
@@ -77,6 +80,7 @@ class Attention(nn.Module):
             if self.mode == "csa":
                 self.indexer = Indexer(c, layer_id, fmt, dtype)
         self.kv_pow2 = c.kv_pow2_scales
+        self.indexer_topk = c.index_topk
         self.rope_key = ("compressed" if self.ratio else "window", c.qk_rope_head_dim)
         self.register_buffer("inv_freq", layer_inv_freq(c, self.ratio), persistent=False)
 
@@ -118,10 +122,15 @@ class Attention(nn.Module):
                 o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
                                             {k: v[r] for k, v in rows.items()}, share)
         if batch.decode is not None:
-            if self.v41:
-                raise NotImplementedError("batched decode over a paged store is not implemented for V4.1 layers")
             r = batch.decode.rows
-            o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
+            drows = {k: v[r] for k, v in rows.items()}
+            if self.v41:
+                if ahead:   # CED: the source's compressor rows were computed over the whole forward
+                    full_rows = ced.rows[r]
+                    drows.update({f"comp_{k}": v[full_rows] for k, v in ced.comp.items()})
+                o[r] = self._attend_decode_v41(batch.decode.kv, q[r], kv[r], drows, share)
+            else:
+                o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows)
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -255,12 +264,72 @@ class Attention(nn.Module):
                 sel_ok = torch.arange(comp.shape[1], device=kv.device) < n_entries.unsqueeze(1)
             keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
             valid = torch.cat([valid, sel_ok], dim=1)
-        b, length, _ = keys.shape
-        flat_idx = torch.arange(b * length, device=kv.device).view(b, length)
-        out = sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
-                          self.scale)
-        dkv.done(lid)
+        return self._decode_attention(dkv, q, keys, valid)
+
+    def _decode_attention(self, dkv: DecodeKV, q, keys, valid, widths: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D] over each request's own keys [B, L, D] where `valid` [B, L]. With `widths` [B],
+        row b attends over its first widths[b] columns only (the rest are invalid), rows of one width
+        in one call: the softmax and value sums then run over exactly the columns, in the order, a
+        one-token segment gives them, so the result is the segment's to the bit."""
+        if widths is None or bool((widths == keys.shape[1]).all()):
+            out = self._sparse_rows(q, keys, valid)
+        else:
+            out = q.new_empty(q.shape, dtype=torch.float32)
+            for w in widths.unique().tolist():
+                r = (widths == w).nonzero().squeeze(1)
+                out[r] = self._sparse_rows(q[r], keys[r, :w], valid[r, :w])
+        dkv.done(self.layer_id)
         return out
+
+    def _sparse_rows(self, q, keys, valid) -> torch.Tensor:
+        b, length, _ = keys.shape
+        flat_idx = torch.arange(b * length, device=keys.device).view(b, length)
+        return sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
+                           self.scale)
+
+    def _attend_decode_v41(self, dkv: DecodeKV, q, kv, rows, share: CrossLayerShare) -> torch.Tensor:
+        """V4.1, one token for each of B requests at once (the same math as `_compressed_v41`): a Full
+        layer stores the entries its tokens complete; then the source's entries are selected by this
+        layer's indexer (Full, Reindex) or by the last indexer's top-k of this decode group (Reuse)."""
+        pos = dkv.positions
+        keys, valid = dkv.window(self.layer_id, kv)                        # [B, W, D], [B, W]
+        if self.ratio:
+            if self.mode == "full":
+                self._append_global_kv_decode(dkv, rows)
+            n_entries = (pos + 1) // self.ratio
+            if self.indexer is None:
+                sel = share.topk[DECODE_GROUP]
+            else:
+                index_keys = dkv.entries(self.kv_source, "index", n_entries)        # [B, N, di]
+                pool = share.candidates.get(DECODE_GROUP) if self.indexer.uses_candidates else None
+                sel, published = self.indexer.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
+                if published is not None:
+                    share.candidates[DECODE_GROUP] = published
+                share.topk[DECODE_GROUP] = sel
+            comp = dkv.gather_entries(self.kv_source, "kv", sel.clamp(min=0))
+            # a one-token segment lists min(top-k, visible) entry columns (its selection's width)
+            widths = self.window + n_entries.clamp(max=self.indexer_topk)
+            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
+            valid = torch.cat([valid, sel >= 0], dim=1)
+            return self._decode_attention(dkv, q, keys, valid, widths)
+        return self._decode_attention(dkv, q, keys, valid)
+
+    def _append_global_kv_decode(self, dkv: DecodeKV, rows) -> None:
+        """`_append_global_kv` for a decode group: the requests whose token completes a block store
+        its global KV and indexer keys."""
+        pos = dkv.positions
+        if self.compressor.stateless:
+            which, latent = torch.arange(pos.shape[0], device=pos.device), rows["comp_kv"]
+        else:
+            st_kv, st_score = dkv.compressor_state(self.layer_id, "kv")
+            which, latent = self.compressor.update_decode(st_kv, st_score, rows["comp_kv"], rows["comp_score"], pos,
+                                                          self.inv_freq)
+            dkv.store_compressor_state(self.layer_id, "kv", st_kv, st_score)
+        if which.numel():
+            entry_ids = pos[which] // self.ratio
+            freqs = rope_freqs(entry_ids * self.ratio, self.inv_freq)
+            dkv.append_entries(self.layer_id, "index", which, entry_ids, self.indexer.keys(latent, freqs))
+            dkv.append_entries(self.layer_id, "kv", which, entry_ids, global_kv(latent, freqs))
 
     def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score,
                          write=None) -> None:

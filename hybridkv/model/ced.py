@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.config import ModelConfig
-from hybridkv.model.state import ForwardBatch, Segment
+from hybridkv.model.state import DecodeGroup, ForwardBatch, Segment
 
 
 def decoder_start(config: ModelConfig) -> int | None:
@@ -89,15 +89,16 @@ def _ranges(config: ModelConfig, batch: ForwardBatch, outputs: list[int]) -> lis
 
 def plan(config: ModelConfig, batch: ForwardBatch) -> CedPlan | None:
     """The decoder's rows for this forward, or None where it must run over every row (no outputs
-    declared, V4, a decode group, attention capture)."""
+    declared, V4, attention capture). A decode group's rows are all kept (each is an output and its
+    state is read), after the segments' kept rows."""
     source = decoder_start(config)
-    if source is None or batch.outputs is None or batch.decode is not None or batch.static:
+    if source is None or batch.outputs is None or batch.static:
         return None
     if any(getattr(seg.kv, "capture", None) is not None for seg in batch.segments):
         return None
     ranges = _ranges(config, batch, batch.outputs)
     kept = sum(hi - lo for lo, hi, _ in ranges)
-    if kept == batch.num_tokens:
+    if kept == sum(seg.length for seg in batch.segments):
         return None
     segments: list[Segment] = []
     sub_of: list[int | None] = []
@@ -117,7 +118,19 @@ def plan(config: ModelConfig, batch: ForwardBatch) -> CedPlan | None:
         rows.append(torch.arange(lo, hi))
         out_row += hi - lo
     row_idx = torch.cat(rows).to(batch.positions.device)
-    sub = ForwardBatch(segments, batch.positions[row_idx])
+    decode = None
+    if batch.decode is not None:
+        # the decode rows keep their place among the kept rows (in full-row order), so the decoder's
+        # batch has the rows, in the order, it has when those rows run as one-token segments
+        d_rows = batch.decode.rows.to(row_idx.device)
+        row_idx, order = torch.cat([row_idx, d_rows]).sort()
+        new_row = torch.empty_like(order)
+        new_row[order] = torch.arange(order.numel(), device=order.device)
+        decode = DecodeGroup(new_row[-d_rows.numel():], batch.decode.kv)
+        seg_rows = new_row[:-d_rows.numel()]
+        for seg in segments:
+            seg.start = int(seg_rows[seg.start])
+    sub = ForwardBatch(segments, batch.positions[row_idx], decode)
     return CedPlan(batch, source, row_idx, sub, sub_of, config.num_hidden_layers - source)
 
 
@@ -135,6 +148,10 @@ def remap_share(share, p: CedPlan):
             out.topk[s] = share.topk[s_full][local]
         if s_full in share.candidates:
             out.candidates[s] = share.candidates[s_full][local]
+    from hybridkv.model.attention import DECODE_GROUP   # the decode group's rows are all kept, in order
+    for src, dst in ((share.topk, out.topk), (share.candidates, out.candidates)):
+        if DECODE_GROUP in src:
+            dst[DECODE_GROUP] = src[DECODE_GROUP]
     return out
 
 

@@ -82,6 +82,20 @@ class LatentIndexer(nn.Module):
             scores = scores.masked_fill(~pool, float("-inf"))
         return causal_topk(scores, visible, self.topk, by_position=True), published
 
+    def select_batched(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                       pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`select` for B requests that decode one token each: q [B, heads, d], w [B, heads], each
+        request's own keys [B, N, d] (rows past its visible entries are ignored)."""
+        visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
+        scores = (torch.einsum("bhd,bnd->bhn", q.float(), keys.float()).relu_() * w.float().unsqueeze(-1)).sum(1)
+        scores = mask_invisible(scores, visible)
+        published = None
+        if self.is_candidate_source:
+            published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
+        elif pool is not None:
+            scores = scores.masked_fill(~pool, float("-inf"))
+        return causal_topk(scores, visible, self.topk, by_position=True), published
+
 
 def global_kv(latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """The stored form of new global KV entries: RoPE at the block's first position, then FP4 in

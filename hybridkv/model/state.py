@@ -181,8 +181,8 @@ class DecodeKV(Protocol):
     positions: torch.Tensor  # [B] long: the position each row's token sits at
 
     def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record the new rows [B, D]; return the window keys [B, W, D] (oldest first, ending with the
-        new row) and their validity [B, W]."""
+        """Record the new rows [B, D]; return the window keys [B, W, D] of positions max(0, p − W + 1)
+        onwards (oldest first, as `Attention._attend_segment` lists them) and their validity [B, W]."""
 
     def compressor_state(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the rows' compressor states (kv, score) [B, rows, width]."""
@@ -282,23 +282,38 @@ class ForwardBatch:
         return self._rope[key]
 
     @classmethod
-    def build(cls, items: list[tuple], device=None,
-              decode: tuple[DecodeKV, torch.Tensor] | None = None) -> "ForwardBatch":
+    def build(cls, items: list[tuple], device=None, decode: tuple[DecodeKV, torch.Tensor] | None = None,
+              decode_rows: list[int] | None = None) -> "ForwardBatch":
         """items: (kv, start_pos, length[, state_read]) per request, in row order. `decode`: a
-        DecodeKV and the positions of its rows, which come after the items' rows."""
-        segments, start, pos = [], 0, []
+        DecodeKV and the positions of its rows, which sit at `decode_rows` of the flat batch (default:
+        after the items' rows; the items fill the other rows in order, each contiguously)."""
+        n_dec = 0 if decode is None else int(decode[1].numel())
+        total = sum(it[2] for it in items) + n_dec
+        if decode_rows is None:
+            decode_rows = list(range(total - n_dec, total))
+        if len(decode_rows) != n_dec or sorted(set(decode_rows)) != sorted(decode_rows) \
+                or any(not 0 <= r < total for r in decode_rows):
+            raise ValueError(f"decode_rows {decode_rows} must be {n_dec} distinct rows of the {total}-row batch")
+        taken = set(decode_rows)
+        segments, pos, row = [], [None] * total, 0
         for kv, start_pos, length, *rest in items:
             if length <= 0:
                 raise ValueError("a segment needs at least one token")
-            segments.append(Segment(kv, start, length, start_pos, *rest))
-            pos.append(torch.arange(start_pos, start_pos + length))
-            start += length
+            while row in taken:
+                row += 1
+            if any(r in taken for r in range(row, row + length)):
+                raise ValueError(f"decode row inside the segment at rows [{row}, {row + length})")
+            segments.append(Segment(kv, row, length, start_pos, *rest))
+            for i in range(length):
+                pos[row + i] = start_pos + i
+            row += length
         group = None
         if decode is not None:
             dkv, dpos = decode
-            group = DecodeGroup(torch.arange(start, start + dpos.numel(), device=device), dkv)
-            pos.append(dpos.cpu())
-        return cls(segments, torch.cat(pos).to(device), group)
+            for r, p in zip(decode_rows, dpos.tolist()):
+                pos[r] = p
+            group = DecodeGroup(torch.tensor(decode_rows, dtype=torch.long, device=device), dkv)
+        return cls(segments, torch.tensor(pos, dtype=torch.long).to(device), group)
 
     @property
     def num_tokens(self) -> int:
