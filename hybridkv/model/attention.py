@@ -14,6 +14,12 @@ Two ways to the same math. Where the request's store offers the paged kernels (V
 ring, the token's own row and the selected entries where they live, in their stored format. The
 reference path gathers and decodes the rows first (CPU, V4.1, memory policies that keep entries
 off the device, the random-indexer ablation, attention-mass capture).
+
+V4.1 batched decode (`_attend_decode_v41`) computes what a one-token segment computes, to the bit,
+not within a tolerance: V4.1's FP4/FP8 round trips turn a float32 round-off difference into a
+whole quantisation step wherever a value sits near a rounding midpoint. So a decode row keeps its
+place in the flat batch (the engine and `ced.plan`), the window is listed as a segment lists it,
+and a row attends over exactly its selection's width (min(top-k, visible entries)).
 """
 
 from __future__ import annotations
