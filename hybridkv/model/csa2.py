@@ -74,13 +74,7 @@ class LatentIndexer(nn.Module):
         """Top-k entry ids [T, k] in position order (−1 = unused), and the candidate pool this
         layer publishes (candidate source only). `pool` restricts the choice (Reindex layers)."""
         visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
-        scores = mask_invisible(index_scores(q, w, keys), visible)
-        published = None
-        if self.is_candidate_source:
-            published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
-        elif pool is not None:
-            scores = scores.masked_fill(~pool, float("-inf"))
-        return causal_topk(scores, visible, self.topk, by_position=True), published
+        return self._choose(mask_invisible(index_scores(q, w, keys), visible), visible, pool)
 
     def select_batched(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                        pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,7 +82,11 @@ class LatentIndexer(nn.Module):
         request's own keys [B, N, d] (rows past its visible entries are ignored)."""
         visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
         scores = (torch.einsum("bhd,bnd->bhn", q.float(), keys.float()).relu_() * w.float().unsqueeze(-1)).sum(1)
-        scores = mask_invisible(scores, visible)
+        return self._choose(mask_invisible(scores, visible), visible, pool)
+
+    def _choose(self, scores: torch.Tensor, visible: torch.Tensor,
+                pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Masked scores -> (top-k ids in position order, the published candidate pool or None)."""
         published = None
         if self.is_candidate_source:
             published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
