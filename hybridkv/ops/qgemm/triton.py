@@ -40,29 +40,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _dot_dtype():
-    return tl.float32 if _interpreting() else tl.bfloat16
-
-
 @triton.jit
 def _act_scales(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
     """Per-row power-of-two scale and its inverse for the FP8 round trip, from each row's amax."""
     t = tl.maximum(amax, FLOOR) * (1.0 / QMAX)
     s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
     return s_bits.to(tl.float32, bitcast=True), (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _act_round(x, s, inv, QMAX: tl.constexpr):
-    return _e4m3_round(tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)) * s[:, None]
-
-
-@triton.jit
-def _act_quant(x, FLOOR: tl.constexpr, QMAX: tl.constexpr):
-    """Each row of x [R, block] through the FP8 round trip with a power-of-two scale (as
-    `hybridkv.ops.quant.triton.fp8_round_trip_kernel`)."""
-    s, inv = _act_scales(tl.max(tl.abs(x), 1), FLOOR, QMAX)
-    return _act_round(x, s, inv, QMAX)
 
 
 @triton.jit
