@@ -192,7 +192,7 @@ def worker(a) -> None:
     pool = sum(eng.store.nbytes_by_kind().values())
     ckpt = json.loads((Path(a.ckpt) / INDEX_FILE).read_text())["metadata"]["total_size"]
     kernels = {}
-    if cuda and a.path == "packed" and os.environ.get("HYBRIDKV_GROUPED_FP4") == "1":
+    if cuda and a.path == "packed" and os.environ.get("HYBRIDKV_GROUPED_FP4") != "0":
         from hybridkv.ops.qgemm import scaled
         from hybridkv.ops.qgemm import triton as qk
         kernels = dict(fp4_dot=qk.fp4_dot_report(torch.device(a.device)), scaled_mm=scaled.layout(torch.device(a.device))[1])
@@ -352,9 +352,9 @@ def main() -> int:
     ap.add_argument("--million", action="store_true", help="also decode at 1M tokens with batch 1")
     ap.add_argument("--prefill", default="16k,128k")
     ap.add_argument("--paths", default="packed,dense", help="packed and/or dense (HYBRIDKV_DENSE_WEIGHTS=1)")
-    ap.add_argument("--grouped-fp4", action="store_true",
-                    help="packed path: run the grouped FP4 expert kernels on CUDA (HYBRIDKV_GROUPED_FP4=1; off by "
-                         "default until they pass tests/gpu), else the experts use dense copies")
+    ap.add_argument("--dense-experts", action="store_true",
+                    help="packed path: FP4 experts from dense bf16 copies instead of the grouped FP4 kernels "
+                         "(HYBRIDKV_GROUPED_FP4=0)")
     ap.add_argument("--dense-layers", type=int, default=None,
                     help="serve only the first N blocks on the dense path (its bf16 expert copies are 4x the FP4)")
     ap.add_argument("--steps", type=int, default=16)
@@ -383,8 +383,8 @@ def main() -> int:
         if path not in ("packed", "dense"):
             ap.error(f"--paths: unknown path {path!r} (packed, dense)")
         env = {**os.environ, "HYBRIDKV_DENSE_WEIGHTS": "1" if path == "dense" else "0"}
-        if path == "packed" and a.grouped_fp4:
-            env["HYBRIDKV_GROUPED_FP4"] = "1"
+        if path == "packed" and a.dense_experts:
+            env["HYBRIDKV_GROUPED_FP4"] = "0"
         cmd = [sys.executable, __file__, "--worker", path] + [x for x in sys.argv[1:]]
         if path == "dense" and a.dense_layers:
             cmd += ["--ckpt", first_layers_view(a.ckpt, a.dense_layers)]
@@ -393,6 +393,8 @@ def main() -> int:
             if line.startswith("ROW "):
                 rows.append(json.loads(line[4:]))
                 print(line[4:].strip()[:400], flush=True)
+                if a.json:      # after every row, so that a run stopped early keeps what it measured
+                    Path(a.json).write_text(json.dumps(rows, indent=1))
             else:
                 print(line, end="", flush=True)
         if proc.wait():

@@ -116,8 +116,11 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
          for n_out, n_in in ((inter, dim), (inter, dim), (dim, inter))]
     tables = grouped_moe.expert_tables(*w)
     per_expert = 3 * (inter * dim // 2 + inter * dim // 32)
-    print("\n| tokens | experts selected | ms | GB/s (selected experts) | TFLOP/s | up ms | down ms |")
-    print("|---|---|---|---|---|---|---|")
+    if cuda:
+        print(f"\ngrouped FP4 multiplies with: {kernels.fp4_dot_report(torch.device(dev))}")
+    modes = "".join(f" up / down ms, {kernels.FP4_DOT_NAMES[m]} |" for m in a.fp4_dots)
+    print(f"\n| tokens | experts selected | ms | GB/s (selected experts) | TFLOP/s | up ms | down ms |{modes}")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(a.fp4_dots))
     g = torch.Generator(device=dev).manual_seed(0)
     for t in a.tokens:
         x = torch.randn(t, dim, device=dev, generator=g).to(torch.bfloat16 if cuda else torch.float32)
@@ -131,19 +134,22 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         tok = sort.token.int()
         xq = fp8_round_trip(x, 128)
 
-        def up(cfg=None):
+        def up(cfg=None, mode=None):
             cfg = cfg or kernels.grouped_config(p, inter)
             return kernels.grouped_fp4(xq, tok, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w1, tables.s1), inter,
-                                       x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg)
+                                       x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg,
+                                       fp4_dot=mode)
         h = up()
 
-        def down(cfg=None):
+        def down(cfg=None, mode=None):
             cfg = cfg or kernels.grouped_config(p, dim)
             return kernels.grouped_fp4(h, None, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w2, tables.s2), dim,
-                                       x.dtype, config=cfg)
+                                       x.dtype, config=cfg, fp4_dot=mode)
         t_up, t_down = bench(up, cuda), bench(down, cuda)
+        by_mode = "".join(f" {bench(lambda m=m: up(mode=m), cuda):.4f} / {bench(lambda m=m: down(mode=m), cuda):.4f} |"
+                          for m in a.fp4_dots)
         print(f"| {t} | {sel} | {ms:.4f} | {sel * per_expert / ms / 1e6:.0f} | "
-              f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |", flush=True)
+              f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |{by_mode}", flush=True)
         if a.sweep and t in a.sweep_rows:
             for name, fn in (("up", up), ("down", down)):
                 best = []
@@ -166,7 +172,10 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--fp4-dots", default="", help="also time the grouped launches with each of these "
+                    "FP4_DOT modes (e.g. 0,1), beside the one the device check chose")
     a = ap.parse_args()
+    a.fp4_dots = [int(m) for m in a.fp4_dots.split(",") if m]
     a.rows = [int(r) for r in a.rows.split(",")]
     a.tokens = [int(r) for r in a.tokens.split(",")]
     a.sweep_rows = [int(r) for r in a.sweep_rows.split(",")]

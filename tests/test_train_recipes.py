@@ -151,7 +151,7 @@ def test_prose_recipes_put_half_of_each_real_text_familys_rows_over_real_prose()
     weight of every family with a real-text variant to that variant, and nothing else."""
     r, v41 = get_recipe("tiny-v4-prose"), get_recipe("tiny-v41-prose")
     assert r.base == "tiny-v4-long" and r.hex_chars and not r.adds_hex_chars and r.realtext_share == 0.5
-    assert (r.steps, r.stages[-1].seq_len) == (850, 32768)
+    assert (r.steps, r.stages[-1].seq_len) == (600, 32768)
     for recipe in (r, v41):
         for s in recipe.stages:
             plain, mixed = s.tasks or recipe.task_weights, recipe.task_mix(s.until - 1)

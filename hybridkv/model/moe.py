@@ -4,12 +4,11 @@ V4.1's gate divides the logits by `gate_temp` and normalises the weights with a 
 multimodal V4.1 checkpoint also carries `bias_vl`, the selection bias of image tokens (the text
 path never uses it).
 
-Routed experts run three ways: with the grouped kernels on (FP4 experts; on CUDA only with
-`HYBRIDKV_GROUPED_FP4=1` until they pass their GPU test, see `grouped_moe.cuda_kernel_enabled`),
-two grouped launches over the tokens sorted by expert that read the packed weights (no host
-synchronisation, so also inside the decode CUDA graph); otherwise one GEMM per expert that has
-tokens (the reference, host-synchronising), or in captured forwards `_routed_static` over dense
-expert weights. Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
+Routed experts run three ways: with the grouped kernels on (FP4 experts; on CUDA unless
+`HYBRIDKV_GROUPED_FP4=0`, see `grouped_moe.cuda_kernel_enabled`), two grouped launches over the
+tokens sorted by expert that read the packed weights (no host synchronisation, so also inside the
+decode CUDA graph); otherwise one GEMM per expert that has tokens (the reference,
+host-synchronising), or in captured forwards `_routed_static` over dense expert weights. Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
 
 from __future__ import annotations
 
@@ -96,9 +95,8 @@ def _warn_dense_experts() -> None:
     global _WARNED
     if not _WARNED:
         _WARNED = True
-        warnings.warn("FP4 routed experts on CUDA run from dense bf16 copies (4x their packed bytes): the grouped "
-                      "FP4 kernels are off on CUDA until they pass tests/gpu (HYBRIDKV_GROUPED_FP4=1 runs them)",
-                      stacklevel=3)
+        warnings.warn("FP4 routed experts on CUDA run from dense bf16 copies (4x their packed bytes): "
+                      "HYBRIDKV_GROUPED_FP4=0 turned the grouped FP4 kernels off", stacklevel=3)
 
 
 class MoE(nn.Module):

@@ -4,7 +4,7 @@ the connection limits uvicorn lacks.
 uvicorn's h11 protocol closes an idle keep-alive connection after `timeout_keep_alive`, but never
 one that has not finished sending its headers or its body (it cancels the keep-alive timer on
 the first byte), and it accepts every connection until the process runs out of file descriptors.
-`LimitedH11Protocol` adds, per connection:
+`hybridkv.server.connections.LimitedH11Protocol` adds, per connection:
 - a header deadline, armed when the connection opens (or the first byte of a next request
   arrives) and cancelled once the request's headers are complete;
 - a body deadline, re-armed on every chunk of a request body (not while the app itself holds
@@ -23,16 +23,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from hybridkv.errors import ConfigError
 
 log = logging.getLogger("hybridkv.server")
 
 FD_RESERVE = 64          # descriptors kept for the model files, tier files, logs and the listening socket
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"connection: close\r\ncontent-length: 27\r\n\r\ntoo many open connections\r\n")
 
 
 @dataclass
@@ -63,85 +58,6 @@ def fd_capped(max_connections: int) -> int:
                     "reserve): using %d; raise the limit to allow more", max_connections, soft, FD_RESERVE, room)
         return room
     return max_connections
-
-
-class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with header/body deadlines and a cap on open connections. The
-    limits are read from `config.hybridkv_limits` (set by `uvicorn_config`)."""
-
-    def __init__(self, config, server_state, app_state, _loop=None):
-        super().__init__(config, server_state, app_state, _loop)
-        self.limits: ListenLimits = config.hybridkv_limits
-        self._deadline: object = None      # asyncio.TimerHandle of the armed header/body deadline
-        self._deadline_kind: str | None = None
-        self._refused = False
-
-    def connection_made(self, transport) -> None:
-        if len(self.connections) >= self.limits.max_connections:
-            self._refused = True
-            self.transport = transport
-            transport.write(_REFUSAL)
-            transport.close()
-            log.warning("refused a connection: %d connections are open (--max-connections)", len(self.connections))
-            return
-        super().connection_made(transport)
-        self._arm("header", self.limits.timeout_header)
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        super().data_received(data)
-        self._follow_state()
-
-    def connection_lost(self, exc) -> None:
-        self._disarm()
-        if self._refused:
-            self.connections.discard(self)
-            return
-        super().connection_lost(exc)
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()   # arms uvicorn's keep-alive timer for the next request
-        self._disarm()
-
-    # ----- deadlines -----
-    def _follow_state(self) -> None:
-        """After a chunk of input: headers still incomplete -> keep (or arm) the header deadline;
-        inside a body -> restart the body deadline; otherwise none."""
-        state = self.conn.their_state
-        if state is h11.IDLE and not self.transport.is_closing():
-            if self._deadline_kind != "header":
-                self._arm("header", self.limits.timeout_header)
-        elif state is h11.SEND_BODY:
-            self._arm("body", self.limits.timeout_body)
-        else:
-            self._disarm()
-
-    def _arm(self, kind: str, seconds: float) -> None:
-        self._disarm()
-        self._deadline_kind = kind
-        self._deadline = self.loop.call_later(seconds, self._expired, kind)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline, self._deadline_kind = None, None
-
-    def _expired(self, kind: str) -> None:
-        self._deadline, self._deadline_kind = None, None
-        if self.transport.is_closing():
-            return
-        if kind == "body" and self.flow is not None and self.flow.read_paused:
-            self._arm("body", self.limits.timeout_body)    # the app is not reading: not the client's fault
-            return
-        state = self.conn.their_state
-        if (kind == "header" and state is h11.IDLE) or (kind == "body" and state is h11.SEND_BODY):
-            log.debug("closing a connection that did not send its %s in time",
-                      "headers" if kind == "header" else "body")
-            if self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.disconnected = True
-                self.cycle.message_event.set()
-            self.transport.close()
 
 
 class RateLimitFilter(logging.Filter):
@@ -202,6 +118,8 @@ def uvicorn_config(app, limits: ListenLimits | None = None, *, host: str = "127.
     """The uvicorn.Config of the server: our protocol, its limits, keep-alive, and a backlog no
     larger than the connection cap."""
     import uvicorn
+
+    from hybridkv.server.connections import LimitedH11Protocol
 
     limits = limits or ListenLimits()
     cap = fd_capped(limits.max_connections)

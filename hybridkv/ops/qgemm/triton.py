@@ -342,10 +342,16 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     if p == 0:
         return y
     swiglu = w3 is not None
+    mode = fp4_dot_mode(x.device) if fp4_dot is None else fp4_dot
+    if mode > 0:
+        # Triton 3.6's software pipelining of `tl.dot_scaled` reads wrong weights when their
+        # address comes from a table (rel err 1.3 from num_stages=2 on, on the H200; right with
+        # a kernel-argument pointer or num_stages=1)
+        cfg["num_stages"] = 1
     grid = (tiles[0].shape[0], triton.cdiv(n, cfg["BN"]))
     grouped_fp4_kernel[grid](
         x, rows if rows is not None else tiles[0], *tiles, w1[0], w1[1], *(w3 if swiglu else w1),
         route if swiglu else x, y, n, k, k // 2, k // FP4_BLOCK, x.stride(0), float(limit), GATHER=rows is not None,
         SWIGLU=swiglu,
-        FP4_DOT=fp4_dot_mode(x.device) if fp4_dot is None else fp4_dot, BK=SCALE_BLOCK, **cfg)
+        FP4_DOT=mode, BK=SCALE_BLOCK, **cfg)
     return y
