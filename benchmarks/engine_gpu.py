@@ -210,16 +210,22 @@ def worker(a) -> None:
         while warm.first_token_time is None:
             eng.step()
         eng.abort(warm.request_id)
-    for n in prefills:
-        seq = eng.add_request(prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
-
-        def run():
-            while seq.first_token_time is None:
-                eng.step()
-        t = time.perf_counter()
-        busy, gemm, top, _ = device_ms(run, cuda)
-        wall = time.perf_counter() - t
+    def prefill(ids):
+        seq = eng.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        while seq.first_token_time is None:
+            eng.step()
         eng.abort(seq.request_id)
+
+    for n in prefills:
+        # wall time from a run without the profiler (which adds tens of microseconds to every
+        # launch it records); device time from a second run of the same prompt under it
+        ids = prompt(n)
+        t = time.perf_counter()
+        prefill(ids)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        busy, gemm, top, _ = device_ms(lambda: prefill(ids), cuda)
         emit(dict(kind="prefill", path=a.path, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy, gemm_ms=gemm,
                   linear_tflops=flops_tok * n / (gemm * 1e-3) / 1e12 if gemm else None, top=top))
     for b, ctx in cells:

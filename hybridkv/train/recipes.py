@@ -250,8 +250,9 @@ _CONTINUATIONS = {
                                                      (700, 16384, 2)), seed=14, lr=3e-4, next_document=128,
                                   **_ON_HEXSPLIT_FILLER),
 }
-# trained once (2026-12-02, not shipped: docs/training-log.md): continues the shipped model, the weight average of tiny-v4-anypos and tiny-v4-long
-# (same model and tokenizer as tiny-v4-long's export, so its `base` is tiny-v4-long). Half of every
+# trained once (2026-12-02, not shipped: docs/training-log.md): continues the shipped model, the
+# weight average of tiny-v4-anypos and tiny-v4-long (same model and tokenizer as tiny-v4-long's
+# export, so its `base` is tiny-v4-long). Half of every
 # needle family's rows over real prose, at 2K to 32K (the real-text bars go to 32K); multi-key
 # weighted up for its 8K bar
 _PROSE_CONTINUATIONS = {
