@@ -154,8 +154,9 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             for name, fn in (("up", up), ("down", down)):
                 best = []
                 bm = kernels.grouped_config(p, inter)["BM"]
-                for bn, warps, stages in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4]):
-                    cfg = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+                # num_stages is 1 whatever is asked where the kernel multiplies with tl.dot_scaled
+                for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256, 512], [2, 4, 8], [1, 3]):
+                    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                     try:
                         best.append((bench(lambda c=cfg: fn(c), cuda), cfg))
                     except Exception as e:  # out of resources: not a candidate

@@ -95,6 +95,28 @@ def test_grouped_fp4_prefill_tiles_and_clamping():
     assert rel_rms(want, got) < TOL
 
 
+@pytest.mark.parametrize("bk", [256, 512])
+def test_grouped_fp4_deeper_k_steps_give_the_same_product(bk):
+    """A config's BK (inputs per loop iteration) changes how the K loop is cut, not the result:
+    one expert's 20 rows (two row tiles) × a packed [128 × 512] weight against torch, and a BK
+    that does not divide K is refused."""
+    from hybridkv.ops.quant import dequant_fp4_weight
+    g = torch.Generator().manual_seed(bk)
+    n, k, p = 128, 512, 20
+    w = torch.randint(-128, 128, (n, k // 2), generator=g, dtype=torch.int8)
+    s = torch.randint(118, 128, (n, k // 32), generator=g).to(torch.uint8)
+    x = reference.act_quant_sim(torch.randn(p, k, generator=g), 128)
+    tables = (torch.tensor([w.data_ptr()]), torch.tensor([s.data_ptr()]))
+    tiles = (torch.zeros(2, dtype=torch.int32), torch.tensor([0, 16], dtype=torch.int32),
+             torch.tensor([16, p], dtype=torch.int32))
+    got = kernels.grouped_fp4(x, None, tiles, tables, n, torch.float32,
+                              config=dict(BM=16, BN=64, BK=bk, num_warps=4, num_stages=1))
+    want = x.double() @ dequant_fp4_weight(w, s.view(torch.float8_e8m0fnu), 32, torch.float64).t()
+    assert rel_rms(want, got) < TOL
+    with pytest.raises(ValueError, match="BK 384"):
+        kernels.grouped_fp4(x, None, tiles, tables, n, torch.float32, config=dict(BM=16, BN=64, BK=384))
+
+
 def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
     """With the kernels switched on (HYBRIDKV_KERNELS=triton, the interpreter standing in for CUDA)
     the MoE takes the grouped path and FP8 linears the packed GEMM, and no dense copy of a weight is

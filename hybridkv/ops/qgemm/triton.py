@@ -320,7 +320,8 @@ def _check_fp4_dot(device: torch.device) -> tuple[int, str]:
 
 def grouped_config(pairs: int, n: int) -> dict:
     """Row tile and column tile of the grouped FP4 GEMM: decode (a row or two per expert) wants small
-    row tiles and many column programs; prefill 64-row tiles."""
+    row tiles and many column programs; prefill 64-row tiles. A config may also set BK, the inputs
+    one loop iteration multiplies (a multiple of 128 dividing K; 128 when absent)."""
     if pairs <= 512:
         return dict(BM=16, BN=64, num_warps=4, num_stages=3)
     return dict(BM=64, BN=128, num_warps=8, num_stages=3)
@@ -342,6 +343,9 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     if p == 0:
         return y
     swiglu = w3 is not None
+    bk = cfg.pop("BK", SCALE_BLOCK)
+    if bk % SCALE_BLOCK or k % bk or bk & (bk - 1):
+        raise ValueError(f"grouped FP4: BK {bk} must be a power-of-two multiple of {SCALE_BLOCK} dividing K = {k}")
     mode = fp4_dot_mode(x.device) if fp4_dot is None else fp4_dot
     if mode > 0:
         # Triton 3.6's software pipelining of `tl.dot_scaled` reads wrong weights when their
@@ -353,5 +357,5 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
         x, rows if rows is not None else tiles[0], *tiles, w1[0], w1[1], *(w3 if swiglu else w1),
         route if swiglu else x, y, n, k, k // 2, k // FP4_BLOCK, x.stride(0), float(limit), GATHER=rows is not None,
         SWIGLU=swiglu,
-        FP4_DOT=mode, BK=SCALE_BLOCK, **cfg)
+        FP4_DOT=mode, BK=bk, **cfg)
     return y
