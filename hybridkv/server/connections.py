@@ -9,8 +9,6 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hybridkv.server.limits import ListenLimits
-
 log = logging.getLogger("hybridkv.server")
 
 _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -23,7 +21,7 @@ class LimitedH11Protocol(H11Protocol):
 
     def __init__(self, config, server_state, app_state, _loop=None):
         super().__init__(config, server_state, app_state, _loop)
-        self.limits: ListenLimits = config.hybridkv_limits
+        self.limits = config.hybridkv_limits         # a hybridkv.server.limits.ListenLimits
         self._deadline: object = None      # asyncio.TimerHandle of the armed header/body deadline
         self._deadline_kind: str | None = None
         self._refused = False
