@@ -16,9 +16,11 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   pool's.
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
   (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill).
+- `--paths hf`: the same cells through HF transformers' `DeepseekV4ForCausalLM` on the same
+  checkpoint (bf16, its own cache); an import, load or out-of-memory failure is reported as such.
 
     python benchmarks/engine_gpu.py --ckpt /tmp/v4flash-8 [--layers 8] [--batches 1,8,64]
-        [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense] [--steps 16]
+        [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense,hf] [--steps 16]
         [--json OUT]
     python benchmarks/engine_gpu.py --smoke       # a tiny model on the CPU: checks the script runs
 
@@ -256,6 +258,91 @@ def worker(a) -> None:
                   reserved_bytes=torch.cuda.memory_reserved()))
 
 
+def hf_worker(a) -> None:
+    """The same cells through HF transformers' `DeepseekV4ForCausalLM` on the same checkpoint
+    (bf16 on CUDA, its own KV cache, greedy): memory after loading, prefill, decode wall and
+    device time. What fails (the import, the load, a cell out of memory) is a row saying why."""
+    cuda = a.device.startswith("cuda")
+    try:
+        import transformers
+        cls = transformers.DeepseekV4ForCausalLM
+    except (ImportError, AttributeError) as e:
+        emit(dict(kind="unavailable", path="hf", why=f"{type(e).__name__}: {e}"))
+        return
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    transformers.logging.set_verbosity_error()
+    try:
+        model = cls.from_pretrained(a.ckpt, dtype=torch.bfloat16 if cuda else torch.float32,
+                                    device_map=a.device).eval()
+    except Exception as e:  # what this transformers cannot load is the finding
+        emit(dict(kind="unavailable", path="hf", why=f"transformers {transformers.__version__} cannot load it: "
+                                                      f"{type(e).__name__}: {str(e)[:300]}"))
+        return
+    ckpt = json.loads((Path(a.ckpt) / INDEX_FILE).read_text())["metadata"]["total_size"]
+    emit(dict(kind="memory", path="hf", layers=model.config.num_hidden_layers, kernels={"transformers":
+              transformers.__version__}, checkpoint_bytes=ckpt, kv_pool_bytes=0,
+              after_load_bytes=torch.cuda.memory_allocated() - base if cuda else None))
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def ids(b, n):
+        return torch.randint(2, vocab, (b, n), generator=g).to(a.device)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    batches = [int(b) for b in a.batches.split(",")]
+    contexts = [_parse_count(c) for c in a.contexts.split(",")]
+    cells = [(b, c) for b in batches for c in contexts if not a.max_tokens or b * c <= a.max_tokens]
+    with torch.inference_mode():
+        for n in [_parse_count(c) for c in a.prefill.split(",")] if a.prefill else []:
+            x = ids(1, n)
+            try:
+                t = time.perf_counter()
+                model(x, use_cache=False)
+                sync()
+                wall = time.perf_counter() - t
+                busy, gemm, top, _ = device_ms(lambda: model(x, use_cache=False), cuda)
+            except torch.OutOfMemoryError as e:
+                emit(dict(kind="unavailable", path="hf", why=f"prefill {n}: out of memory ({str(e)[:120]})"))
+                continue
+            emit(dict(kind="prefill", path="hf", tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy,
+                      gemm_ms=gemm, linear_tflops=None, top=top))
+        for b, ctx in cells:
+            try:
+                out = model(ids(b, ctx), use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+                def steps(k):
+                    nonlocal cache, nxt
+                    times = []
+                    for _ in range(k):
+                        t = time.perf_counter()
+                        out = model(nxt, past_key_values=cache, use_cache=True)
+                        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                        sync()
+                        times.append(time.perf_counter() - t)
+                    return times
+                steps(WARM_STEPS)
+                wall = statistics.median(steps(a.steps))
+                busy, _, top, fams = device_ms(lambda: steps(a.steps), cuda)
+            except torch.OutOfMemoryError as e:
+                emit(dict(kind="unavailable", path="hf", why=f"B={b} x {ctx}: out of memory ({str(e)[:120]})"))
+                continue
+            dev = busy / a.steps if busy is not None else None
+            emit(dict(kind="decode", path="hf", batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
+                      device_ms=dev, must_read_bytes=None, experts_selected=None, bytes_ms=None, ratio=None,
+                      wall_over_device=1e3 * wall / dev if dev else None, top=top,
+                      families={k: v / a.steps for k, v in fams.items()}))
+            del cache, out
+    if cuda:
+        emit(dict(kind="peak", path="hf", peak_bytes=torch.cuda.max_memory_allocated() - base,
+                  reserved_bytes=torch.cuda.memory_reserved()))
+
+
 def emit(row: dict) -> None:
     print("ROW " + json.dumps(row), flush=True)
 
@@ -325,7 +412,7 @@ def report(rows: list[dict], a) -> None:
         if r["kind"] == "decode":
             print(f"| {r['path']} | {r['batch']} | {r['context']:,} | {r['tok_s']:.1f} | {r['wall_ms']:.2f} | "
                   f"{fmt(r['device_ms'])} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
-                  f"{r['bytes_ms']:.3f} | {fmt(r['ratio'])} | {r['experts_selected']} |")
+                  f"{fmt(r['bytes_ms'], '.3f')} | {fmt(r['ratio'])} | {fmt(r['experts_selected'], 'd')} |")
     print("\nDevice ms of one decode step by operator family:\n")
     for r in rows:
         if r["kind"] == "decode" and r.get("families"):
@@ -337,6 +424,9 @@ def report(rows: list[dict], a) -> None:
         if r["kind"] == "prefill":
             print(f"| {r['path']} | {r['tokens']:,} | {r['tok_s']:.0f} | {fmt(r['device_ms'], '.1f')} | "
                   f"{fmt(r['gemm_ms'], '.1f')} | {fmt(r['linear_tflops'], '.0f')} |")
+    for r in rows:
+        if r["kind"] == "unavailable":
+            print(f"- {r['path']}: {r['why']}")
     print("\n| path | blocks | checkpoint | KV pool | after load | peak | peak − (checkpoint + pool) |")
     print("|---|---|---|---|---|---|---|")
     for path in dict.fromkeys(r["path"] for r in rows):
@@ -357,7 +447,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="4k,128k")
     ap.add_argument("--million", action="store_true", help="also decode at 1M tokens with batch 1")
     ap.add_argument("--prefill", default="16k,128k")
-    ap.add_argument("--paths", default="packed,dense", help="packed and/or dense (HYBRIDKV_DENSE_WEIGHTS=1)")
+    ap.add_argument("--paths", default="packed,dense", help="packed, dense (HYBRIDKV_DENSE_WEIGHTS=1) and/or hf "
+                    "(HF transformers' DeepseekV4ForCausalLM)")
     ap.add_argument("--dense-experts", action="store_true",
                     help="packed path: FP4 experts from dense bf16 copies instead of the grouped FP4 kernels "
                          "(HYBRIDKV_GROUPED_FP4=0)")
@@ -381,13 +472,13 @@ def main() -> int:
         ap.error("--ckpt DIR is required (the checkpoint is written there once and reused)")
     if a.worker:
         a.path = a.worker
-        worker(a)
+        (hf_worker if a.path == "hf" else worker)(a)
         return 0
     ensure_checkpoint(a)
     rows = []
     for path in a.paths.split(","):
-        if path not in ("packed", "dense"):
-            ap.error(f"--paths: unknown path {path!r} (packed, dense)")
+        if path not in ("packed", "dense", "hf"):
+            ap.error(f"--paths: unknown path {path!r} (packed, dense, hf)")
         env = {**os.environ, "HYBRIDKV_DENSE_WEIGHTS": "1" if path == "dense" else "0"}
         if path == "packed" and a.dense_experts:
             env["HYBRIDKV_GROUPED_FP4"] = "0"
