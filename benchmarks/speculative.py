@@ -162,7 +162,13 @@ def main() -> int:
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time")
     ap.add_argument("--mtp-stats", type=int, default=0, metavar="N", help="measure the MTP block on N rows")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant execution (hybridkv.ops.backend.deterministic): on a GPU in bf16, the "
+                         "setting under which a verify forward of k+1 tokens rounds as k+1 one-token steps do")
     a = ap.parse_args()
+    if a.deterministic:
+        from hybridkv.ops.backend import set_deterministic
+        set_deterministic(True)
     if not Path(a.model).exists() and (ROOT / a.model).exists():
         a.model = str(ROOT / a.model)
     global clock
@@ -173,7 +179,7 @@ def main() -> int:
     tok = TaskTokenizer.load(Path(a.model) / "tokenizer.json")
     print(f"# {a.model}, context {a.context}, {platform.processor() or platform.machine()}, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, {'CPU' if a.cpu_time else 'wall'} time, "
-          f"{date.today()}")
+          f"{date.today()}{', deterministic (batch-invariant)' if a.deterministic else ''}")
     results = []
     engines = {}
     for k in ks:
@@ -202,7 +208,7 @@ def main() -> int:
                     print(f"    outputs differ: {first_difference(r, base)}", flush=True)
                 results.append({"workload": name, "batch": batch, "k": k, "speedup": speedup, "same_outputs": same,
                                 **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
-    out = {"model": a.model, "context": a.context, "date": str(date.today()), "threads": torch.get_num_threads(),
+    out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic, "threads": torch.get_num_threads(),
            "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,
            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     if a.mtp_stats:
