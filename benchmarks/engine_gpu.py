@@ -197,9 +197,11 @@ def worker(a) -> None:
     if cuda and a.path == "packed" and os.environ.get("HYBRIDKV_GROUPED_FP4") != "0":
         from hybridkv.ops.qgemm import scaled
         from hybridkv.ops.qgemm import triton as qk
-        kernels = dict(fp4_dot=qk.fp4_dot_report(torch.device(a.device)), scaled_mm=scaled.layout(torch.device(a.device))[1])
+        dev = torch.device(a.device)
+        kernels = dict(fp4_dot=qk.fp4_dot_report(dev), scaled_mm=scaled.layout(dev)[1])
         print(f"# grouped FP4 MMA: {kernels['fp4_dot']}; scaled_mm: {kernels['scaled_mm']}", flush=True)
-    emit(dict(kind="memory", path=a.path, layers=cfg.num_hidden_layers, kernels=kernels, checkpoint_bytes=ckpt, kv_pool_bytes=pool, after_load_bytes=loaded,
+    emit(dict(kind="memory", path=a.path, layers=cfg.num_hidden_layers, kernels=kernels, checkpoint_bytes=ckpt,
+              kv_pool_bytes=pool, after_load_bytes=loaded,
               non_expert_bytes=wb["non_expert"], expert_bytes=wb["expert"]))
     g = torch.Generator().manual_seed(0)
 

@@ -208,7 +208,8 @@ def main() -> int:
                     print(f"    outputs differ: {first_difference(r, base)}", flush=True)
                 results.append({"workload": name, "batch": batch, "k": k, "speedup": speedup, "same_outputs": same,
                                 **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
-    out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic, "threads": torch.get_num_threads(),
+    out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic,
+           "threads": torch.get_num_threads(),
            "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,
            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     if a.mtp_stats:

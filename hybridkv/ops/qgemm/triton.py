@@ -333,7 +333,8 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
                 limit: float = 0.0, config: dict | None = None, fp4_dot: int | None = None) -> torch.Tensor:
     """Sorted rows P (x[rows[i]] for row i, or x's own rows with rows None) × their experts' packed
     weights -> [P, n] of out_dtype. x holds the activations already through their FP8 round trip
-    per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are. `tiles` = (expert, first row, end row) per row tile, built by
+    per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are.
+    `tiles` = (expert, first row, end row) per row tile, built by
     `hybridkv.ops.grouped_moe.expert_tiles` with the same BM; w1/w3 = (weight addresses, scale
     addresses) per expert. With w3 the SwiGLU of (w1, w3) times `route` [P] is returned."""
     cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n))
