@@ -1,0 +1,32 @@
+"""MTP speculative decoding on the GPU in bf16: in deterministic (batch-invariant) mode a verify
+forward of k+1 tokens rounds as k+1 one-token steps do, so greedy speculative outputs equal plain
+decoding's token for token, over prompts whose drafts cross compression blocks."""
+
+from pathlib import Path
+
+import torch
+
+from hybridkv.engine import LLM, SamplingParams
+from hybridkv.ops.backend import deterministic
+from hybridkv.tasks.generators import Pools, make_sample
+from hybridkv.tasks.tokenizer import TaskTokenizer
+
+MODEL = Path(__file__).parents[2] / "models" / "tiny-v4"
+
+
+def _outputs(llm, prompts, params):
+    return [o.output_ids for o in llm.generate(prompts, params)]
+
+
+def test_greedy_speculative_equals_plain_decoding_in_deterministic_mode():
+    tok = TaskTokenizer.load(MODEL / "tokenizer.json")
+    pools = Pools(tok, seed=0, n_sentences=256, n_needles=64)
+    prompts = [make_sample("passkey", i, pools, n).prompt for i, n in enumerate((252, 254, 380, 1000))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype=torch.bfloat16, num_blocks=64, max_num_seqs=4)
+    with deterministic():
+        plain = _outputs(LLM(str(MODEL), **kw), prompts, params)
+        for k in (1, 2):
+            llm = LLM(str(MODEL), speculative="mtp", num_speculative_tokens=k, **kw)
+            assert _outputs(llm, prompts, params) == plain, f"k={k}"
+            assert llm.engine.stats.spec_accepted_tokens > 0
