@@ -8,7 +8,8 @@ Routed experts run three ways: with the grouped kernels on (FP4 experts; on CUDA
 `HYBRIDKV_GROUPED_FP4=0`, see `grouped_moe.cuda_kernel_enabled`), two grouped launches over the
 tokens sorted by expert that read the packed weights (no host synchronisation, so also inside the
 decode CUDA graph); otherwise one GEMM per expert that has tokens (the reference,
-host-synchronising), or in captured forwards `_routed_static` over dense expert weights. Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
+host-synchronising), or in captured forwards `_routed_static` over dense expert weights.
+Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
 
 from __future__ import annotations
 
