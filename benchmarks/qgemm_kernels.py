@@ -154,8 +154,10 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             for name, fn in (("up", up), ("down", down)):
                 best = []
                 bm = kernels.grouped_config(p, inter)["BM"]
-                # num_stages is 1 whatever is asked where the kernel multiplies with tl.dot_scaled
-                for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256, 512], [2, 4, 8], [1, 3]):
+                # tl.dot_scaled runs unpipelined whatever num_stages asks (`grouped_fp4`)
+                stage_counts = [1] if kernels.fp4_dot_mode(x.device) > 0 else [2, 3]
+                for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256, 512], [2, 4, 8],
+                                                               stage_counts):
                     cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                     try:
                         best.append((bench(lambda c=cfg: fn(c), cuda), cfg))
