@@ -168,10 +168,9 @@ def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[st
 
 # ----- the worker (one weight path, one process) ----------------------------------------------------
 
-def worker(a) -> None:
-    from hybridkv.engine import LLM, SamplingParams
-    cuda = a.device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
+def workload(a) -> tuple[list[tuple[int, int]], list[int]]:
+    """The decode cells (batch, context) within --max-tokens (the others named as left out) and the
+    prefill lengths the options ask for."""
     batches = [int(b) for b in a.batches.split(",")]
     contexts = [_parse_count(c) for c in a.contexts.split(",")]
     cells = [(b, c) for b in batches for c in contexts] + ([(1, 1 << 20)] if a.million else [])
@@ -181,13 +180,21 @@ def worker(a) -> None:
                 print(f"# B={b} x {c:,} left out: {b * c:,} context tokens > --max-tokens", flush=True)
         cells = [(b, c) for b, c in cells if b * c <= a.max_tokens]
     prefills = [_parse_count(c) for c in a.prefill.split(",")] if a.prefill else []
+    return cells, prefills
+
+
+def worker(a) -> None:
+    from hybridkv.engine import LLM, SamplingParams
+    cuda = a.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cells, prefills = workload(a)
     longest = max([b * (c + 256) for b, c in cells] + [p + 256 for p in prefills])
     budget = WARM_STEPS + 2 * a.steps + 8
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=longest // 128 + 16,
-              max_num_seqs=max(batches), max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
+              max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
     eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
     loaded = torch.cuda.memory_allocated() - base if cuda else None
     wb = weight_bytes(model)
@@ -296,11 +303,9 @@ def hf_worker(a) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    batches = [int(b) for b in a.batches.split(",")]
-    contexts = [_parse_count(c) for c in a.contexts.split(",")]
-    cells = [(b, c) for b in batches for c in contexts if not a.max_tokens or b * c <= a.max_tokens]
+    cells, prefills = workload(a)
     with torch.inference_mode():
-        for n in [_parse_count(c) for c in a.prefill.split(",")] if a.prefill else []:
+        for n in prefills:
             x = ids(1, n)
             try:
                 t = time.perf_counter()
