@@ -21,6 +21,9 @@ DEV = "cuda"
 # bf16 MMA over exact bf16 operands with fp32 accumulation against a bf16 GEMM of the same
 # operands: both round only their sums and the bf16 output; bounds to be set from the measurement
 BF16_TOL = 1e-2
+# the grouped MoE against its definition at the same bf16 rounding points: 0 to 6.6e-5 measured
+# (H200, 2026-12-02); a wrong expert, tile or scale moves it by 1e-2 or more
+GROUPED_TOL = 1e-3
 
 
 def rel_rms(ref, out):
@@ -105,7 +108,7 @@ def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens, monke
                                              torch.bfloat16)
     err = rel_rms(want, got)
     print(f"grouped MoE, {tokens} tokens: rel rms {err:.2e}; {kernels.fp4_dot_report(x.device)}")
-    assert err < BF16_TOL
+    assert err < GROUPED_TOL
 
 
 def _dense_expert(ex, rows, route):

@@ -1,6 +1,7 @@
-"""MTP speculative decoding on the GPU in bf16: in deterministic (batch-invariant) mode a verify
-forward of k+1 tokens rounds as k+1 one-token steps do, so greedy speculative outputs equal plain
-decoding's token for token, over prompts whose drafts cross compression blocks."""
+"""MTP speculative decoding on the GPU in bf16, deterministic (batch-invariant) mode: greedy
+speculative outputs equal plain decoding's token for token over prompts whose drafts cross
+compression blocks, which holds only if a verify forward of k+1 tokens rounds as k+1 one-token
+steps do (without that mode bf16 near-ties part them, BENCHMARKS.md)."""
 
 from pathlib import Path
 
