@@ -15,6 +15,8 @@ optimisation settings.
   half of every needle family's rows hiding the needles in real prose (`realtext_share`; the
   training part of `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same
   mix (half of each stage's rows of a family with a real-text variant over real prose).
+- `tiny-v4-prose-keys`: continues the `tiny-v4-prose` export with multi-key needles and their
+  hard drill over half the rows (`--init-from` that export).
 
 The recipes tried and dropped, with their results, are in docs/training-log.md.
 """
@@ -262,6 +264,16 @@ _PROSE_CONTINUATIONS = {
                                     "niah_multikey_1": 0.25, "niah_multikey_hard": 0.1, "niah_multiquery": 0.05},
                                    seed=15, lr=3e-4, hex_chars=True, filler_seed=9, answer_weight=4.0,
                                    next_document=128, realtext_share=0.5),
+    # continues tiny-v4-prose's export: telling the four keys of a multi-key prompt apart (its misses
+    # were another needle's value), multi-key and its drill (distractor keys sharing a word with the
+    # asked key) over half the rows, 2K to 32K, the other needle families kept
+    "tiny-v4-prose-keys": _Continuation("tiny-v4-prose", ((40, 2048, 16), (200, 4096, 8), (380, 8192, 4),
+                                                          (480, 16384, 2), (520, 32768, 1)),
+                                        {"passkey": 0.1, "niah_single_1": 0.1, "niah_single_2": 0.1,
+                                         "niah_single_3": 0.1, "niah_multikey_1": 0.3, "niah_multikey_hard": 0.25,
+                                         "niah_multiquery": 0.05},
+                                        seed=16, lr=2e-4, hex_chars=True, filler_seed=9, answer_weight=4.0,
+                                        next_document=128, realtext_share=0.5),
 }
 
 
