@@ -111,10 +111,16 @@ def sweep_fp8(x, q, s, out_dtype, cuda: bool) -> None:
 
 def moe_rows(a, cuda: bool, dev: str) -> None:
     e_n, dim, inter, topk = (8, 256, 128, 2) if a.smoke else (256, 4096, 2048, 6)
-    w = [[(torch.randint(-128, 128, (n_out, n_in // 2), dtype=torch.int8, device=dev),
-           torch.full((n_out, n_in // 32), 2.0 ** -7, device=dev).to(torch.float8_e8m0fnu)) for _ in range(e_n)]
-         for n_out, n_in in ((inter, dim), (inter, dim), (dim, inter))]
+    # the experts stacked one buffer per projection, as `MoE` makes them (--separate-experts:
+    # separate tensors read through address tables, which do not pipeline on Triton 3.6)
+    w = []
+    for n_out, n_in in ((inter, dim), (inter, dim), (dim, inter)):
+        codes = torch.randint(-128, 128, (e_n, n_out, n_in // 2), dtype=torch.int8, device=dev)
+        scales = torch.full((e_n, n_out, n_in // 32), 2.0 ** -7, device=dev).to(torch.float8_e8m0fnu)
+        w.append([(codes[e].clone(), scales[e].clone()) if a.separate_experts else (codes[e], scales[e])
+                  for e in range(e_n)])
     tables = grouped_moe.expert_tables(*w)
+    print(f"\nexperts: {'stacked, read by offset' if tables.stacked else 'separate, read through address tables'}")
     per_expert = 3 * (inter * dim // 2 + inter * dim // 32)
     if cuda:
         print(f"\ngrouped FP4 multiplies with: {kernels.fp4_dot_report(torch.device(dev))}")
@@ -154,10 +160,11 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             for name, fn in (("up", up), ("down", down)):
                 best = []
                 bm = kernels.grouped_config(p, inter)["BM"]
-                # tl.dot_scaled runs unpipelined whatever num_stages asks (`grouped_fp4`)
-                stage_counts = [1] if kernels.fp4_dot_mode(x.device) > 0 else [2, 3]
-                for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256, 512], [2, 4, 8],
-                                                               stage_counts):
+                # tl.dot_scaled over address tables (or where the device check found pipelining
+                # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
+                unpiped = kernels.fp4_dot_mode(x.device) > 0 and not (tables.stacked and kernels.fp4_pipelined(x.device))
+                stage_counts = [1] if unpiped else [2, 3, 4]
+                for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256], [4, 8], stage_counts):
                     cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                     try:
                         best.append((bench(lambda c=cfg: fn(c), cuda), cfg))
@@ -175,6 +182,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--separate-experts", action="store_true",
+                    help="grouped FP4: each expert its own tensors (address tables) instead of stacked buffers")
     ap.add_argument("--fp4-dots", default="", help="also time the grouped launches with each of these "
                     "FP4_DOT modes (e.g. 0,1), beside the one the device check chose")
     a = ap.parse_args()

@@ -109,9 +109,41 @@ def _convert(name: str, t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return t.to(target.dtype)
 
 
-def load_state(model: torch.nn.Module, model_dir: str | Path) -> None:
-    """Copy a checkpoint into `model`, after checking every tensor's presence, shape and dtype."""
+def narrowable_float_weights(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The float32 weights whose users multiply with float32 products whatever the weight's own
+    dtype (`hybridkv.model.linear.widened_linear`): the head and the float32 `Linear`s (the
+    compressors' projections). The release stores them in bf16. Name -> owning module."""
+    from hybridkv.model.linear import Linear
+    out = {}
+    for name, mod in model.named_modules():
+        if (isinstance(mod, Linear) and mod.fmt == "float" and mod.compute_dtype == torch.float32
+                and mod.weight.dtype == torch.float32) or (name == "head" and isinstance(mod, torch.nn.Linear)):
+            out[f"{name}.weight"] = mod
+    return out
+
+
+def _narrow_float_weights(model: torch.nn.Module, reader: "_Reader") -> list[str]:
+    """Give each narrowable float32 weight that the checkpoint stores in bf16 (or fp16) that dtype,
+    so it is read at half the bytes; the values, and what is computed from them, stay the same."""
+    narrowed = []
+    for name, mod in narrowable_float_weights(model).items():
+        if name not in reader.files:
+            continue
+        stored = {"BF16": torch.bfloat16, "F16": torch.float16}.get(reader.meta(name)[1])
+        if stored is not None:
+            mod.weight = torch.nn.Parameter(torch.empty_like(mod.weight, dtype=stored), requires_grad=False)
+            narrowed.append(name)
+    return narrowed
+
+
+def load_state(model: torch.nn.Module, model_dir: str | Path, narrow_float: bool = False) -> None:
+    """Copy a checkpoint into `model`, after checking every tensor's presence, shape and dtype.
+    `narrow_float` (inference): float32 weights stored in bf16 keep that dtype
+    (`narrowable_float_weights`)."""
     files = checkpoint_files(Path(model_dir))
+    if narrow_float:
+        with _Reader(files) as reader:
+            _narrow_float_weights(model, reader)
     expected = model.state_dict()
     missing = [n for n in expected if n not in files]
     unexpected = [n for n in files if n not in expected]
@@ -145,6 +177,8 @@ def iter_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a checkpoint, in release dtypes (tid2eid as I64)."""
     for name, t in model.state_dict().items():
         t = t.detach().cpu()
+        if t.untyped_storage().nbytes() != t.nbytes:    # a view (stacked experts): its own bytes only
+            t = t.clone()
         if name.endswith("tid2eid"):
             t = t.to(torch.int64)
         yield name, t.contiguous()
@@ -229,5 +263,6 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     dtype = dtype or torch.float32
     with torch.device(device):
         model = Transformer(config, dtype=dtype)
-    load_state(model, model_dir)
+    # a half-precision model is for inference: the release's bf16 float weights stay bf16
+    load_state(model, model_dir, narrow_float=dtype in (torch.bfloat16, torch.float16))
     return model.eval(), config

@@ -87,6 +87,42 @@ def test_random_checkpoint_gives_finite_logits_at_v4_flash_width(tmp_path):
     assert 0 < logits.std().item() < 100
 
 
+def test_release_bf16_weights_stay_bf16_in_a_half_precision_model(tmp_path):
+    """The head, the compressors' projections and the norms are written in bf16 as the release
+    stores them. A bf16 (inference) model keeps the head and compressor weights in bf16, half their
+    float32 bytes, and computes the same logits as with widened float32 copies; a float32 model
+    (training, the reference) widens them at load."""
+    from safetensors import safe_open
+
+    from hybridkv.model import ContiguousKV, ForwardBatch
+    from hybridkv.weights import INDEX_FILE, load_state
+
+    cfg = shaped_config("v4-tiny-fp8", experts=4)
+    write_random_checkpoint(cfg, tmp_path / "m", seed=5)
+    import json
+    index = json.loads((tmp_path / "m" / INDEX_FILE).read_text())["weight_map"]
+    csa = next(i for i, r in enumerate(cfg.compress_ratios) if r == 4)
+    for name in ("head.weight", f"layers.{csa}.attn.compressor.wkv.weight", f"layers.{csa}.attn.compressor.wgate.weight",
+                 "layers.0.attn_norm.weight", "hc_head_fn"):
+        with safe_open(tmp_path / "m" / index[name], "pt") as f:
+            assert f.get_slice(name).get_dtype() == ("F32" if name == "hc_head_fn" else "BF16"), name
+    narrow, _ = load_model(tmp_path / "m", dtype=torch.bfloat16)
+    comp = narrow.layers[csa].attn.compressor
+    assert narrow.head.weight.dtype == comp.wkv.weight.dtype == comp.wgate.weight.dtype == torch.bfloat16
+    assert narrow.layers[0].attn_norm.weight.dtype == torch.float32
+    wide, _ = load_model(tmp_path / "m")
+    assert wide.head.weight.dtype == torch.float32
+    from hybridkv.model import Transformer
+    widened = Transformer(cfg, dtype=torch.bfloat16)
+    load_state(widened, tmp_path / "m")
+    assert widened.head.weight.dtype == torch.float32
+    ids = torch.arange(2, 40)
+    with torch.no_grad():
+        a, b = (m.logits(m(ids, ForwardBatch.build([(ContiguousKV(cfg, dtype=torch.bfloat16), 0, len(ids))])))
+                for m in (narrow, widened))
+    assert torch.equal(a, b)
+
+
 _PEAK_SCRIPT = """
 import json, resource, sys
 from hybridkv.tools.random_checkpoint import shaped_config, write_random_checkpoint

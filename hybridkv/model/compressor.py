@@ -59,8 +59,7 @@ class Compressor(nn.Module):
         stateless compressor (latent entries [T, d], None)."""
         if self.stateless:
             return self.norm(self.wkv(x)), None
-        x = x.float()
-        score = self.wgate(x)
+        score = self.wgate(x)          # float32 weights (or bf16-stored ones): float32 products
         if self.ape is not None:
             score = score + self.ape[positions % self.ratio]
         return self.wkv(x), score

@@ -25,6 +25,22 @@ FORMATS = ("float", "fp8", "fp4")
 FP4_WEIGHT_BLOCK = 32
 
 
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x · weightᵀ with float32 products and sums, in out_dtype, for a weight stored narrower than
+    the arithmetic (a float32 weight the checkpoint holds in bf16: the head, the compressors'
+    projections). On CUDA with x in the weight's dtype that is one GEMM with a float32 output:
+    bf16 × bf16 products are exact in float32, so it computes what widening both operands would,
+    without a float32 copy of the weight at every step. Elsewhere (and in deterministic mode, whose
+    GEMMs are batch-invariant) both are widened."""
+    from hybridkv.ops.backend import is_deterministic
+    if (x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+            and not is_deterministic() and not torch.is_grad_enabled()):
+        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x.to(torch.float32), weight.to(torch.float32))
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, fmt: str = "float", dtype: torch.dtype = torch.float32,
                  block: tuple[int, int] = (128, 128)):
@@ -74,6 +90,8 @@ class Linear(nn.Module):
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "float" and self.weight.dtype != self.compute_dtype:
+            return widened_linear(x, self.weight, self.compute_dtype)
         if self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block):
             return packed_fp8_linear(x, self.weight, self.scale, self.compute_dtype)
         y = F.linear(self.prepare_input(x), self.dense_weight())

@@ -109,6 +109,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(c.hidden_size, c.moe_intermediate_size, expert_fmt, dtype, c.fp8_block, c.swiglu_limit)
             for _ in range(c.n_routed_experts))
+        if expert_fmt == "fp4":   # one buffer per projection: the grouped kernels read experts by offset
+            grouped_moe.stack_expert_storage([[e.w1, e.w3, e.w2] for e in self.experts])
         self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit)
         self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
         self._tables: grouped_moe.ExpertTables | None = None

@@ -11,19 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model import ced
 from hybridkv.model.block import Block
-from hybridkv.model.linear import Linear
+from hybridkv.model.linear import Linear, widened_linear
 from hybridkv.model.csa2 import CrossLayerShare
 from hybridkv.model.mhc import hc_collapse, hc_head, identity_pre
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import ForwardBatch
-from hybridkv.ops.backend import is_deterministic
 
 
 def _add_hc_head(module: nn.Module, hc: int, dim: int) -> None:
@@ -53,14 +51,10 @@ def weight_formats(config: ModelConfig) -> tuple[str, str]:
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float32 logits of x [N, dim] under the head weight [vocab, dim]: the products of the weight's
-    and x's values summed in float32. On CUDA with a bf16 head and bf16 x that is one bf16 GEMM with
-    a float32 output (no float32 copy of the 1 GB head at every step); elsewhere (and in the
-    batch-invariant mode, whose GEMMs are its own) both are widened first."""
-    if (x.is_cuda and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and not is_deterministic()
-            and not torch.is_grad_enabled()):
-        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-    return F.linear(x.float(), weight.float())
+    """float32 logits of x [N, dim] under the head weight [vocab, dim] (float32, or bf16 where the
+    checkpoint stores it so: `hybridkv.weights.narrow_float_weights`): the products of the weight's
+    and x's values summed in float32 (`widened_linear`)."""
+    return widened_linear(x, weight, torch.float32)
 
 
 class Transformer(nn.Module):

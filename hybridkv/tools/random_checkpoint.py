@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,6 +136,9 @@ def _fp4_scale(shape: tuple[int, ...], std: float) -> torch.Tensor:
 
 
 Producer = Callable[[], torch.Tensor]
+# float32 model parameters the release stores in bf16: the head, the compressors' projections, the
+# RMSNorm weights (the hc_* mixes, attention sinks and compressor position biases stay float32)
+RELEASE_BF16 = re.compile(r"(^head\.weight|compressor\.(wkv|wgate)\.weight|norm\.weight)$")
 
 
 def _part_tensors(config: ModelConfig, float_part: _Part, release_part: _Part,
@@ -157,6 +161,8 @@ def _part_tensors(config: ModelConfig, float_part: _Part, release_part: _Part,
         dtype, shape = target.dtype, tuple(target.shape)
         if name.endswith("tid2eid"):
             dtype = torch.int64
+        elif dtype == torch.float32 and RELEASE_BF16.search(name):
+            dtype = torch.bfloat16
         if isinstance(mod, Linear) and mod.fmt == "fp4":
             std = _fp4_std(f"{owner}.weight", config)
             make = (lambda s=shape: _packed_fp4(s, rng)) if leaf == "weight" else \

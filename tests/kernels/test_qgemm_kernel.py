@@ -62,8 +62,11 @@ def _fp4_moe(seed, experts=6, topk=2):
     return moe
 
 
+@pytest.mark.parametrize("layout", ["stacked", "separate"])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 40])
-def test_grouped_fp4_experts_match_the_per_expert_loop(tokens):
+def test_grouped_fp4_experts_match_the_per_expert_loop(tokens, layout):
+    """The MoE's experts as it builds them (one buffer per projection, read by offset) and as
+    separate tensors (read through address tables)."""
     moe = _fp4_moe(tokens)
     g = torch.Generator().manual_seed(50 + tokens)
     x = torch.randn(tokens, moe.gate.weight.shape[1], generator=g)
@@ -72,9 +75,14 @@ def test_grouped_fp4_experts_match_the_per_expert_loop(tokens):
         want = grouped_moe.reference.routed_experts(x, weights, ids, moe.n_experts,
                                                     lambda e, rows, route: moe.experts[e](rows, route))
         projections = [[(getattr(e, w).weight, getattr(e, w).scale) for e in moe.experts] for w in ("w1", "w3", "w2")]
+        if layout == "separate":
+            projections = [[(w.clone(), s.clone()) for w, s in proj] for proj in projections]
         tables = grouped_moe.expert_tables(*projections)
         got = grouped_moe.routed_experts_fp4(x, weights, ids, tables, moe.experts[0].limit, torch.float32)
     assert tables.dim == 256 and tables.inter == 128
+    assert tables.stacked == (layout == "stacked")
+    if layout == "stacked":
+        assert tables.w1.shape == (6, 128, 128) and tables.w1.data_ptr() == moe.experts[0].w1.weight.data_ptr()
     assert rel_rms(want, got) < TOL
 
 

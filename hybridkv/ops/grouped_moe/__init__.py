@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hybridkv.ops.backend import dense_weights, use_triton
 from hybridkv.ops.grouped_moe import reference  # noqa: F401
@@ -22,9 +23,11 @@ ACT_BLOCK = 128      # the activations' FP8 quantisation block in front of every
 
 @dataclass(frozen=True)
 class ExpertTables:
-    """Device addresses of each routed expert's packed weight and scale, per projection, and the
-    shapes the kernels need. Built once per MoE (`expert_tables`); valid while the parameters stay
-    where they are (`key`)."""
+    """Where each routed expert's packed weight and scale lie, per projection, and the shapes the
+    kernels need. Stacked experts (`stack_expert_storage`, what `MoE` builds): uint8 views
+    [E, N, K/2] and [E, N, K/32] of the stacks, read by offset. Otherwise int64 tables of every
+    expert's device addresses (launches that cannot pipeline on Triton 3.6, `qgemm.triton`). Built
+    once per MoE (`expert_tables`); valid while the parameters stay where they are (`key`)."""
     w1: torch.Tensor
     s1: torch.Tensor
     w3: torch.Tensor
@@ -34,6 +37,10 @@ class ExpertTables:
     dim: int
     inter: int
     key: tuple
+
+    @property
+    def stacked(self) -> bool:
+        return self.w1.dtype != torch.int64
 
 
 def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -48,10 +55,47 @@ def table_key(projections: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tup
     return tuple((w.data_ptr(), s.data_ptr()) for proj in projections for w, s in (proj[0], proj[-1]))
 
 
+def stack_expert_storage(linears: list[list[nn.Module]]) -> None:
+    """Give the packed weights and scales of `linears` ([expert][projection] `Linear`s of one
+    format and shape per projection) one buffer per projection and tensor, each expert's parameter
+    a view of its slice: the layout the grouped kernels read by offset. Called where the experts
+    are made (before loading), so no second copy ever exists."""
+    for j in range(len(linears[0])):
+        for attr in ("weight", "scale"):
+            first = getattr(linears[0][j], attr)
+            stack = torch.empty((len(linears), *first.shape), dtype=first.dtype, device=first.device)
+            for e, row in enumerate(linears):
+                setattr(row[j], attr, nn.Parameter(stack[e], requires_grad=False))
+
+
+def _stacked(proj: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """uint8 [E, N, K/2] and [E, N, K/32] views of one projection's experts when they lie at equal
+    steps in one storage (each contiguous), else None."""
+    views = []
+    for t in ([w for w, _ in proj], [s for _, s in proj]):
+        first = t[0]
+        step = t[1].data_ptr() - first.data_ptr() if len(t) > 1 else first.nbytes
+        if (step < first.nbytes or step % first.element_size()
+                or any(not x.is_contiguous() or x.shape != first.shape or x.untyped_storage().data_ptr()
+                       != first.untyped_storage().data_ptr() or x.data_ptr() != first.data_ptr() + e * step
+                       for e, x in enumerate(t))):
+            return None
+        base = first.view(torch.uint8)
+        views.append(base.as_strided((len(t), *base.shape), (step, base.shape[1], 1)))
+    return views[0], views[1]
+
+
 def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[torch.Tensor, torch.Tensor]],
                   w2: list[tuple[torch.Tensor, torch.Tensor]]) -> ExpertTables:
-    """(packed weight int8 [N, K/2], e8m0 scale [N, K/32]) per expert and projection -> tables."""
+    """(packed weight int8 [N, K/2], e8m0 scale [N, K/32]) per expert and projection -> tables:
+    stacked views where every projection's experts are stacked, address tables otherwise."""
     dev = w1[0][0].device
+    inter, dim = w1[0][0].shape[0], w1[0][0].shape[1] * 2
+    stacks = [_stacked(p) for p in (w1, w3, w2)]
+    if all(st is not None for st in stacks) and stacks[0][0].stride() == stacks[1][0].stride() \
+            and stacks[0][1].stride() == stacks[1][1].stride():
+        (a1, b1), (a3, b3), (a2, b2) = stacks
+        return ExpertTables(a1, b1, a3, b3, a2, b2, dim, inter, table_key([w1, w3, w2]))
     for proj in (w1, w3, w2):
         for w, s in proj:
             if not (w.is_contiguous() and s.is_contiguous()):
@@ -61,7 +105,6 @@ def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[to
                                  "reads them with wide loads)")
     cols = [[w for w, _ in p] for p in (w1, w3, w2)] + [[s for _, s in p] for p in (w1, w3, w2)]
     a = [_addresses(c, dev) for c in cols]
-    inter, dim = w1[0][0].shape[0], w1[0][0].shape[1] * 2
     return ExpertTables(a[0], a[3], a[1], a[4], a[2], a[5], dim, inter, table_key([w1, w3, w2]))
 
 

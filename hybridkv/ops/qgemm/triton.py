@@ -12,9 +12,11 @@
   e8m0 scale per 32 inputs, multiplied by Triton's scaled dot, which widens them on the way to the
   MMA) over rows sorted by expert, their activations round-tripped through FP8 beforehand (`hybridkv.ops.grouped_moe`), one launch
   for all experts: each program owns a tile of one expert's rows (the tile table says which) and
-  reads that expert's weight through a table of per-expert addresses (the experts stay separate
-  parameters, no stacking copy). With `swiglu` the program runs w1 and w3 together and writes the
-  clamped SwiGLU times the routing weight, what w2 reads.
+  reads that expert's weight at its offset in the projection's stacked buffer (`MoE` makes its
+  experts' parameters views of one buffer per projection), or through a table of per-expert
+  addresses for experts that are separate tensors; Triton 3.6 pipelines only the former correctly.
+  With `swiglu` the program runs w1 and w3 together and writes the clamped SwiGLU times the
+  routing weight, what w2 reads.
 
 Under the interpreter (CPU tests) the MMAs run in fp32: the interpreter's bf16 and fp8 dots are not
 usable.
@@ -181,10 +183,13 @@ def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 
 
 @triton.jit
-def _aligned(table, e):
-    """The 16-byte-aligned device address `table[e]` as a byte pointer (the alignment lets the
-    compiler use wide loads; `expert_tables` checks it)."""
-    return tl.multiple_of(tl.load(table + e), 16).to(tl.pointer_type(tl.uint8))
+def _expert_base(P, e, expert_stride, TABLE: tl.constexpr):
+    """Expert e's packed weight (or scale) bytes: with TABLE, the 16-byte-aligned device address
+    `P[e]` (separate tensors; the alignment lets the compiler use wide loads, `expert_tables` checks
+    it); otherwise e · expert_stride bytes after P (the experts stacked in one buffer)."""
+    if TABLE:
+        return tl.multiple_of(tl.load(P + e), 16).to(tl.pointer_type(tl.uint8))
+    return P + e.to(tl.int64) * expert_stride
 
 
 @triton.jit
@@ -216,8 +221,8 @@ def _fp4_block_dot(acc, x, xe, xo, w, sc, rn, n_ok, w_stride, s_stride, kb, rb,
 
 @triton.jit
 def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUTE, Y, N, K, w_stride, s_stride,
-                       stride_x, limit,
-                       GATHER: tl.constexpr, SWIGLU: tl.constexpr, FP4_DOT: tl.constexpr,
+                       ew_stride, es_stride, stride_x, limit,
+                       GATHER: tl.constexpr, SWIGLU: tl.constexpr, FP4_DOT: tl.constexpr, TABLE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(TILE_E + pid_m)
@@ -229,10 +234,10 @@ def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUT
     src = tl.load(ROWS + r, mask=r_ok, other=0) if GATHER else r
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
-    w1, s1 = _aligned(WP1, e), _aligned(SP1, e)
+    w1, s1 = _expert_base(WP1, e, ew_stride, TABLE), _expert_base(SP1, e, es_stride, TABLE)
     w3, s3 = w1, s1
     if SWIGLU:
-        w3, s3 = _aligned(WP3, e), _aligned(SP3, e)
+        w3, s3 = _expert_base(WP3, e, ew_stride, TABLE), _expert_base(SP3, e, es_stride, TABLE)
     rb = tl.arange(0, BK // 2)
     xrow = X + src.to(tl.int64)[:, None] * stride_x
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -264,7 +269,21 @@ def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUT
 
 
 FP4_DOT_NAMES = {0: "codes decoded in registers, float32 MMA", 1: "tl.dot_scaled", 2: "tl.dot_scaled, nibbles swapped"}
-_FP4_DOT: dict = {}       # device -> (mode, what the check found)
+_FP4_DOT: dict = {}       # device -> (mode, whether the K loop may be pipelined, what the check found)
+
+
+def _device_key(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _fp4_state(device: torch.device) -> tuple[int, bool, str]:
+    key = _device_key(device)
+    if key not in _FP4_DOT:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the grouped FP4 kernel's first call on a device must run outside CUDA-graph capture "
+                               "(it checks Triton's scaled dot once)")
+        _FP4_DOT[key] = _check_fp4_dot(torch.device("cuda", key))
+    return _FP4_DOT[key]
 
 
 def fp4_dot_mode(device: torch.device) -> int:
@@ -274,48 +293,65 @@ def fp4_dot_mode(device: torch.device) -> int:
     packed E2M1), else 0. `fp4_dot_report` says what was found."""
     if _interpreting() or device.type != "cuda":
         return 0
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _FP4_DOT:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the grouped FP4 kernel's first call on a device must run outside CUDA-graph capture "
-                               "(it checks Triton's scaled dot once)")
-        _FP4_DOT[key] = _check_fp4_dot(torch.device("cuda", key))
-    return _FP4_DOT[key][0]
+    return _fp4_state(device)[0]
+
+
+def fp4_pipelined(device: torch.device) -> bool:
+    """Whether the scaled-dot K loop over stacked experts may be software-pipelined on `device`:
+    the device check compares a pipelined launch with the unpipelined one. (Triton 3.6 pipelines
+    `tl.dot_scaled` wrongly when the weight's address comes from a table, rel err 1.3 on the H200,
+    so table launches never pipeline; this checks that the stacked layout's launches agree.)"""
+    if _interpreting() or device.type != "cuda":
+        return True
+    return _fp4_state(device)[1]
 
 
 def fp4_dot_report(device: torch.device) -> str:
     mode = fp4_dot_mode(device)
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    return _FP4_DOT.get(key, (mode, FP4_DOT_NAMES[mode]))[1]
+    return _FP4_DOT.get(_device_key(device), (mode, True, FP4_DOT_NAMES[mode]))[2]
 
 
-def _check_fp4_dot(device: torch.device) -> tuple[int, str]:
+def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+
+
+def _check_fp4_dot(device: torch.device) -> tuple[int, bool, str]:
     g = torch.Generator(device=device).manual_seed(0)
     p, k, n = 20, 512, 256
     x = torch.randn(p, k, device=device, generator=g).bfloat16()
     from hybridkv.ops.quant.triton import fp8_round_trip
     x = fp8_round_trip(x, SCALE_BLOCK)
-    w = torch.randint(-128, 128, (n, k // 2), device=device, generator=g, dtype=torch.int8)
-    sc = (torch.randint(120, 130, (n, k // FP4_BLOCK), device=device, generator=g)).to(torch.uint8) \
-        .view(torch.float8_e8m0fnu)
-    table = torch.tensor([w.data_ptr()], dtype=torch.int64, device=device)
-    stable = torch.tensor([sc.data_ptr()], dtype=torch.int64, device=device)
-    tiles = (torch.zeros(2, dtype=torch.int32, device=device), torch.tensor([0, 16], dtype=torch.int32, device=device),
+    w = torch.randint(0, 256, (2, n, k // 2), device=device, generator=g, dtype=torch.uint8)
+    sc = torch.randint(120, 130, (2, n, k // FP4_BLOCK), device=device, generator=g).to(torch.uint8)
+    table = (torch.tensor([w[0].data_ptr(), w[1].data_ptr()], dtype=torch.int64, device=device),
+             torch.tensor([sc[0].data_ptr(), sc[1].data_ptr()], dtype=torch.int64, device=device))
+    tiles = (torch.tensor([0, 1], dtype=torch.int32, device=device), torch.tensor([0, 16], dtype=torch.int32, device=device),
              torch.tensor([16, p], dtype=torch.int32, device=device))
-    cfg = dict(BM=16, BN=64, num_warps=4, num_stages=2)
-    want = grouped_fp4(x, None, tiles, (table, stable), n, torch.float32, config=cfg, fp4_dot=0)
+    one, three = dict(BM=16, BN=64, num_warps=4, num_stages=1), dict(BM=16, BN=64, num_warps=4, num_stages=3)
+    want = grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=one, fp4_dot=0)
     found = []
     for mode in (1, 2):
         try:
-            got = grouped_fp4(x, None, tiles, (table, stable), n, torch.float32, config=cfg, fp4_dot=mode)
+            got = grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=one, fp4_dot=mode)
+            by_table = grouped_fp4(x, None, tiles, table, n, torch.float32, config=one, fp4_dot=mode)
         except Exception as e:  # what this Triton cannot compile is the finding
             found.append(f"{FP4_DOT_NAMES[mode]}: {type(e).__name__}")
             continue
-        err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
-        if err < 1e-3:
-            return mode, f"{FP4_DOT_NAMES[mode]} (agrees with register decoding, rel rms {err:.1e})"
-        found.append(f"{FP4_DOT_NAMES[mode]} disagrees (rel rms {err:.1e})")
-    return 0, f"{FP4_DOT_NAMES[0]} ({'; '.join(found)})"
+        err = max(_rel_rms(got, want), _rel_rms(by_table, want))
+        if err >= 1e-3:
+            found.append(f"{FP4_DOT_NAMES[mode]} disagrees (rel rms {err:.1e})")
+            continue
+        try:
+            piped_err = _rel_rms(grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=three, fp4_dot=mode,
+                                             pipelined=True), want)
+        except Exception as e:
+            piped_err, why = float("inf"), type(e).__name__
+        else:
+            why = f"rel rms {piped_err:.1e}"
+        piped = piped_err < 1e-3
+        return mode, piped, (f"{FP4_DOT_NAMES[mode]} (agrees with register decoding, rel rms {err:.1e}; "
+                             f"pipelined over stacked experts {'agrees' if piped else 'disagrees, so unpipelined'}: {why})")
+    return 0, True, f"{FP4_DOT_NAMES[0]} ({'; '.join(found)})"
 
 
 def grouped_config(pairs: int, n: int) -> dict:
@@ -330,13 +366,17 @@ def grouped_config(pairs: int, n: int) -> dict:
 def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 w1: tuple[torch.Tensor, torch.Tensor], n: int, out_dtype: torch.dtype,
                 w3: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
-                limit: float = 0.0, config: dict | None = None, fp4_dot: int | None = None) -> torch.Tensor:
+                limit: float = 0.0, config: dict | None = None, fp4_dot: int | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
     """Sorted rows P (x[rows[i]] for row i, or x's own rows with rows None) × their experts' packed
     weights -> [P, n] of out_dtype. x holds the activations already through their FP8 round trip
     per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are.
     `tiles` = (expert, first row, end row) per row tile, built by
-    `hybridkv.ops.grouped_moe.expert_tiles` with the same BM; w1/w3 = (weight addresses, scale
-    addresses) per expert. With w3 the SwiGLU of (w1, w3) times `route` [P] is returned."""
+    `hybridkv.ops.grouped_moe.expert_tiles` with the same BM; w1/w3 = (weights, scales) of every
+    expert: the experts stacked (uint8 [E, N, K/2] and [E, N, K/32], any stride between experts),
+    or int64 tables of each expert's weight and scale address. With w3 the SwiGLU of (w1, w3) times
+    `route` [P] is returned. `pipelined` (default: what the device check found) lets the scaled-dot
+    K loop over stacked experts pipeline."""
     cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n))
     p = rows.shape[0] if rows is not None else x.shape[0]
     k = x.shape[-1]
@@ -347,16 +387,24 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     bk = cfg.pop("BK", SCALE_BLOCK)
     if bk % SCALE_BLOCK or k % bk or bk & (bk - 1):
         raise ValueError(f"grouped FP4: BK {bk} must be a power-of-two multiple of {SCALE_BLOCK} dividing K = {k}")
+    table = w1[0].dtype == torch.int64
+    if not table and not (w1[0].dtype == w1[1].dtype == torch.uint8 and w1[0].dim() == w1[1].dim() == 3
+                          and w1[0].stride(1) == k // 2 and w1[1].stride(1) == k // FP4_BLOCK
+                          and w1[0].stride(2) == w1[1].stride(2) == 1):
+        raise ValueError("grouped FP4: weights must be address tables (int64) or stacked uint8 experts "
+                         "[E, N, K/2] and [E, N, K/32] with contiguous rows")
     mode = fp4_dot_mode(x.device) if fp4_dot is None else fp4_dot
-    if mode > 0:
+    if mode > 0 and (table or not (fp4_pipelined(x.device) if pipelined is None else pipelined)):
         # Triton 3.6's software pipelining of `tl.dot_scaled` reads wrong weights when their
-        # address comes from a table (rel err 1.3 from num_stages=2 on, on the H200; right with
-        # a kernel-argument pointer or num_stages=1)
+        # address comes from a table (rel err 1.3 from num_stages=2 on, on the H200); stacked
+        # experts pipeline where the device check found them right
         cfg["num_stages"] = 1
+    ew, es = (0, 0) if table else (w1[0].stride(0), w1[1].stride(0))
+    if swiglu and not table and (w3[0].stride(0), w3[1].stride(0)) != (ew, es):
+        raise ValueError("grouped FP4: w1 and w3 stacks must have the same strides")
     grid = (tiles[0].shape[0], triton.cdiv(n, cfg["BN"]))
     grouped_fp4_kernel[grid](
         x, rows if rows is not None else tiles[0], *tiles, w1[0], w1[1], *(w3 if swiglu else w1),
-        route if swiglu else x, y, n, k, k // 2, k // FP4_BLOCK, x.stride(0), float(limit), GATHER=rows is not None,
-        SWIGLU=swiglu,
-        FP4_DOT=mode, BK=bk, **cfg)
+        route if swiglu else x, y, n, k, k // 2, k // FP4_BLOCK, ew, es, x.stride(0), float(limit),
+        GATHER=rows is not None, SWIGLU=swiglu, FP4_DOT=mode, TABLE=table, BK=bk, **cfg)
     return y
