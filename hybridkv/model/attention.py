@@ -36,6 +36,7 @@ from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
+from hybridkv.ops.rmsnorm import rms_norm
 from hybridkv.ops.compress import compress_paged
 from hybridkv.ops.indexer_topk import indexer_topk_paged
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if not self.v41:  # V4 RMS-normalises each query head (without a weight)
-            q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+            q = rms_norm(q, None, self.eps)
         q = apply_rope(q, freqs)
         kv = apply_rope(self.kv_norm(self.wkv(x)), freqs)
         if self.v41:

@@ -120,10 +120,11 @@ class MoE(nn.Module):
         captured into a CUDA graph), see `_routed_static`."""
         weights, ids = self.gate(x, input_ids)
         tables = self.expert_tables(x)
-        if tables is not None:
+        if tables is not None:   # the shared expert's output added in the routed sum's last launch
             first = self.experts[0]
-            y = grouped_moe.routed_experts_fp4(x, weights, ids, tables, first.limit, first.w1.compute_dtype)
-        elif static:
+            return grouped_moe.routed_experts_fp4(x, weights, ids, tables, first.limit, first.w1.compute_dtype,
+                                                  plus=self.shared_experts(x), result_dtype=x.dtype)
+        if static:
             y = self._routed_static(x, weights, ids)
         else:
             y = torch.zeros_like(x, dtype=torch.float32)

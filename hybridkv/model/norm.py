@@ -1,14 +1,12 @@
-"""RMSNorm with a float32 weight; computes in float32 and returns the input dtype."""
+"""RMSNorm with a float32 weight; computes in float32 and returns the input dtype
+(`hybridkv.ops.rmsnorm`: a Triton kernel on CUDA, the reference elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+from hybridkv.ops.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,4 +16,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms_normalize(x, self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

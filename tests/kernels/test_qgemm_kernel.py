@@ -151,3 +151,24 @@ def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
         assert moe.shared_experts.w1._dense is not None
     assert rel_rms(want, got) < TOL
     assert torch.equal(dense, want)
+
+
+@pytest.mark.parametrize("tokens,k,d", [(1, 6, 256), (7, 2, 1000), (40, 6, 2048)])
+def test_combine_kernel_adds_in_expert_order_to_the_bit(device, tokens, k, d):
+    """The combine launch against `reference.combine` (+ the shared expert's output, then the cast):
+    the same float32 additions in the same order, so equal to the bit."""
+    from hybridkv.ops.grouped_moe import triton as combine_kernels
+    g = torch.Generator().manual_seed(tokens * k)
+    ids = torch.rand(tokens, 16, generator=g).argsort(-1)[:, :k].to(device)
+    sort = grouped_moe.sort_by_expert(ids, 16)
+    out = (torch.randn(tokens * k, d, generator=g) * 10).bfloat16().to(device)
+    shared = torch.randn(tokens, d, generator=g).bfloat16().to(device)
+    pos = grouped_moe.expert_order_rows(sort, ids)
+    want = grouped_moe.combine(out, sort, ids)
+    assert torch.equal(combine_kernels.combine(out, pos, None, torch.float32), want)
+    got = combine_kernels.combine(out, pos, shared, torch.bfloat16)
+    want = (want + shared.float()).bfloat16()
+    if device == "cuda":
+        assert torch.equal(got, want)
+    else:   # the interpreter casts float32 to bf16 by truncation: one bf16 step at most
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()

@@ -16,7 +16,8 @@ from torch import nn
 
 from hybridkv.ops.backend import dense_weights, use_triton
 from hybridkv.ops.grouped_moe import reference  # noqa: F401
-from hybridkv.ops.grouped_moe.reference import ExpertSort, combine, expert_tiles, sort_by_expert  # noqa: F401
+from hybridkv.ops.grouped_moe.reference import (ExpertSort, combine, expert_order_rows, expert_tiles,  # noqa: F401
+                                                sort_by_expert)
 
 ACT_BLOCK = 128      # the activations' FP8 quantisation block in front of every expert GEMM
 
@@ -124,9 +125,12 @@ def grouped_kernel_ok(x: torch.Tensor, act_block: int, dim: int, inter: int) -> 
 
 
 def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
-                       limit: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [T, D], routing weights [T, k], ids [T, k] -> float32 [T, D], the routed experts' sum, in
-    two grouped launches over the sorted pairs."""
+                       limit: float, out_dtype: torch.dtype, plus: torch.Tensor | None = None,
+                       result_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [T, D], routing weights [T, k], ids [T, k] -> [T, D] of result_dtype: the routed experts'
+    float32 sum (plus `plus` [T, D], the shared expert's output, when given), in two grouped
+    launches over the sorted pairs and one that adds each token's rows."""
+    from hybridkv.ops.grouped_moe import triton as combine_kernels
     from hybridkv.ops.qgemm import triton as kernels
     from hybridkv.ops.quant.triton import fp8_round_trip
     n_experts = tables.w1.shape[0]
@@ -143,4 +147,4 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         tiles = expert_tiles(sort, cfg_down["BM"])
     out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles, (tables.w2, tables.s2), tables.dim, out_dtype,
                               config=cfg_down)
-    return combine(out, sort, ids)
+    return combine_kernels.combine(out, expert_order_rows(sort, ids), plus, result_dtype)

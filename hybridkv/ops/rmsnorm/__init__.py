@@ -1,0 +1,20 @@
+"""RMS normalisation of the last dimension, with an optional float32 weight: computed in float32,
+returned in the input's dtype. One Triton program per row on CUDA (forwards without autograd: the
+norms of a decode step are eight small launches each in torch); the plain-torch reference
+elsewhere, which training and the CPU parity tests run."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.rmsnorm import reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """weight · x / sqrt(mean(x²) + eps) over the last dimension (weight None: no weight)."""
+    if use_triton(x) and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None
+                                                                              and weight.requires_grad))):
+        from hybridkv.ops.rmsnorm import triton as kernels
+        return kernels.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
