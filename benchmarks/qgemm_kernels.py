@@ -177,7 +177,7 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,8,64,4096")
+    ap.add_argument("--rows", default="1,8,64,4096", help="FP8 linears' row counts ('' for none)")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
@@ -188,7 +188,7 @@ def main() -> int:
                     "FP4_DOT modes (e.g. 0,1), beside the one the device check chose")
     a = ap.parse_args()
     a.fp4_dots = [int(m) for m in a.fp4_dots.split(",") if m]
-    a.rows = [int(r) for r in a.rows.split(",")]
+    a.rows = [int(r) for r in a.rows.split(",") if r]
     a.tokens = [int(r) for r in a.tokens.split(",")]
     a.sweep_rows = [int(r) for r in a.sweep_rows.split(",")]
     if a.smoke:
