@@ -157,18 +157,42 @@ def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
 def test_combine_kernel_adds_in_expert_order_to_the_bit(device, tokens, k, d):
     """The combine launch against `reference.combine` (+ the shared expert's output, then the cast):
     the same float32 additions in the same order, so equal to the bit."""
-    from hybridkv.ops.grouped_moe import triton as combine_kernels
+    from hybridkv.ops.grouped_moe import triton as moe_kernels
     g = torch.Generator().manual_seed(tokens * k)
     ids = torch.rand(tokens, 16, generator=g).argsort(-1)[:, :k].to(device)
     sort = grouped_moe.sort_by_expert(ids, 16)
     out = (torch.randn(tokens * k, d, generator=g) * 10).bfloat16().to(device)
     shared = torch.randn(tokens, d, generator=g).bfloat16().to(device)
-    pos = grouped_moe.expert_order_rows(sort, ids)
     want = grouped_moe.combine(out, sort, ids)
-    assert torch.equal(combine_kernels.combine(out, pos, None, torch.float32), want)
-    got = combine_kernels.combine(out, pos, shared, torch.bfloat16)
+    assert torch.equal(moe_kernels.combine(out, sort.inverse, ids, None, torch.float32), want)
+    got = moe_kernels.combine(out, sort.inverse, ids, shared, torch.bfloat16)
     want = (want + shared.float()).bfloat16()
     if device == "cuda":
         assert torch.equal(got, want)
     else:   # the interpreter casts float32 to bf16 by truncation: one bf16 step at most
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("tokens,k,experts,bm", [(1, 6, 256, 16), (8, 6, 256, 16), (64, 6, 256, 16),
+                                                 (5, 2, 6, 16), (85, 6, 16, 16), (3, 3, 300, 64)])
+def test_fused_routing_matches_the_sort_and_tiles(device, tokens, k, experts, bm):
+    """The decode routing launch against `reference.sort_by_expert` and `expert_tiles`: the same
+    sorted rows' tokens and weights, the same sorted row of every pair, the same tile table; with
+    experts chosen by several tokens (ties sorted by pair) and a non-power-of-two expert count."""
+    from hybridkv.ops.grouped_moe import triton as moe_kernels
+    g = torch.Generator().manual_seed(tokens * experts + k)
+    ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :k]
+    if tokens > 4:
+        ids[: tokens // 2] = ids[0]                     # many rows of the same experts
+    weights = torch.rand(tokens, k, generator=g)
+    ids, weights = ids.to(device), weights.to(device)
+    sort = grouped_moe.sort_by_expert(ids, experts)
+    token, route, inverse, tiles = moe_kernels.route(ids, weights, experts, bm)
+    assert torch.equal(token, sort.token.int())
+    assert torch.equal(route, weights.reshape(-1)[sort.order].float())
+    assert torch.equal(inverse.long(), sort.inverse)
+    for got, want in zip(tiles, grouped_moe.expert_tiles(sort, bm)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="pairs"):
+        moe_kernels.route(torch.zeros(100, 6, dtype=torch.long, device=device), torch.zeros(100, 6, device=device),
+                          experts, bm)

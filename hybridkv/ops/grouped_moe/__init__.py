@@ -16,8 +16,7 @@ from torch import nn
 
 from hybridkv.ops.backend import dense_weights, use_triton
 from hybridkv.ops.grouped_moe import reference  # noqa: F401
-from hybridkv.ops.grouped_moe.reference import (ExpertSort, combine, expert_order_rows, expert_tiles,  # noqa: F401
-                                                sort_by_expert)
+from hybridkv.ops.grouped_moe.reference import ExpertSort, combine, expert_tiles, sort_by_expert  # noqa: F401
 
 ACT_BLOCK = 128      # the activations' FP8 quantisation block in front of every expert GEMM
 
@@ -129,22 +128,28 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        result_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [T, D], routing weights [T, k], ids [T, k] -> [T, D] of result_dtype: the routed experts'
     float32 sum (plus `plus` [T, D], the shared expert's output, when given), in two grouped
-    launches over the sorted pairs and one that adds each token's rows."""
+    launches over the sorted pairs and one that adds each token's rows; for decode sizes the
+    sorting and tiling are one more launch (`triton.route`)."""
     from hybridkv.ops.grouped_moe import triton as combine_kernels
     from hybridkv.ops.qgemm import triton as kernels
     from hybridkv.ops.quant.triton import fp8_round_trip
     n_experts = tables.w1.shape[0]
-    sort = sort_by_expert(ids, n_experts)
-    p = sort.order.shape[0]
+    p = ids.numel()
     cfg_up = kernels.grouped_config(p, tables.inter)
     cfg_down = kernels.grouped_config(p, tables.dim)
-    tiles = expert_tiles(sort, cfg_up["BM"])
-    route = weights.reshape(-1)[sort.order].float().contiguous()
     xq = fp8_round_trip(x.contiguous(), ACT_BLOCK)           # each token's input quantised once
-    h = kernels.grouped_fp4(xq, sort.token.int(), tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
+    if p <= combine_kernels.MAX_FUSED_PAIRS and cfg_down["BM"] == cfg_up["BM"]:
+        # decode: the sort, the tile table and the sorted rows' tokens and weights in one launch
+        token, route, inverse, tiles = combine_kernels.route(ids, weights, n_experts, cfg_up["BM"])
+        tiles_down = tiles
+    else:
+        sort = sort_by_expert(ids, n_experts)
+        token, inverse = sort.token.int(), sort.inverse
+        route = weights.reshape(-1)[sort.order].float().contiguous()
+        tiles = expert_tiles(sort, cfg_up["BM"])
+        tiles_down = tiles if cfg_down["BM"] == cfg_up["BM"] else expert_tiles(sort, cfg_down["BM"])
+    h = kernels.grouped_fp4(xq, token, tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
                             w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up)
-    if cfg_down["BM"] != cfg_up["BM"]:
-        tiles = expert_tiles(sort, cfg_down["BM"])
-    out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles, (tables.w2, tables.s2), tables.dim, out_dtype,
-                              config=cfg_down)
-    return combine_kernels.combine(out, expert_order_rows(sort, ids), plus, result_dtype)
+    out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles_down, (tables.w2, tables.s2), tables.dim,
+                              out_dtype, config=cfg_down)
+    return combine_kernels.combine(out, inverse, ids, plus, result_dtype)

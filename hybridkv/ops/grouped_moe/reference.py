@@ -54,17 +54,11 @@ def expert_tiles(sort: ExpertSort, block_m: int) -> tuple[torch.Tensor, torch.Te
     return (torch.where(valid, ec, -1).int(), torch.where(valid, start, 0).int(), torch.where(valid, end, 0).int())
 
 
-def expert_order_rows(sort: ExpertSort, ids: torch.Tensor) -> torch.Tensor:
-    """[T, k]: each token's sorted rows, in the order of their experts."""
-    t, k = ids.shape
-    return sort.inverse.view(t, k).gather(1, ids.argsort(dim=1, stable=True))
-
-
 def combine(out: torch.Tensor, sort: ExpertSort, ids: torch.Tensor) -> torch.Tensor:
     """Sorted rows' outputs [P, D] -> float32 [T, D]: each token's rows added in expert order,
     starting from zero (the per-expert loop's sums exactly)."""
     t, k = ids.shape
-    pos = expert_order_rows(sort, ids)
+    pos = sort.inverse.view(t, k).gather(1, ids.argsort(dim=1, stable=True))
     y = torch.zeros(t, out.shape[-1], dtype=torch.float32, device=out.device)
     for j in range(k):                       # k slots (6 in V4), not experts
         y = y + out[pos[:, j]].float()

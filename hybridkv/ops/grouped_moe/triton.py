@@ -1,7 +1,15 @@
-"""Triton kernel of the grouped MoE's last step: each token's routed-expert rows added in expert
-order from zero in float32 (the per-expert loop's sums to the bit, as `reference.combine`), then an
-optional addend (the shared expert's output) and the cast to the result dtype, in one launch
-instead of a gather, a cast and an add per routing slot."""
+"""Triton kernels of the grouped MoE's bookkeeping around its two GEMM launches.
+
+- `route_kernel` (decode: at most `MAX_FUSED_PAIRS` (token, slot) pairs): one program sorts the
+  pairs by expert, stably (rank = pairs of a smaller expert + earlier pairs of the same expert, as
+  `reference.sort_by_expert` orders them), writes each sorted row's token and routing weight and
+  each pair's sorted row, and builds the row-tile table of `reference.expert_tiles`: one launch
+  instead of about twenty torch operations.
+- `combine_kernel`: each token's routed-expert rows added in expert order from zero in float32 (the
+  per-expert loop's sums to the bit, as `reference.combine`), then an optional addend (the shared
+  expert's output) and the cast to the result dtype, in one launch instead of a sort, a gather and a
+  gather, a cast and an add per routing slot.
+"""
 
 from __future__ import annotations
 
@@ -9,31 +17,104 @@ import torch
 import triton
 import triton.language as tl
 
+MAX_FUSED_PAIRS = 512
+_BLOCK = 128
+
 
 @triton.jit
-def combine_kernel(OUT, POS, PLUS, Y, D, K: tl.constexpr, HAS_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+def route_kernel(IDS, W, TOKEN, ROUTE, INV, TILE_E, TILE_S, TILE_T, P, K, E, MAX_TILES, BM,
+                 EP: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr):
+    ex = tl.arange(0, EP)
+    counts = tl.zeros([EP], tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        ok = p < P
+        e_p = tl.load(IDS + p, mask=ok, other=-1).to(tl.int32)
+        counts += tl.sum((ex[:, None] == e_p[None, :]).to(tl.int32), 1)
+        rank = tl.zeros([BLOCK], tl.int32)
+        for q0 in range(0, P, BLOCK):
+            q = q0 + tl.arange(0, BLOCK)
+            e_q = tl.load(IDS + q, mask=q < P, other=2147483647).to(tl.int32)
+            before = (e_q[None, :] < e_p[:, None]) | ((e_q[None, :] == e_p[:, None]) & (q[None, :] < p[:, None]))
+            rank += tl.sum(before.to(tl.int32), 1)
+        tl.store(INV + p, rank, mask=ok)
+        tl.store(TOKEN + rank, (p // K).to(tl.int32), mask=ok)
+        tl.store(ROUTE + rank, tl.load(W + p, mask=ok, other=0.0).to(tl.float32), mask=ok)
+    offsets = tl.cumsum(counts, 0) - counts              # first sorted row of each expert
+    tiles = (counts + BM - 1) // BM
+    cum = tl.cumsum(tiles, 0)                            # tiles of experts 0..e
+    for t0 in range(0, MAX_TILES, TB):
+        t = t0 + tl.arange(0, TB)
+        e_t = tl.sum((cum[None, :] <= t[:, None]).to(tl.int32), 1)       # searchsorted(cum, t, right)
+        valid = e_t < E
+        sel = ex[None, :] == e_t[:, None]
+        off = tl.sum(tl.where(sel, offsets, 0), 1)
+        first_tile = tl.sum(tl.where(sel, cum - tiles, 0), 1)
+        cnt = tl.sum(tl.where(sel, counts, 0), 1)
+        start = off + (t - first_tile) * BM
+        t_ok = t < MAX_TILES
+        tl.store(TILE_E + t, tl.where(valid, e_t, -1), mask=t_ok)
+        tl.store(TILE_S + t, tl.where(valid, start, 0), mask=t_ok)
+        tl.store(TILE_T + t, tl.where(valid, off + cnt, 0), mask=t_ok)
+
+
+def route(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int):
+    """ids [T, k], routing weights [T, k] (P = T·k ≤ MAX_FUSED_PAIRS) -> (token int32 [P] and
+    routing weight float32 [P] of each sorted row, sorted row int32 [P] of each pair, the tile table
+    (expert, first row, end row) int32 of `reference.expert_tiles` for block_m)."""
+    t, k = ids.shape
+    p = t * k
+    if p > MAX_FUSED_PAIRS:
+        raise ValueError(f"fused routing: {p} pairs > {MAX_FUSED_PAIRS}")
+    max_tiles = -(-p // block_m) + min(n_experts, p)
+    dev = ids.device
+    token = torch.empty(p, dtype=torch.int32, device=dev)
+    route_w = torch.empty(p, dtype=torch.float32, device=dev)
+    inv = torch.empty(p, dtype=torch.int32, device=dev)
+    tiles = tuple(torch.empty(max_tiles, dtype=torch.int32, device=dev) for _ in range(3))
+    if p:
+        route_kernel[(1,)](ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), token, route_w, inv, *tiles,
+                           p, k, n_experts, max_tiles, block_m, EP=triton.next_power_of_2(n_experts),
+                           BLOCK=_BLOCK, TB=32, num_warps=8)
+    return token, route_w, inv, tiles
+
+
+@triton.jit
+def combine_kernel(OUT, INV, IDS, PLUS, Y, D, K: tl.constexpr, KP: tl.constexpr, HAS_PLUS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < D
+    s = tl.arange(0, KP)
+    s_ok = s < K
+    e = tl.load(IDS + t * K + s, mask=s_ok, other=0)
+    row = tl.load(INV + t * K + s, mask=s_ok, other=0).to(tl.int64)
+    e2 = tl.load(IDS + t * K + s, mask=s_ok, other=0)      # the same row, as the other operand
+    # each slot's place in the token's expert order (stable: ties by slot)
+    before = ((e2[None, :] < e[:, None]) | ((e2[None, :] == e[:, None]) & (s[None, :] < s[:, None]))) & s_ok[None, :]
+    place = tl.sum(before.to(tl.int32), 1)
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(K):
-        p = tl.load(POS + t * K + j).to(tl.int64)
+        p = tl.sum(tl.where((place == j) & s_ok, row, 0), 0)
         acc += tl.load(OUT + p * D + c, mask=ok, other=0.0).to(tl.float32)
     if HAS_PLUS:
         acc += tl.load(PLUS + t * D + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + t * D + c, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-def combine(out: torch.Tensor, pos: torch.Tensor, plus: torch.Tensor | None, result_dtype: torch.dtype) -> torch.Tensor:
-    """out [P, D] sorted rows, pos [T, k] each token's rows in expert order -> [T, D] of result_dtype:
-    Σ_j out[pos[t, j]] in float32, plus `plus` [T, D] when given."""
-    t, k = pos.shape
+def combine(out: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, plus: torch.Tensor | None,
+            result_dtype: torch.dtype) -> torch.Tensor:
+    """out [P, D] sorted rows, inverse [P] the sorted row of each pair, ids [T, k] -> [T, D] of
+    result_dtype: each token's rows added in the order of their experts in float32, plus `plus`
+    [T, D] when given."""
+    t, k = ids.shape
     d = out.shape[-1]
     y = torch.empty(t, d, dtype=result_dtype, device=out.device)
     if t == 0:
         return y
     block = min(1024, triton.next_power_of_2(d))
-    combine_kernel[(t, triton.cdiv(d, block))](out.contiguous(), pos.contiguous(),
+    combine_kernel[(t, triton.cdiv(d, block))](out.contiguous(), inverse.contiguous(), ids.contiguous(),
                                                plus.contiguous() if plus is not None else out, y, d, K=k,
-                                               HAS_PLUS=plus is not None, BLOCK=block, num_warps=4)
+                                               KP=triton.next_power_of_2(k), HAS_PLUS=plus is not None, BLOCK=block,
+                                               num_warps=4)
     return y
