@@ -57,6 +57,7 @@ GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cub
 # torch's ATen kernel names, cuBLAS' nvjet/sm90 names)
 FAMILIES = [
     ("linear (GEMM)", GEMM_KERNELS),
+    ("MoE routing / combine", re.compile(r"moe_combine|route_kernel", re.I)),
     ("attention", re.compile(r"sparse_attn|combine_kernel|score_decode|score_tile|indexer|attn|flash", re.I)),
     ("compressor", re.compile(r"compress", re.I)),
     ("mHC / norms", re.compile(r"pre_kernel|post_kernel|sinkhorn|rms|norm|mhc", re.I)),

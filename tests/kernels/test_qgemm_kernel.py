@@ -37,7 +37,10 @@ def test_fp8_linear_matches_dequantised_gemm(device, rows, n, k):
     want = reference.fp8_linear(x, q, s, (128, 128), torch.float32)
     got = kernels.fp8_linear(x, q, s, torch.float32)
     assert got.shape == (rows, n)
-    assert rel_rms(want, got) < TOL
+    # on Hopper the prefill tiles' FP8 warpgroup MMAs accumulate with about 14 bits within each
+    # 128-deep block (the limit DeepSeek-V3 reports; the scales promote every block): measured
+    # 1.3e-4 at 70 rows on the H200, where a wrong scale or block shows as 1e-2 and more
+    assert rel_rms(want, got) < (1e-3 if device == "cuda" and rows > 64 else TOL)
 
 
 def test_fp8_linear_keeps_leading_dims_and_ragged_n(device):

@@ -5,7 +5,7 @@
   `reference.sort_by_expert` orders them), writes each sorted row's token and routing weight and
   each pair's sorted row, and builds the row-tile table of `reference.expert_tiles`: one launch
   instead of about twenty torch operations.
-- `combine_kernel`: each token's routed-expert rows added in expert order from zero in float32 (the
+- `moe_combine_kernel`: each token's routed-expert rows added in expert order from zero in float32 (the
   per-expert loop's sums to the bit, as `reference.combine`), then an optional addend (the shared
   expert's output) and the cast to the result dtype, in one launch instead of a sort, a gather and a
   gather, a cast and an add per routing slot.
@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 MAX_FUSED_PAIRS = 512
-_BLOCK = 128
 
 
 @triton.jit
@@ -75,12 +74,12 @@ def route(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int
     if p:
         route_kernel[(1,)](ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), token, route_w, inv, *tiles,
                            p, k, n_experts, max_tiles, block_m, EP=triton.next_power_of_2(n_experts),
-                           BLOCK=_BLOCK, TB=32, num_warps=8)
+                           BLOCK=max(16, triton.next_power_of_2(min(p, 128))), TB=32, num_warps=4)
     return token, route_w, inv, tiles
 
 
 @triton.jit
-def combine_kernel(OUT, INV, IDS, PLUS, Y, D, K: tl.constexpr, KP: tl.constexpr, HAS_PLUS: tl.constexpr,
+def moe_combine_kernel(OUT, INV, IDS, PLUS, Y, D, K: tl.constexpr, KP: tl.constexpr, HAS_PLUS: tl.constexpr,
                    BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -113,7 +112,7 @@ def combine(out: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, plus: t
     if t == 0:
         return y
     block = min(1024, triton.next_power_of_2(d))
-    combine_kernel[(t, triton.cdiv(d, block))](out.contiguous(), inverse.contiguous(), ids.contiguous(),
+    moe_combine_kernel[(t, triton.cdiv(d, block))](out.contiguous(), inverse.contiguous(), ids.contiguous(),
                                                plus.contiguous() if plus is not None else out, y, d, K=k,
                                                KP=triton.next_power_of_2(k), HAS_PLUS=plus is not None, BLOCK=block,
                                                num_warps=4)

@@ -187,9 +187,12 @@ def _expert_base(P, e, expert_stride, TABLE: tl.constexpr):
     """Expert e's packed weight (or scale) bytes: with TABLE, the 16-byte-aligned device address
     `P[e]` (separate tensors; the alignment lets the compiler use wide loads, `expert_tables` checks
     it); otherwise e · expert_stride bytes after P (the experts stacked in one buffer)."""
+    # one return: a compiled kernel may not return two pointer types (int64 table, uint8 bytes)
     if TABLE:
-        return tl.multiple_of(tl.load(P + e), 16).to(tl.pointer_type(tl.uint8))
-    return P + e.to(tl.int64) * expert_stride
+        base = tl.multiple_of(tl.load(P + e), 16).to(tl.pointer_type(tl.uint8))
+    else:
+        base = P + e.to(tl.int64) * expert_stride
+    return base
 
 
 @triton.jit

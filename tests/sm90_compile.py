@@ -1,0 +1,57 @@
+"""Run as a script (by tests/test_kernel_compile.py): compiles the decode step's Triton kernels
+for sm_90 without a GPU (the compile-only driver of benchmarks/kernel_resources.py) in every
+variant the engine can launch, and prints one line per variant: `ok` or the compiler's error.
+The interpreter runs a kernel's Python; only a compile shows what the GPU's Triton refuses."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+import kernel_resources as kr  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+driver.set_active(kr._H200())
+JITFunction.run = kr._compile_only
+
+from hybridkv.ops.grouped_moe import triton as moe_kernels  # noqa: E402
+from hybridkv.ops.qgemm import triton as qk  # noqa: E402
+from hybridkv.ops.rmsnorm import triton as norm_kernels  # noqa: E402
+
+
+def attempt(name, fn):
+    try:
+        fn()
+        print(f"{name}: ok", flush=True)
+    except Exception as e:  # the compiler's error is the finding
+        print(f"{name}: {type(e).__name__}: {' | '.join(str(e).strip().splitlines()[-3:])}", flush=True)
+
+
+p, k, n = 20, 512, 256
+x = torch.zeros(p, k).bfloat16()
+stacked = (torch.zeros(2, n, k // 2, dtype=torch.uint8), torch.zeros(2, n, k // 32, dtype=torch.uint8))
+table = (torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+tiles = (torch.zeros(2, dtype=torch.int32),) * 3
+rows, route = torch.zeros(p, dtype=torch.int32), torch.zeros(p)
+for layout, w in (("stacked", stacked), ("table", table)):
+    for mode in (0, 1, 2):
+        for stages in (1, 3):
+            for swiglu in (False, True):
+                extra = dict(w3=w, route=route, limit=10.0) if swiglu else {}
+                attempt(f"grouped_fp4 {layout} mode={mode} stages={stages} swiglu={swiglu}",
+                        lambda: qk.grouped_fp4(x, rows if swiglu else None, tiles, w, n, torch.bfloat16,
+                                               config=dict(BM=16, BN=64, num_warps=4, num_stages=stages),
+                                               fp4_dot=mode, pipelined=True, **extra))
+for pairs in (6, 48, 384):
+    attempt(f"route pairs={pairs}", lambda: moe_kernels.route(torch.zeros(pairs // 6, 6, dtype=torch.long),
+                                                              torch.zeros(pairs // 6, 6), 256, 16))
+attempt("moe_combine", lambda: moe_kernels.combine(torch.zeros(12, 4096).bfloat16(), torch.zeros(12, dtype=torch.int32),
+                                                   torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 4096).bfloat16(),
+                                                   torch.bfloat16))
+for d in (128, 512, 1024, 4096):
+    attempt(f"rms_norm d={d}", lambda: norm_kernels.rms_norm(torch.zeros(3, d).bfloat16(), torch.zeros(d), 1e-6))
