@@ -162,7 +162,8 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
                 bm = kernels.grouped_config(p, inter)["BM"]
                 # tl.dot_scaled over address tables (or where the device check found pipelining
                 # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
-                unpiped = kernels.fp4_dot_mode(x.device) > 0 and not (tables.stacked and kernels.fp4_pipelined(x.device))
+                unpiped = (kernels.fp4_dot_mode(x.device, not tables.stacked) > 0
+                           and not (tables.stacked and kernels.fp4_pipelined(x.device)))
                 stage_counts = [1] if unpiped else [2, 3, 4]
                 for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256], [4, 8], stage_counts):
                     cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)

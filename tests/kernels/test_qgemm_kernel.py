@@ -199,3 +199,22 @@ def test_fused_routing_matches_the_sort_and_tiles(device, tokens, k, experts, bm
     with pytest.raises(ValueError, match="pairs"):
         moe_kernels.route(torch.zeros(100, 6, dtype=torch.long, device=device), torch.zeros(100, 6, device=device),
                           experts, bm)
+
+
+def test_the_device_check_decides_each_weight_layout_apart(monkeypatch):
+    """A scaled-dot variant that fails for address tables (as one failed to compile on Triton 3.6)
+    leaves stacked experts on the scaled dot, and a pipelined launch that disagrees turns only the
+    pipelining off. Stand-ins: the register decoding plays the scaled dot (the interpreter has none)."""
+    real = kernels.grouped_fp4
+
+    def stand_in(x, rows, tiles, w, *a, fp4_dot=None, config=None, **kw):
+        if fp4_dot and w[0].dtype == torch.int64:
+            raise RuntimeError("does not compile")
+        y = real(x, rows, tiles, w, *a, fp4_dot=0, config=config, **kw)
+        return y * 2 if fp4_dot and config["num_stages"] > 1 else y   # pipelined: wrong
+
+    monkeypatch.setattr(kernels, "grouped_fp4", stand_in)
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    found = kernels._check_fp4_dot(torch.device("cpu"))
+    assert (found.stacked, found.table, found.pipelined) == (1, 0, False)
+    assert "disagrees, so unpipelined" in found.report and "RuntimeError" in found.report

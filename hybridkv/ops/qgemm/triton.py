@@ -25,6 +25,7 @@ usable.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -272,14 +273,24 @@ def grouped_fp4_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUT
 
 
 FP4_DOT_NAMES = {0: "codes decoded in registers, float32 MMA", 1: "tl.dot_scaled", 2: "tl.dot_scaled, nibbles swapped"}
-_FP4_DOT: dict = {}       # device -> (mode, whether the K loop may be pipelined, what the check found)
+_FP4_DOT: dict = {}       # device -> FP4Check
+
+
+class FP4Check(NamedTuple):
+    """What the device check found: the multiply mode of stacked experts and of address-table
+    launches (checked apart: one variant failing to compile must not slow the other), whether the
+    stacked K loop may pipeline, and a sentence for reports."""
+    stacked: int
+    table: int
+    pipelined: bool
+    report: str
 
 
 def _device_key(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _fp4_state(device: torch.device) -> tuple[int, bool, str]:
+def _fp4_state(device: torch.device) -> FP4Check:
     key = _device_key(device)
     if key not in _FP4_DOT:
         if torch.cuda.is_current_stream_capturing():
@@ -289,14 +300,16 @@ def _fp4_state(device: torch.device) -> tuple[int, bool, str]:
     return _FP4_DOT[key]
 
 
-def fp4_dot_mode(device: torch.device) -> int:
-    """How the grouped FP4 kernel multiplies on `device`: 0 in the interpreter; on a GPU the first
-    of Triton's scaled dot (1, then 2) that agrees with the register decoding (0) on a random
-    problem, checked once per device (Triton releases have differed in how `dot_scaled` reads
-    packed E2M1), else 0. `fp4_dot_report` says what was found."""
+def fp4_dot_mode(device: torch.device, table: bool = False) -> int:
+    """How the grouped FP4 kernel multiplies on `device` (for stacked experts, or with `table` for
+    address tables): 0 in the interpreter; on a GPU the first of Triton's scaled dot (1, then 2)
+    that agrees with the register decoding (0) on a random problem, checked once per device (Triton
+    releases have differed in how `dot_scaled` reads packed E2M1), else 0. `fp4_dot_report` says
+    what was found."""
     if _interpreting() or device.type != "cuda":
         return 0
-    return _fp4_state(device)[0]
+    state = _fp4_state(device)
+    return state.table if table else state.stacked
 
 
 def fp4_pipelined(device: torch.device) -> bool:
@@ -306,19 +319,35 @@ def fp4_pipelined(device: torch.device) -> bool:
     so table launches never pipeline; this checks that the stacked layout's launches agree.)"""
     if _interpreting() or device.type != "cuda":
         return True
-    return _fp4_state(device)[1]
+    return _fp4_state(device).pipelined
 
 
 def fp4_dot_report(device: torch.device) -> str:
-    mode = fp4_dot_mode(device)
-    return _FP4_DOT.get(_device_key(device), (mode, True, FP4_DOT_NAMES[mode]))[2]
+    if _interpreting() or device.type != "cuda":
+        return FP4_DOT_NAMES[0]
+    return _fp4_state(device).report
 
 
 def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 
 
-def _check_fp4_dot(device: torch.device) -> tuple[int, bool, str]:
+def _first_agreeing_mode(run, want) -> tuple[int, str]:
+    """The first scaled-dot mode whose `run(mode)` agrees with `want`, else 0; and what was found."""
+    found = []
+    for mode in (1, 2):
+        try:
+            err = _rel_rms(run(mode), want)
+        except Exception as e:  # what this Triton cannot compile is the finding
+            found.append(f"{FP4_DOT_NAMES[mode]}: {type(e).__name__}")
+            continue
+        if err < 1e-3:
+            return mode, f"{FP4_DOT_NAMES[mode]} (agrees with register decoding, rel rms {err:.1e})"
+        found.append(f"{FP4_DOT_NAMES[mode]} disagrees (rel rms {err:.1e})")
+    return 0, f"{FP4_DOT_NAMES[0]} ({'; '.join(found)})"
+
+
+def _check_fp4_dot(device: torch.device) -> FP4Check:
     g = torch.Generator(device=device).manual_seed(0)
     p, k, n = 20, 512, 256
     x = torch.randn(p, k, device=device, generator=g).bfloat16()
@@ -332,29 +361,23 @@ def _check_fp4_dot(device: torch.device) -> tuple[int, bool, str]:
              torch.tensor([16, p], dtype=torch.int32, device=device))
     one, three = dict(BM=16, BN=64, num_warps=4, num_stages=1), dict(BM=16, BN=64, num_warps=4, num_stages=3)
     want = grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=one, fp4_dot=0)
-    found = []
-    for mode in (1, 2):
+    stacked, said_stacked = _first_agreeing_mode(
+        lambda m: grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=one, fp4_dot=m, pipelined=False), want)
+    by_table, said_table = _first_agreeing_mode(
+        lambda m: grouped_fp4(x, None, tiles, table, n, torch.float32, config=one, fp4_dot=m), want)
+    piped, why = True, "register decoding pipelines"
+    if stacked:
         try:
-            got = grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=one, fp4_dot=mode, pipelined=False)
-            by_table = grouped_fp4(x, None, tiles, table, n, torch.float32, config=one, fp4_dot=mode)
-        except Exception as e:  # what this Triton cannot compile is the finding
-            found.append(f"{FP4_DOT_NAMES[mode]}: {type(e).__name__}")
-            continue
-        err = max(_rel_rms(got, want), _rel_rms(by_table, want))
-        if err >= 1e-3:
-            found.append(f"{FP4_DOT_NAMES[mode]} disagrees (rel rms {err:.1e})")
-            continue
-        try:
-            piped_err = _rel_rms(grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=three, fp4_dot=mode,
-                                             pipelined=True), want)
+            err = _rel_rms(grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=three, fp4_dot=stacked,
+                                       pipelined=True), want)
         except Exception as e:
-            piped_err, why = float("inf"), type(e).__name__
+            err, why = float("inf"), type(e).__name__
         else:
-            why = f"rel rms {piped_err:.1e}"
-        piped = piped_err < 1e-3
-        return mode, piped, (f"{FP4_DOT_NAMES[mode]} (agrees with register decoding, rel rms {err:.1e}; "
-                             f"pipelined over stacked experts {'agrees' if piped else 'disagrees, so unpipelined'}: {why})")
-    return 0, True, f"{FP4_DOT_NAMES[0]} ({'; '.join(found)})"
+            why = f"rel rms {err:.1e}"
+        piped = err < 1e-3
+    report = (f"stacked experts: {said_stacked}, pipelined {'agrees' if piped else 'disagrees, so unpipelined'} "
+              f"({why}); address tables: {said_table}")
+    return FP4Check(stacked, by_table, piped, report)
 
 
 def grouped_config(pairs: int, n: int) -> dict:
@@ -396,7 +419,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
                           and w1[0].stride(2) == w1[1].stride(2) == 1):
         raise ValueError("grouped FP4: weights must be address tables (int64) or stacked uint8 experts "
                          "[E, N, K/2] and [E, N, K/32] with contiguous rows")
-    mode = fp4_dot_mode(x.device) if fp4_dot is None else fp4_dot
+    mode = fp4_dot_mode(x.device, table) if fp4_dot is None else fp4_dot
     if mode > 0 and (table or not (fp4_pipelined(x.device) if pipelined is None else pipelined)):
         # Triton 3.6's software pipelining of `tl.dot_scaled` reads wrong weights when their
         # address comes from a table (rel err 1.3 from num_stages=2 on, on the H200); stacked
