@@ -102,8 +102,8 @@ def test_release_bf16_weights_stay_bf16_in_a_half_precision_model(tmp_path):
     import json
     index = json.loads((tmp_path / "m" / INDEX_FILE).read_text())["weight_map"]
     csa = next(i for i, r in enumerate(cfg.compress_ratios) if r == 4)
-    for name in ("head.weight", f"layers.{csa}.attn.compressor.wkv.weight", f"layers.{csa}.attn.compressor.wgate.weight",
-                 "layers.0.attn_norm.weight", "hc_head_fn"):
+    comp = f"layers.{csa}.attn.compressor"
+    for name in ("head.weight", f"{comp}.wkv.weight", f"{comp}.wgate.weight", "layers.0.attn_norm.weight", "hc_head_fn"):
         with safe_open(tmp_path / "m" / index[name], "pt") as f:
             assert f.get_slice(name).get_dtype() == ("F32" if name == "hc_head_fn" else "BF16"), name
     narrow, _ = load_model(tmp_path / "m", dtype=torch.bfloat16)

@@ -357,8 +357,7 @@ def _check_fp4_dot(device: torch.device) -> FP4Check:
     sc = torch.randint(120, 130, (2, n, k // FP4_BLOCK), device=device, generator=g).to(torch.uint8)
     table = (torch.tensor([w[0].data_ptr(), w[1].data_ptr()], dtype=torch.int64, device=device),
              torch.tensor([sc[0].data_ptr(), sc[1].data_ptr()], dtype=torch.int64, device=device))
-    tiles = (torch.tensor([0, 1], dtype=torch.int32, device=device), torch.tensor([0, 16], dtype=torch.int32, device=device),
-             torch.tensor([16, p], dtype=torch.int32, device=device))
+    tiles = tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in ([0, 1], [0, 16], [16, p]))
     one, three = dict(BM=16, BN=64, num_warps=4, num_stages=1), dict(BM=16, BN=64, num_warps=4, num_stages=3)
     want = grouped_fp4(x, None, tiles, (w, sc), n, torch.float32, config=one, fp4_dot=0)
     stacked, said_stacked = _first_agreeing_mode(
