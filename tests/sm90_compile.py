@@ -22,6 +22,8 @@ JITFunction.run = kr._compile_only
 from hybridkv.ops.grouped_moe import triton as moe_kernels  # noqa: E402
 from hybridkv.ops.qgemm import triton as qk  # noqa: E402
 from hybridkv.ops.rmsnorm import triton as norm_kernels  # noqa: E402
+from hybridkv.ops.rope import reference as rope_ref  # noqa: E402
+from hybridkv.ops.rope import triton as rope_kernels  # noqa: E402
 
 
 def attempt(name, fn):
@@ -55,3 +57,8 @@ attempt("moe_combine", lambda: moe_kernels.combine(torch.zeros(12, 4096).bfloat1
                                                    torch.bfloat16))
 for d in (128, 512, 1024, 4096):
     attempt(f"rms_norm d={d}", lambda: norm_kernels.rms_norm(torch.zeros(3, d).bfloat16(), torch.zeros(d), 1e-6))
+freqs = rope_ref.rope_freqs(torch.arange(3), rope_ref.yarn_inv_freq(64, 1e4))
+for shape in ((3, 64, 512), (3, 512), (3, 64, 128)):
+    for inverse in (False, True):
+        attempt(f"rope {shape} inverse={inverse}",
+                lambda: rope_kernels.apply_rope(torch.zeros(*shape).bfloat16(), freqs, inverse))
