@@ -141,18 +141,17 @@ def load_state(model: torch.nn.Module, model_dir: str | Path, narrow_float: bool
     `narrow_float` (inference): float32 weights stored in bf16 keep that dtype
     (`narrowable_float_weights`)."""
     files = checkpoint_files(Path(model_dir))
-    if narrow_float:
-        with _Reader(files) as reader:
-            _narrow_float_weights(model, reader)
-    expected = model.state_dict()
-    missing = [n for n in expected if n not in files]
-    unexpected = [n for n in files if n not in expected]
-    problems = []
-    if missing:
-        problems.append(f"missing tensor(s): {_some(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensor(s) not used by this config: {_some(unexpected)}")
     with _Reader(files) as reader:
+        if narrow_float:
+            _narrow_float_weights(model, reader)
+        expected = model.state_dict()
+        missing = [n for n in expected if n not in files]
+        unexpected = [n for n in files if n not in expected]
+        problems = []
+        if missing:
+            problems.append(f"missing tensor(s): {_some(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensor(s) not used by this config: {_some(unexpected)}")
         for name, target in expected.items():
             if name not in files:
                 continue

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.ops.backend import is_deterministic
 from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
 from hybridkv.ops.quant import act_quant_sim, dequant_fp4_weight, dequant_fp8_weight
 
@@ -32,7 +33,6 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     bf16 × bf16 products are exact in float32, so it computes what widening both operands would,
     without a float32 copy of the weight at every step. Elsewhere (and in deterministic mode, whose
     GEMMs are batch-invariant) both are widened."""
-    from hybridkv.ops.backend import is_deterministic
     if (x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
             and not is_deterministic() and not torch.is_grad_enabled()):
         y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)

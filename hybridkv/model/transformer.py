@@ -52,7 +52,7 @@ def weight_formats(config: ModelConfig) -> tuple[str, str]:
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 logits of x [N, dim] under the head weight [vocab, dim] (float32, or bf16 where the
-    checkpoint stores it so: `hybridkv.weights.narrow_float_weights`): the products of the weight's
+    checkpoint stores it so: `hybridkv.weights.narrowable_float_weights`): the products of the weight's
     and x's values summed in float32 (`widened_linear`)."""
     return widened_linear(x, weight, torch.float32)
 

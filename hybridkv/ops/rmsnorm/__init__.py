@@ -13,8 +13,8 @@ from hybridkv.ops.rmsnorm import reference
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """weight · x / sqrt(mean(x²) + eps) over the last dimension (weight None: no weight)."""
-    if use_triton(x) and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None
-                                                                              and weight.requires_grad))):
+    needs_grad = x.requires_grad or (weight is not None and weight.requires_grad)
+    if use_triton(x) and not (torch.is_grad_enabled() and needs_grad):
         from hybridkv.ops.rmsnorm import triton as kernels
         return kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
