@@ -1,12 +1,21 @@
-"""Shared pieces of the kernel tests: the error measure and a random paged batch."""
+"""Shared pieces of the kernel tests: the error measure, a random paged batch, and the mark of
+tests that only make sense in Triton's interpreter."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridkv.ops.kv_formats import pack_main_fp8
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.quant import fp8_round_trip
+
+
+# a test that drives the kernels with CPU tensors through the interpreter (HYBRIDKV_KERNELS=triton on
+# the CPU, stand-ins for what only the interpreter lacks); where CUDA exists tests/gpu checks the same
+# behaviour on the device
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="interpreter test: tests/gpu covers this on CUDA")
 
 
 def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import interpreter_only
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.engine.graphs import DecodeGraphs, context_bucket
 from hybridkv.ops.indexer_topk import triton as indexer_kernels
@@ -37,6 +38,7 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@interpreter_only
 def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
     llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="fp8")
     eng = llm.engine

@@ -5,7 +5,7 @@ FP4 experts over tokens sorted by expert against the per-expert loop."""
 import pytest
 import torch
 
-from helpers import rel_rms
+from helpers import interpreter_only, rel_rms
 from hybridkv.model.linear import Linear
 from hybridkv.model.moe import MoE
 from hybridkv.ops import grouped_moe
@@ -52,9 +52,10 @@ def test_fp8_linear_keeps_leading_dims_and_ragged_n(device):
     assert rel_rms(reference.fp8_linear(x, q.to(device), s.to(device), (128, 128), torch.float32), got) < TOL
 
 
-def _fp4_moe(seed, experts=6, topk=2):
+def _fp4_moe(seed, experts=6, topk=2, device="cpu"):
     cfg = get_preset("v4-tiny-fp8", n_routed_experts=experts, num_experts_per_tok=topk)
-    moe = MoE(cfg, 2, "fp8", "fp4", torch.float32)
+    with torch.device(device):          # made where it runs: the experts' stacked buffers with it
+        moe = MoE(cfg, 2, "fp8", "fp4", torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for e in moe.experts:
@@ -67,14 +68,14 @@ def _fp4_moe(seed, experts=6, topk=2):
 
 @pytest.mark.parametrize("layout", ["stacked", "separate"])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 40])
-def test_grouped_fp4_experts_match_the_per_expert_loop(tokens, layout):
+def test_grouped_fp4_experts_match_the_per_expert_loop(device, tokens, layout):
     """The MoE's experts as it builds them (one buffer per projection, read by offset) and as
     separate tensors (read through address tables)."""
-    moe = _fp4_moe(tokens)
+    moe = _fp4_moe(tokens, device=device)
     g = torch.Generator().manual_seed(50 + tokens)
-    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=g)
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=g).to(device)
     with torch.no_grad():
-        weights, ids = moe.gate(x, torch.zeros(tokens, dtype=torch.long))
+        weights, ids = moe.gate(x, torch.zeros(tokens, dtype=torch.long, device=device))
         want = grouped_moe.reference.routed_experts(x, weights, ids, moe.n_experts,
                                                     lambda e, rows, route: moe.experts[e](rows, route))
         projections = [[(getattr(e, w).weight, getattr(e, w).scale) for e in moe.experts] for w in ("w1", "w3", "w2")]
@@ -89,14 +90,14 @@ def test_grouped_fp4_experts_match_the_per_expert_loop(tokens, layout):
     assert rel_rms(want, got) < TOL
 
 
-def test_grouped_fp4_prefill_tiles_and_clamping():
+def test_grouped_fp4_prefill_tiles_and_clamping(device):
     """Enough pairs for the 64-row tiles; large activations so the SwiGLU clamps bite."""
-    moe = _fp4_moe(9, experts=4, topk=2)
+    moe = _fp4_moe(9, experts=4, topk=2, device=device)
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(300, 256, generator=g) * 30
+    x = (torch.randn(300, 256, generator=g) * 30).to(device)
     assert kernels.grouped_config(600, 128)["BM"] == 64
     with torch.no_grad():
-        weights, ids = moe.gate(x / 30, torch.zeros(300, dtype=torch.long))   # routing of ordinary inputs
+        weights, ids = moe.gate(x / 30, torch.zeros(300, dtype=torch.long, device=device))   # routing of ordinary inputs
         want = grouped_moe.reference.routed_experts(x, weights, ids, 4, lambda e, r, w: moe.experts[e](r, w))
         gate = moe.experts[0].w1(x).float()
         assert (gate > moe.experts[0].limit).any()
@@ -107,7 +108,7 @@ def test_grouped_fp4_prefill_tiles_and_clamping():
 
 
 @pytest.mark.parametrize("bk", [256, 512])
-def test_grouped_fp4_deeper_k_steps_give_the_same_product(bk):
+def test_grouped_fp4_deeper_k_steps_give_the_same_product(device, bk):
     """A config's BK (inputs per loop iteration) changes how the K loop is cut, not the result:
     one expert's 20 rows (two row tiles) × a packed [128 × 512] weight against torch, and a BK
     that does not divide K is refused."""
@@ -117,9 +118,9 @@ def test_grouped_fp4_deeper_k_steps_give_the_same_product(bk):
     w = torch.randint(-128, 128, (n, k // 2), generator=g, dtype=torch.int8)
     s = torch.randint(118, 128, (n, k // 32), generator=g).to(torch.uint8)
     x = reference.act_quant_sim(torch.randn(p, k, generator=g), 128)
-    tables = (torch.tensor([w.data_ptr()]), torch.tensor([s.data_ptr()]))
-    tiles = (torch.zeros(2, dtype=torch.int32), torch.tensor([0, 16], dtype=torch.int32),
-             torch.tensor([16, p], dtype=torch.int32))
+    w, s, x = w.to(device), s.to(device), x.to(device)
+    tables = (torch.tensor([w.data_ptr()], device=device), torch.tensor([s.data_ptr()], device=device))
+    tiles = tuple(torch.tensor(t, dtype=torch.int32, device=device) for t in ([0, 0], [0, 16], [16, p]))
     got = kernels.grouped_fp4(x, None, tiles, tables, n, torch.float32,
                               config=dict(BM=16, BN=64, BK=bk, num_warps=4, num_stages=1))
     want = x.double() @ dequant_fp4_weight(w, s.view(torch.float8_e8m0fnu), 32, torch.float64).t()
@@ -128,6 +129,7 @@ def test_grouped_fp4_deeper_k_steps_give_the_same_product(bk):
         kernels.grouped_fp4(x, None, tiles, tables, n, torch.float32, config=dict(BM=16, BN=64, BK=384))
 
 
+@interpreter_only
 def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
     """With the kernels switched on (HYBRIDKV_KERNELS=triton, the interpreter standing in for CUDA)
     the MoE takes the grouped path and FP8 linears the packed GEMM, and no dense copy of a weight is
@@ -201,6 +203,7 @@ def test_fused_routing_matches_the_sort_and_tiles(device, tokens, k, experts, bm
                           experts, bm)
 
 
+@interpreter_only
 def test_the_device_check_decides_each_weight_layout_apart(monkeypatch):
     """A scaled-dot variant that fails for address tables (as one failed to compile on Triton 3.6)
     leaves stacked experts on the scaled dot, and a pipelined launch that disagrees turns only the
