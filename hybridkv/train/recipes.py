@@ -17,6 +17,8 @@ optimisation settings.
   mix (half of each stage's rows of a family with a real-text variant over real prose).
 - `tiny-v4-prose-keys`: continues the `tiny-v4-prose` export with multi-key needles and their
   hard drill over half the rows (`--init-from` that export).
+- `tiny-v4-prose-uuid`: continues the `tiny-v4-prose-keys` export with UUID needles over a third
+  of the rows, 2K to 16K, multi-key kept.
 
 The recipes tried and dropped, with their results, are in docs/training-log.md.
 """
@@ -273,6 +275,16 @@ _PROSE_CONTINUATIONS = {
                                          "niah_single_3": 0.1, "niah_multikey_1": 0.3, "niah_multikey_hard": 0.25,
                                          "niah_multiquery": 0.05},
                                         seed=16, lr=2e-4, hex_chars=True, filler_seed=9, answer_weight=4.0,
+                                        next_document=128, realtext_share=0.5),
+    # continues tiny-v4-prose-keys' export: copying a UUID exactly (its UUID misses were the needle
+    # with two hex characters swapped or one dropped), UUIDs over a third of the rows at the lengths
+    # of their bars, multi-key and its drill kept at 0.3
+    "tiny-v4-prose-uuid": _Continuation("tiny-v4-prose-keys", ((40, 2048, 16), (220, 4096, 8), (420, 8192, 4),
+                                                               (520, 16384, 2)),
+                                        {"passkey": 0.1, "niah_single_1": 0.05, "niah_single_2": 0.1,
+                                         "niah_single_3": 0.35, "niah_multikey_1": 0.2, "niah_multikey_hard": 0.1,
+                                         "niah_multiquery": 0.1},
+                                        seed=17, lr=2e-4, hex_chars=True, filler_seed=9, answer_weight=4.0,
                                         next_document=128, realtext_share=0.5),
 }
 
