@@ -62,3 +62,27 @@ for shape in ((3, 64, 512), (3, 512), (3, 64, 128)):
     for inverse in (False, True):
         attempt(f"rope {shape} inverse={inverse}",
                 lambda: rope_kernels.apply_rope(torch.zeros(*shape).bfloat16(), freqs, inverse))
+
+from hybridkv.ops.compress import triton as compress_kernels  # noqa: E402
+from hybridkv.ops.hadamard import triton as hadamard_kernels  # noqa: E402
+from hybridkv.ops.window import triton as window_kernels  # noqa: E402
+
+b = 3
+slots, positions = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+tables = torch.zeros(b, 8, dtype=torch.int32)
+for kind, ratio, overlap, d in (("main", 4, True, 512), ("index", 4, True, 128), ("main", 128, False, 512)):
+    width = 2 * d if overlap else d
+    rows_ = 2 * ratio if overlap else ratio
+    for ape in (None, torch.zeros(ratio, width)):
+        attempt(f"compress_decode {kind} ratio={ratio} ape={ape is not None}",
+                lambda: compress_kernels.compress_decode(
+                    torch.zeros(4, rows_, width), torch.zeros(4, rows_, width), slots, positions,
+                    torch.zeros(b, width), torch.zeros(b, width), ratio, overlap, torch.zeros(d), 1e-6,
+                    torch.zeros(b, 32), torch.zeros(b, 32), kind,
+                    torch.zeros(64, 584 if kind == "main" else 68, dtype=torch.uint8), tables, 64 // ratio or 1,
+                    out_bf16=True, block_layout=kind == "index", ape=ape))
+attempt("window_fp8 d=512", lambda: window_kernels.write_window_fp8(
+    torch.zeros(b, 512).bfloat16(), torch.zeros(4, 128, 584, dtype=torch.uint8), slots, positions, 64))
+for heads in (64, 5):
+    attempt(f"rope_hadamard_fp4 heads={heads}", lambda: hadamard_kernels.rope_hadamard_fp4(
+        torch.zeros(b, heads, 128).bfloat16(), freqs))

@@ -549,6 +549,22 @@ class PagedDecodeKV:
         kv, score = self.store.states[layer_id][kind]
         return kv[self.slots], score[self.slots]
 
+    def state_tensors(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store's compressor state of every slot ([slots, rows, width] kv and score), for kernels
+        that update the group's rows (at `slots`) in place."""
+        return self.store.states[layer_id][kind]
+
+    def block_start_rope(self, ratio: int, inv_freq: torch.Tensor, key: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, rope/2] (contiguous float32) at the first position of the block each token
+        would end (pos + 1 − ratio, clamped at 0), computed once per group for layers of one ratio
+        and table (`key`)."""
+        cache = self.__dict__.setdefault("_block_rope", {})
+        if (ratio, key) not in cache:
+            from hybridkv.ops.rope import rope_freqs
+            freqs = rope_freqs((self.positions + 1 - ratio).clamp(min=0), inv_freq)
+            cache[(ratio, key)] = (freqs.real.contiguous(), freqs.imag.contiguous())
+        return cache[(ratio, key)]
+
     def store_compressor_state(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
         st_kv, st_score = self.store.states[layer_id][kind]
         st_kv[self.slots] = kv

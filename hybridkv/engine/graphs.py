@@ -165,6 +165,6 @@ class DecodeGraphs:
         ids, positions, slots = (inputs[:, i].contiguous() for i in range(3))
         tables = inputs[:, 3:].contiguous()
         dkv = PagedDecodeKV.fixed(self.store, positions, slots, tables, max_pos=cap - 1)
-        batch = ForwardBatch([], positions, DecodeGroup(torch.arange(b, device=inputs.device), dkv), static=True)
+        batch = ForwardBatch([], positions, DecodeGroup(torch.arange(b, device=inputs.device), dkv, whole=True), static=True)
         with torch.inference_mode():
             return self.model.logits(self.model(ids, batch))

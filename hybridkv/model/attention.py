@@ -37,9 +37,10 @@ from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm
-from hybridkv.ops.compress import compress_paged
+from hybridkv.ops.compress import compress_decode_ok, compress_decode_paged, compress_paged
 from hybridkv.ops.indexer_topk import indexer_topk_paged
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
+from hybridkv.ops.window import write_window_fp8
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
 # the CrossLayerShare key of a forward's decode group (segments use their index)
@@ -103,12 +104,14 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), freqs)
         if self.v41:
             kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
-        else:
+        elif not (batch.decode is not None and batch.decode.whole and self._window_fused(batch.decode.kv)):
+            # (a decode-only batch whose window rows the fused store round-trips itself skips this)
             kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
                             kv[..., -self.rope_dim:]], -1)
         ced = batch.ced
         ahead = ced is not None and ced.source == self.layer_id   # CED: the compressor ran over every row
-        rows = self._token_rows(x, qr, freqs, batch, compress=not ahead)
+        fused = self._fused_compressors(batch.decode.kv) if batch.decode is not None and batch.decode.whole else ()
+        rows = self._token_rows(x, qr, freqs, batch, compress=not ahead, fused=fused)
 
         o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
         if ahead:
@@ -130,14 +133,17 @@ class Attention(nn.Module):
                                             {k: v[r] for k, v in rows.items()}, share)
         if batch.decode is not None:
             r = batch.decode.rows
-            drows = {k: v[r] for k, v in rows.items()}
-            if self.v41:
-                if ahead:   # CED: the source's compressor rows were computed over the whole forward
-                    full_rows = ced.rows[r]
-                    drows.update({f"comp_{k}": v[full_rows] for k, v in ced.comp.items()})
-                o[r] = self._attend_decode_v41(batch.decode.kv, q[r], kv[r], drows, share)
+            if batch.decode.whole and not self.v41:   # a decode-only batch (CUDA graphs): no gathers
+                o = self._attend_decode(batch.decode.kv, q, kv, rows, fused)
             else:
-                o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows)
+                drows = {k: v[r] for k, v in rows.items()}
+                if self.v41:
+                    if ahead:   # CED: the source's compressor rows were computed over the whole forward
+                        full_rows = ced.rows[r]
+                        drows.update({f"comp_{k}": v[full_rows] for k, v in ced.comp.items()})
+                    o[r] = self._attend_decode_v41(batch.decode.kv, q[r], kv[r], drows, share)
+                else:
+                    o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows)
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -150,19 +156,28 @@ class Attention(nn.Module):
         kv, score = self.compressor.project(x, positions)
         return {"kv": kv} if score is None else {"kv": kv, "score": score}
 
-    def _token_rows(self, x, qr, freqs, batch: ForwardBatch, compress: bool = True) -> dict[str, torch.Tensor]:
-        """Per-token inputs of the compressed path, computed once for the flat batch."""
+    def _token_rows(self, x, qr, freqs, batch: ForwardBatch, compress: bool = True,
+                    fused: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """Per-token inputs of the compressed path, computed once for the flat batch; the score rows
+        of the compressors in `fused` without their position bias (their decode kernel adds it)."""
         rows: dict[str, torch.Tensor] = {}
         if self.compressor is not None and compress:
-            rows["comp_kv"], score = self.compressor.project(x, batch.positions)
+            rows["comp_kv"], score = self.compressor.project(x, batch.positions, ape="kv" not in fused)
             if score is not None:
                 rows["comp_score"] = score
         if self.indexer is not None:
             rows["idx_q"] = self.indexer.queries(qr, freqs)
             rows["idx_w"] = self.indexer.head_weights(x)
             if not self.v41:
-                rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(x, batch.positions)
+                rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(x, batch.positions,
+                                                                                    ape="index" not in fused)
         return rows
+
+    def _window_fused(self, dkv: DecodeKV) -> bool:
+        """Whether a decode group's window rows go through `write_window_fp8` (round trip, pack and
+        ring store in one launch): the paged kernels' path over an fp8 store with power-of-two scales."""
+        kargs = self._kernel_args(dkv)
+        return kargs is not None and kargs.main_format == "fp8" and self.kv_pow2 and hasattr(dkv, "slots")
 
     def _kernel_args(self, view, *where):
         """The paged kernels' inputs for these tokens, or None where this layer takes the reference path."""
@@ -229,20 +244,29 @@ class Attention(nn.Module):
         entry_ids = (idx[rows] - (keys.shape[0] - n_entries))[comp]
         capture.add(self.layer_id, entry_ids, probs[comp], n_entries)
 
-    def _attend_decode(self, dkv: DecodeKV, q, kv, rows) -> torch.Tensor:
-        """One token for each of B requests at once (V4; the same math as _attend_segment)."""
+    def _attend_decode(self, dkv: DecodeKV, q, kv, rows, fused: tuple[str, ...] = ()) -> torch.Tensor:
+        """One token for each of B requests at once (V4; the same math as _attend_segment). The
+        compressors named in `fused` (see `_fused_compressors`) update in one launch each."""
         lid, pos = self.layer_id, dkv.positions
         kargs = self._kernel_args(dkv)
         if kargs is not None:
             if self.compressor is not None:
                 # decode positions lie past every prefix hit: nothing here is shared, all is writable
-                self._compress_decode(dkv, "kv", self.compressor, rows["comp_kv"], rows["comp_score"],
-                                      self._decode_writer(kargs, dkv, "kv", self.compressor))
+                parts = [("kv", self.compressor, rows["comp_kv"], rows["comp_score"])]
                 if self.indexer is not None:
-                    self._compress_decode(dkv, "index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"],
-                                          self._decode_writer(kargs, dkv, "index", self.indexer.compressor))
-            stored = kargs.encode_window(kv)
-            dkv.write_window(lid, stored)    # ring row pos % W held pos − W, which no window reads any more
+                    parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
+                for kind, compressor, kv_rows, score_rows in parts:
+                    if kind in fused:
+                        self._compress_decode_fused(kargs, dkv, kind, compressor, kv_rows, score_rows)
+                    else:
+                        self._compress_decode(dkv, kind, compressor, kv_rows, score_rows,
+                                              self._decode_writer(kargs, dkv, kind, compressor))
+            # ring row pos % W held pos − W, which no window reads any more
+            if self._window_fused(dkv):
+                stored = write_window_fp8(kv, kargs.ring(lid), dkv.slots, dkv.positions, self.rope_dim)
+            else:
+                stored = kargs.encode_window(kv)
+                dkv.write_window(lid, stored)
             out = self._attend_kernels(kargs, q, stored, rows)
             dkv.done(lid)
             return out
@@ -346,6 +370,30 @@ class Attention(nn.Module):
         dkv.store_compressor_state(self.layer_id, kind, st_kv, st_score)
         if entries is not None and which.numel():
             dkv.append_entries(self.layer_id, kind, which, dkv.positions[which] // self.ratio, entries)
+
+    def _fused_compressors(self, dkv: DecodeKV) -> tuple[str, ...]:
+        """The compressors ("kv", "index") whose decode step runs as one `compress_decode_paged` launch
+        (state update, block completion, packed store, position bias): V4 on the paged kernels' path
+        over packed pools, with the kernels running."""
+        kargs = None if self.compressor is None else self._kernel_args(dkv)
+        if kargs is None or not hasattr(dkv, "state_tensors"):
+            return ()
+        parts = [("kv", self.compressor, kargs.main_format)]
+        if self.indexer is not None:
+            parts.append(("index", self.indexer.compressor, kargs.index_format))
+        return tuple(kind for kind, comp, fmt in parts
+                     if compress_decode_ok(dkv.positions, comp.head_dim, self.rope_dim,
+                                           "index" if comp.rotate else "main", True, fmt))
+
+    def _compress_decode_fused(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv,
+                               rows_score) -> None:
+        st_kv, st_score = dkv.state_tensors(self.layer_id, kind)
+        compress_decode_paged(st_kv, st_score, dkv.slots, dkv.positions, rows_kv, rows_score, self.ratio,
+                              compressor.overlap, compressor.norm.weight, compressor.norm.eps,
+                              dkv.block_start_rope(self.ratio, self.inv_freq, self.rope_key),
+                              "index" if compressor.rotate else "main", kargs.pool(self.layer_id, kind), kargs.main_format if kind == "kv" else kargs.index_format,
+                              kargs.batch.block_tables, kargs.batch.block_tokens // self.ratio, compressor.out_dtype,
+                              ape=compressor.ape)
 
     def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):
         """How batched decode on the paged path stores the entries its tokens complete, with fixed

@@ -10,10 +10,8 @@ from torch import nn
 from hybridkv.config import ModelConfig
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.linear import Linear
-from hybridkv.ops.hadamard import hadamard_transform
+from hybridkv.ops.hadamard import rope_hadamard_fp4
 from hybridkv.ops.indexer_topk import causal_topk, index_scores, indexer_topk
-from hybridkv.ops.quant import fp4_round_trip
-from hybridkv.ops.rope import apply_rope
 
 
 class Indexer(nn.Module):
@@ -37,9 +35,7 @@ class Indexer(nn.Module):
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim]: RoPE on the last dims of each head, Hadamard, FP4 round trip."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, freqs)
-        return fp4_round_trip(hadamard_transform(q), 32)
+        return rope_hadamard_fp4(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         return self.weights_proj(x) * self.weight_scale

@@ -259,6 +259,7 @@ class DecodeGroup:
 
     rows: torch.Tensor   # [B] row indices into the flat batch
     kv: DecodeKV
+    whole: bool = False  # the rows are the whole batch in order (rows == arange(T)): no gather needed
 
 
 @dataclass
@@ -312,7 +313,8 @@ class ForwardBatch:
             dkv, dpos = decode
             for r, p in zip(decode_rows, dpos.tolist()):
                 pos[r] = p
-            group = DecodeGroup(torch.tensor(decode_rows, dtype=torch.long, device=device), dkv)
+            group = DecodeGroup(torch.tensor(decode_rows, dtype=torch.long, device=device), dkv,
+                                whole=decode_rows == list(range(total)))
         return cls(segments, torch.tensor(pos, dtype=torch.long).to(device), group)
 
     @property

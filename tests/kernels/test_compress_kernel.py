@@ -98,3 +98,67 @@ def test_entry_id_minus_one_is_not_stored(kernels, device, kind, packed):
     if kind == "main":
         want = torch.cat([want[:, :-64], want[:, -64:].bfloat16().float()], 1) if packed else want
     assert rel_rms(want, got) <= 1e-3
+
+
+@pytest.mark.parametrize("layer,kind", [(1, "main"), (1, "index"), (2, "main")], ids=["csa-main", "csa-index", "hca"])
+def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch, layer, kind):
+    """`compress_decode_paged` (one launch, adding the position bias itself) against
+    `Compressor.update_decode` writing through `compress_paged` (scores with the bias added as
+    `Compressor.project` adds it): the same states and the same pool bytes, to the bit. Requests
+    whose token ends a block (and one whose block is the first, with no previous block), others that
+    do not, in slots out of order. Both sides run the Triton kernels (the pooled entries then see
+    the same float32 operations)."""
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    from hybridkv.model.compressor import Compressor
+    from hybridkv.ops.compress import compress_decode_paged, compress_paged
+    from hybridkv.ops.kv_formats import index_entry_bytes, main_entry_bytes
+    from hybridkv.presets import get_preset
+    cfg = get_preset("v4-tiny-fp8")
+    g = torch.Generator().manual_seed(layer * 10 + len(kind))
+    d = cfg.index_head_dim if kind == "index" else cfg.head_dim
+    comp = Compressor(cfg, layer, d, kind == "index", torch.bfloat16)
+    with torch.no_grad():
+        comp.norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=g))
+        comp.ape.copy_(torch.randn(comp.ape.shape, generator=g))
+    r, width = comp.ratio, (2 if comp.overlap else 1) * d
+    state_rows = (2 if comp.overlap else 1) * r
+    slots = torch.tensor([3, 0, 5, 2])
+    # ends a block / ends the first block / mid-block / first token of a block
+    positions = torch.tensor([5 * r - 1, r - 1, 3 * r + 1, 2 * r])
+    st_kv = torch.randn(6, state_rows, width, generator=g) * 2
+    st_score = torch.randn(6, state_rows, width, generator=g)
+    if comp.overlap:
+        st_score[0, :r] = float("-inf")                # slot 0 ends its first block: no previous block
+        st_kv[0, :r] = 0
+    kv = torch.randn(4, width, generator=g) * 2
+    score = torch.randn(4, width, generator=g)
+    epb = 16 // r if r < 16 else 1
+    ebytes = index_entry_bytes(d) if kind == "index" else main_entry_bytes(d, cfg.qk_rope_head_dim)
+    fmt = "fp4" if kind == "index" else "fp8"
+    bt = torch.randperm(40, generator=g)[:32].view(4, 8).int()
+    inv_freq = yarn_inv_freq(cfg.qk_rope_head_dim, 160000.0)
+    kv, score, st_kv, st_score, bt, slots, positions = (t.to(device) for t in (kv, score, st_kv, st_score, bt, slots,
+                                                                                 positions))
+    comp = comp.to(device)
+
+    def run(fused: bool):
+        a_kv, a_score = st_kv.clone(), st_score.clone()
+        pool = torch.zeros(40, epb, ebytes, dtype=torch.uint8, device=device)
+        if fused:
+            freqs = rope_freqs((positions + 1 - r).clamp(min=0), inv_freq)
+            compress_decode_paged(a_kv, a_score, slots, positions, kv, score, r, comp.overlap, comp.norm.weight,
+                                  comp.norm.eps, (freqs.real.contiguous(), freqs.imag.contiguous()),
+                                  "index" if comp.rotate else "main", pool, fmt, bt, epb, ape=comp.ape)
+        else:
+            def write(block_rows, block_starts, requests, entry_ids):
+                compress_paged(*block_rows, comp.norm.weight, comp.norm.eps, rope_freqs(block_starts, inv_freq),
+                               "index" if comp.rotate else "main", pool, fmt, bt, requests, entry_ids.int(), epb)
+            s_kv, s_score = a_kv[slots], a_score[slots]
+            comp.update_decode(s_kv, s_score, kv, score + comp.ape[positions % r], positions, inv_freq, write)
+            a_kv[slots], a_score[slots] = s_kv, s_score
+        return a_kv, a_score, pool
+
+    want, got = run(False), run(True)
+    assert int((want[2] != 0).sum()) > 0             # entries were written
+    for w, o in zip(want, got):
+        assert torch.equal(w, o)

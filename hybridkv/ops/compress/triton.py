@@ -52,31 +52,12 @@ def _e2m1_round(v):
 
 
 @triton.jit
-def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, ENT_REQ, ENT_J,
-                    eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
-                    MODE: tl.constexpr,
-                    OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-                    BLOCK_LAYOUT: tl.constexpr = False):
-    e = tl.program_id(0)
+def _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale,
+                  D: tl.constexpr, ROPE: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr,
+                  EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr, BLOCK_LAYOUT: tl.constexpr):
+    """A pooled entry x [D] (float32): RMSNorm, RoPE with row e of COS/SIN, the storage round trip,
+    written as entry j of request req (j −1: not written)."""
     d = tl.arange(0, D)
-    # per-channel online softmax over the L rows
-    m = tl.full([D], float("-inf"), tl.float32)
-    den = tl.zeros([D], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    base = e.to(tl.int64) * s_row_n
-    for l0 in range(0, L, ROWS):
-        rows = l0 + tl.arange(0, ROWS)
-        off = base + rows[:, None] * s_row_l + d[None, :]
-        sc = tl.load(SCORE + off)
-        kv = tl.load(KV + off)
-        m_new = tl.maximum(m, tl.max(sc, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(sc - m_safe[None, :])
-        alpha = tl.exp(m - m_safe)
-        den = den * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p * kv, 0)
-        m = m_new
-    x = acc / den
     if OUT_BF16:
         x = _bf16_round(x)
     # RMSNorm
@@ -94,11 +75,10 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
     if OUT_BF16:
         x = _bf16_round(x)
     # destination row
-    j = tl.load(ENT_J + e)
     keep = j >= 0           # −1: computed but not stored (a fixed-shape batch where not every row completes)
     j = tl.maximum(j, 0)
     if PAGED:
-        blk = tl.load(BT + tl.load(ENT_REQ + e).to(tl.int64) * s_bt + j // EPB)
+        blk = tl.load(BT + req.to(tl.int64) * s_bt + j // EPB)
         row = blk.to(tl.int64) * EPB + j % EPB
     else:
         row = j.to(tl.int64)
@@ -152,6 +132,38 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
             tl.store(scales_at + blocks, sexp.to(tl.uint8), mask=keep)
 
 
+@triton.jit
+def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, ENT_REQ, ENT_J,
+                    eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+                    MODE: tl.constexpr,
+                    OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+                    BLOCK_LAYOUT: tl.constexpr = False):
+    e = tl.program_id(0)
+    d = tl.arange(0, D)
+    # per-channel online softmax over the L rows
+    m = tl.full([D], float("-inf"), tl.float32)
+    den = tl.zeros([D], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    base = e.to(tl.int64) * s_row_n
+    for l0 in range(0, L, ROWS):
+        rows = l0 + tl.arange(0, ROWS)
+        off = base + rows[:, None] * s_row_l + d[None, :]
+        sc = tl.load(SCORE + off)
+        kv = tl.load(KV + off)
+        m_new = tl.maximum(m, tl.max(sc, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(sc - m_safe[None, :])
+        alpha = tl.exp(m - m_safe)
+        den = den * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p * kv, 0)
+        m = m_new
+    x = acc / den
+    j = tl.load(ENT_J + e)
+    req = tl.load(ENT_REQ + e)
+    _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale,
+                  D, ROPE, MODE, OUT_BF16, EPB, PAGED, PREC, BLOCK_LAYOUT)
+
+
 def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor, packed: bool,
                    ent_j: torch.Tensor, ent_req: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
@@ -177,3 +189,104 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                           eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
                           EPB=entries_per_block, PAGED=paged, PREC="ieee", BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED,
                           num_warps=4)
+
+
+@triton.jit
+def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCORE, s_new, APE, SLOTS, POS, NORM_W,
+                           COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale, R: tl.constexpr,
+                           OVERLAP: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+                           ADV: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
+                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr):
+    """Program b: request b's decode token. Its compressor rows go into the request's state (row
+    CUR + pos % R of its slot); when the token ends a block, the block is pooled from the state (in
+    the row order and chunks of `compress_kernel`, so the entry is the same to the bit), finished,
+    written as entry (pos + 1) / R − 1, and the state advances (overlap: the block becomes the
+    previous one; its rows are cleared). With HAS_APE the token's score row gets the position bias
+    APE[pos % R] added here (the float32 addition `Compressor.project` makes)."""
+    b = tl.program_id(0)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    CUR: tl.constexpr = R if OVERLAP else 0
+    WIDTH: tl.constexpr = 2 * D if OVERLAP else D
+    L: tl.constexpr = 2 * R if OVERLAP else R
+    base = slot * s_st_slot
+    new = b.to(tl.int64) * s_new
+    ape = APE + (pos % R) * WIDTH
+    c = tl.arange(0, WIDTH)
+    if pos % R == R - 1:
+        d = tl.arange(0, D)
+        m = tl.full([D], float("-inf"), tl.float32)
+        den = tl.zeros([D], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for l0 in range(0, L, ROWS):
+            rows = l0 + tl.arange(0, ROWS)
+            # overlap: the previous block's rows through channels [0, D), this block's through [D, 2D)
+            ch = d[None, :] + (rows[:, None] >= R).to(tl.int32) * D
+            is_new = rows[:, None] == L - 1      # the token's own row, not in the state yet
+            new_sc = tl.load(NEW_SCORE + new + ch, mask=is_new, other=0.0)
+            if HAS_APE:
+                new_sc = new_sc + tl.load(ape + ch, mask=is_new, other=0.0)
+            sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + base + rows[:, None] * s_st_row + ch))
+            kv = tl.where(is_new, tl.load(NEW_KV + new + ch, mask=is_new, other=0.0),
+                          tl.load(ST_KV + base + rows[:, None] * s_st_row + ch))
+            m_new = tl.maximum(m, tl.max(sc, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(sc - m_safe[None, :])
+            alpha = tl.exp(m - m_safe)
+            den = den * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p * kv, 0)
+            m = m_new
+        _finish_store(acc / den, b, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt,
+                      eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT)
+        for r0 in range(0, R, ADV):
+            rows = r0 + tl.arange(0, ADV)
+            at = base + (CUR + rows[:, None]) * s_st_row + c[None, :]
+            if OVERLAP:   # this block (with the token's row) becomes the previous block
+                is_new = rows[:, None] == R - 1
+                kv = tl.where(is_new, tl.load(NEW_KV + new + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0),
+                              tl.load(ST_KV + at))
+                new_sc = tl.load(NEW_SCORE + new + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0)
+                if HAS_APE:
+                    new_sc = new_sc + tl.load(ape + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0)
+                sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + at))
+                tl.store(ST_KV + base + rows[:, None] * s_st_row + c[None, :], kv)
+                tl.store(ST_SCORE + base + rows[:, None] * s_st_row + c[None, :], sc)
+            tl.store(ST_KV + at, tl.zeros([ADV, WIDTH], tl.float32))
+            tl.store(ST_SCORE + at, tl.full([ADV, WIDTH], float("-inf"), tl.float32))
+    else:
+        row = base + (CUR + pos % R) * s_st_row
+        tl.store(ST_KV + row + c, tl.load(NEW_KV + new + c))
+        new_sc = tl.load(NEW_SCORE + new + c)
+        if HAS_APE:
+            new_sc = new_sc + tl.load(ape + c)
+        tl.store(ST_SCORE + row + c, new_sc)
+
+
+def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor,
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor,
+                    block_tables: torch.Tensor, entries_per_block: int, out_bf16: bool = False,
+                    block_layout: bool = False, ape: torch.Tensor | None = None) -> None:
+    """One decode token per request, one launch: state_kv/state_score [slots, rows, width] float32
+    (updated in place), slots/positions [B], the tokens' compressor rows kv/score [B, width]; cos/sin
+    [B, rope/2] the rotation at each request's block start (used where the token ends a block);
+    entries go packed into `out` (pool rows [num_rows, E], flat) at block_tables' rows. `ape`
+    [ratio, width]: the position bias still to be added to the score rows (None: already added)."""
+    b = kv.shape[0]
+    if b == 0:
+        return
+    d = state_kv.shape[-1] // (2 if overlap else 1)
+    kv, score = kv.float().contiguous(), score.float().contiguous()
+    if not (state_kv.is_contiguous() and state_score.is_contiguous() and state_kv.dtype == torch.float32):
+        raise ValueError("compress_decode: the compressor state must be contiguous float32")
+    mode = INDEX_PACKED if kind == "index" else MAIN_PACKED
+    had = hadamard_matrix(d, kv.device) if kind == "index" else kv
+    pooled = 2 * ratio if overlap else ratio
+    rows = 8 if pooled % 8 == 0 else pooled      # compress_kernel's chunks of the pooled rows
+    compress_decode_kernel[(b,)](
+        state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0),
+        kv if ape is None else ape.float().contiguous(), slots, positions,
+        norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(), cos.shape[1], had,
+        out, out.stride(0), block_tables, block_tables.stride(0), eps, d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
+        ROPE=2 * cos.shape[-1], ROWS=rows, ADV=8 if ratio % 8 == 0 else ratio, MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
+        BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, num_warps=4)

@@ -1,0 +1,30 @@
+"""A decode token's window row into the ring, in one launch: the FP8 round trip of the nope dims
+(blocks of 64, power-of-two scales), packing into the 584-B main entry layout of
+`hybridkv.ops.kv_formats` and the store at ring row pos % W of the request's slot. Returns the
+packed rows too (the attention kernels read a token's own row from them). The reference is the
+composition the model runs elsewhere: `fp8_round_trip`, `pack_main_fp8`, an indexed store."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.config import KV_FP8_BLOCK
+from hybridkv.ops.backend import use_triton
+from hybridkv.ops.kv_formats import main_entry_bytes, pack_main_fp8
+from hybridkv.ops.quant import fp8_round_trip
+
+
+def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     rope_dim: int) -> torch.Tensor:
+    """kv [B, D] (normalised and rotated, nope dims not yet or already round-tripped: the trip is
+    idempotent), ring [slots, W, bytes] uint8, slots/positions [B] -> packed rows [B, bytes]."""
+    b, d = kv.shape
+    if ring.shape[-1] != main_entry_bytes(d, rope_dim):
+        raise ValueError(f"window ring rows of {ring.shape[-1]} B are not {d}-dim main entries")
+    if use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1):
+        from hybridkv.ops.window import triton as kernels
+        return kernels.write_window_fp8(kv, ring, slots, positions, rope_dim)
+    nope = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK), kv[:, -rope_dim:]], -1)
+    stored = pack_main_fp8(nope, rope_dim)
+    ring[slots, positions % ring.shape[1]] = stored
+    return stored

@@ -1,0 +1,64 @@
+"""Triton kernel of `write_window_fp8`: one program per token."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.ops.compress.triton import _bf16_round, _e4m3_round, _pow2_ceil_exp
+
+
+@triton.jit
+def _fp8_blocks(x, inv_scale_max):
+    """x [N, 64] -> (e4m3 values / scale, the scales' biased exponents): power-of-two scale per row of 64."""
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
+    sexp = _pow2_ceil_exp(amax, inv_scale_max)
+    scale = (sexp << 23).to(tl.float32, bitcast=True)
+    return _e4m3_round(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)), sexp, scale
+
+
+@triton.jit
+def _store_row(dst, codes, rope_bits, sexp, D: tl.constexpr, ROPE: tl.constexpr, BYTES: tl.constexpr):
+    """One packed main entry: e4m3 nope codes, bf16 rope dims, ue8m0 scales, zero padding."""
+    NOPE: tl.constexpr = D - ROPE
+    RAW: tl.constexpr = NOPE + 2 * ROPE + NOPE // 64
+    d = tl.arange(0, D)
+    tl.store(dst + d, codes, mask=d < NOPE)
+    r = d - NOPE
+    tl.store(dst + NOPE + 2 * r, (rope_bits & 255).to(tl.uint8), mask=r >= 0)
+    tl.store(dst + NOPE + 2 * r + 1, ((rope_bits >> 8) & 255).to(tl.uint8), mask=r >= 0)
+    blocks = tl.arange(0, D // 64)
+    tl.store(dst + NOPE + 2 * ROPE + blocks, sexp.to(tl.uint8), mask=blocks < NOPE // 64)
+    pad = RAW + tl.arange(0, 8)
+    tl.store(dst + pad, tl.zeros([8], tl.uint8), mask=pad < BYTES)
+
+
+@triton.jit
+def window_fp8_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, W, D: tl.constexpr,
+                      ROPE: tl.constexpr, BYTES: tl.constexpr):
+    b = tl.program_id(0)
+    d = tl.arange(0, D)
+    x = tl.load(KV + b.to(tl.int64) * s_kv + d).to(tl.float32)
+    xb = tl.reshape(x, [D // 64, 64])          # the last row of 64 is the rope dims (ROPE = 64)
+    q, _, scale = _fp8_blocks(xb, 1.0 / 448.0)
+    # the round-tripped values, scaled again from their own maximum as packing does (`pack_main_fp8`)
+    q, sexp, _ = _fp8_blocks(q * scale[:, None], 1.0 / 448.0)
+    codes = tl.reshape(q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), [D])
+    rope_bits = _bf16_round(x).to(tl.int32, bitcast=True) >> 16
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    _store_row(OUT + b.to(tl.int64) * BYTES, codes, rope_bits, sexp, D, ROPE, BYTES)
+    _store_row(RING + slot * s_ring_slot + (pos % W) * s_ring_row, codes, rope_bits, sexp, D, ROPE, BYTES)
+
+
+def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     rope_dim: int) -> torch.Tensor:
+    b, d = kv.shape
+    if kv.stride(-1) != 1 or ring.stride(-1) != 1 or ring.dtype != torch.uint8:
+        raise ValueError("write_window_fp8: kv rows and the uint8 ring must be contiguous in their last dim")
+    out = torch.empty(b, ring.shape[-1], dtype=torch.uint8, device=kv.device)
+    if b:
+        window_fp8_kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions,
+                                ring.shape[1], D=d, ROPE=rope_dim, BYTES=ring.shape[-1], num_warps=4)
+    return out

@@ -1,0 +1,37 @@
+"""The decode window-row kernel against the composition it replaces: FP8 round trip of the nope
+dims, `pack_main_fp8`, an indexed store into the ring."""
+
+import pytest
+import torch
+
+from hybridkv.config import KV_FP8_BLOCK
+from hybridkv.ops.kv_formats import main_entry_bytes, pack_main_fp8
+from hybridkv.ops.quant.reference import fp8_round_trip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [128, 512])
+def test_window_rows_are_packed_and_stored_as_the_composition(device, dtype, d):
+    from hybridkv.ops.window import triton as kernels
+    g = torch.Generator().manual_seed(d)
+    b, rope, w = 5, 64, 16
+    kv = torch.randn(b, d, generator=g) * torch.logspace(-3, 2, b)[:, None]
+    kv[1, :64] = 0                                  # an all-zero block: the amax floor
+    kv[2, :64] = torch.linspace(-1, 1, 64) * 225.0 / 448.0 * 2.0 ** -3   # a block whose round trip halves its scale
+    kv[2, 5] = 225.0 * 2.0 ** -3
+    kv = kv.to(dtype)
+    slots = torch.tensor([2, 0, 3, 1, 4])
+    positions = torch.tensor([17, 3, 40, 15, 0])
+    nbytes = main_entry_bytes(d, rope)
+    ring = torch.randint(0, 255, (5, w, nbytes), generator=g, dtype=torch.uint8)
+    want_ring = ring.clone()
+    want = pack_main_fp8(torch.cat([fp8_round_trip(kv[:, :-rope], KV_FP8_BLOCK), kv[:, -rope:]], -1), rope)
+    want_ring[slots, positions % w] = want
+    dev = [t.to(device) for t in (kv, ring, slots, positions)]
+    got = kernels.write_window_fp8(*dev, rope)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(dev[1].cpu(), want_ring)
+    # rows already round-tripped pack to the same bytes (the trip is idempotent)
+    again = kernels.write_window_fp8(torch.cat([fp8_round_trip(kv[:, :-rope], KV_FP8_BLOCK), kv[:, -rope:]],
+                                               -1).to(device), *dev[1:], rope)
+    assert torch.equal(again.cpu(), want)
