@@ -1,7 +1,9 @@
 """Triton kernel of `rope_hadamard_fp4`: the indexer's query heads rotated (RoPE on their last
 dims, in the heads' dtype), Hadamard-transformed (a float32 product with the ±1 matrix, scaled by
 d^-1/2, in the heads' dtype) and round-tripped through FP4 (E2M1 in blocks of 32, power-of-two
-scales), 16 heads per program."""
+scales), ROWS heads per program. The Hadamard product runs as butterflies in registers (31 registers
+per thread for sm_90, nothing spilled): a float32 product with the 128 × 128 matrix loaded per
+program spilled 6.5 KB per thread and took 79 µs a launch for one token's 64 heads on the H200."""
 
 from __future__ import annotations
 
@@ -10,14 +12,24 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.compress.triton import _bf16_round, _e2m1_round, _pow2_ceil_exp
-from hybridkv.ops.hadamard.reference import hadamard_matrix
 
-ROWS = 16
+ROWS = 4
 
 
 @triton.jit
-def rope_hadamard_fp4_kernel(X, F, HAD, Y, n_rows, M, stride_xt, stride_xm, f_stride, had_scale, D: tl.constexpr,
-                             RD: tl.constexpr, OUT_BF16: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr):
+def _walsh_hadamard(x, BM: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """x [BM, D] times the unscaled Sylvester-order ±1 matrix, as log2(D) butterfly stages in
+    registers ((a, b) -> (a + b, a − b) over pairs h apart): no D × D matrix to hold, no MMA."""
+    for s in tl.static_range(LOG2_D):
+        y = tl.permute(tl.reshape(x, [BM, D >> (s + 1), 2, 1 << s]), [0, 1, 3, 2])
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [BM, D])
+    return x
+
+
+@triton.jit
+def rope_hadamard_fp4_kernel(X, F, Y, n_rows, M, stride_xt, stride_xm, f_stride, had_scale, D: tl.constexpr,
+                             RD: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, LOG2_D: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     ok = rows < n_rows
     t, m = (rows // M).to(tl.int64), (rows % M).to(tl.int64)
@@ -33,7 +45,7 @@ def rope_hadamard_fp4_kernel(X, F, HAD, Y, n_rows, M, stride_xt, stride_xm, f_st
     x = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), [BM, D])
     if OUT_BF16:
         x = _bf16_round(x)
-    x = tl.dot(x, tl.load(HAD + d[:, None] * D + d[None, :]), input_precision=PREC) * had_scale
+    x = _walsh_hadamard(x, BM, D, LOG2_D) * had_scale
     if OUT_BF16:
         x = _bf16_round(x)
     xb = tl.reshape(x, [BM, D // 32, 32])
@@ -56,6 +68,6 @@ def rope_hadamard_fp4(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     n = t * m
     if n:
         rope_hadamard_fp4_kernel[(triton.cdiv(n, ROWS),)](
-            x, f, hadamard_matrix(d, x.device), y, n, m, x.stride(0), x.stride(1), f.stride(0), d ** -0.5, D=d,
-            RD=2 * freqs.shape[-1], OUT_BF16=x.dtype == torch.bfloat16, PREC="ieee", BM=ROWS, num_warps=4)
+            x, f, y, n, m, x.stride(0), x.stride(1), f.stride(0), d ** -0.5, D=d, RD=2 * freqs.shape[-1],
+            OUT_BF16=x.dtype == torch.bfloat16, BM=ROWS, LOG2_D=d.bit_length() - 1, num_warps=4)
     return y
