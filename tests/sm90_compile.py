@@ -86,3 +86,7 @@ attempt("window_fp8 d=512", lambda: window_kernels.write_window_fp8(
 for heads in (64, 5):
     attempt(f"rope_hadamard_fp4 heads={heads}", lambda: hadamard_kernels.rope_hadamard_fp4(
         torch.zeros(b, heads, 128).bfloat16(), freqs))
+for hashed in (False, True):
+    attempt(f"gate_select hash={hashed}", lambda: moe_kernels.gate_select(
+        torch.zeros(b, 256), None if hashed else torch.zeros(256), 6, 1.5, True,
+        torch.zeros(16, 6, dtype=torch.int32) if hashed else None, torch.zeros(b, dtype=torch.long) if hashed else None))

@@ -46,6 +46,10 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> routing weights [T, k] (float32), expert ids [T, k]."""
         scores = F.linear(x.float(), self.weight.float())
+        if grouped_moe.gate_kernel_ok(scores, self.v41, self.score_func):
+            # one launch for the activation, the selection, the gather and the normalisation
+            return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale, self.norm_topk,
+                                           self.tid2eid if self.hash else None, input_ids if self.hash else None)
         if self.v41:
             scores = scores / self.temp
         if self.score_func == "softmax":

@@ -153,3 +153,20 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles_down, (tables.w2, tables.s2), tables.dim,
                               out_dtype, config=cfg_down)
     return combine_kernels.combine(out, inverse, ids, plus, result_dtype)
+
+
+def gate_kernel_ok(scores: torch.Tensor, v41: bool, score_func: str) -> bool:
+    """Whether the gate's selection runs as one `gate_select` launch: V4's sqrt-softplus gate in a
+    forward without autograd, where the Triton kernels run."""
+    return (not v41 and score_func == "sqrtsoftplus" and use_triton(scores)
+            and not (torch.is_grad_enabled() and scores.requires_grad))
+
+
+def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float, norm: bool,
+                tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
+    """V4's gate after its logits, in one launch: sqrt(softplus(scores)) [T, E]; the top `topk` of
+    score + bias (or, on hash layers, tid2eid[input_ids]); their scores, normalised (`norm`), times
+    route_scale -> (weights [T, k] float32, ids [T, k] int64). The same selection as `Gate.forward`'s
+    torch operations (ties: the lower expert id first)."""
+    from hybridkv.ops.grouped_moe import triton as kernels
+    return kernels.gate_select(scores, bias, topk, route_scale, norm, tid2eid, input_ids)

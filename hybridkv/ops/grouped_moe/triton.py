@@ -117,3 +117,57 @@ def combine(out: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, plus: t
                                                KP=triton.next_power_of_2(k), HAS_PLUS=plus is not None, BLOCK=block,
                                                num_warps=4)
     return y
+
+
+@triton.jit
+def gate_select_kernel(SCORES, BIAS, TID2EID, INPUT_IDS, W, IDS, E, route_scale, K: tl.constexpr,
+                       KP: tl.constexpr, BLOCK_E: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr):
+    """Token t: sqrt(softplus(logits)) of its E experts; the top K of (score + bias), or on hash
+    layers the K experts of its token id; their scores, normalised to sum 1 (NORM), times
+    route_scale."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    x = tl.load(SCORES + t * E + e, mask=ok, other=0.0)
+    # softplus as torch computes it (threshold 20), log1p(y) as log(u)·y / (u − 1) with u = 1 + y
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    s = tl.sqrt(tl.where(x > 20.0, x, log1p))
+    kk = tl.arange(0, KP)
+    kok = kk < K
+    if HASH:
+        tok = tl.load(INPUT_IDS + t)
+        ids = tl.load(TID2EID + tok * K + kk, mask=kok, other=-1).to(tl.int64)
+        w = tl.sum(tl.where(e[None, :] == ids[:, None], s[None, :], 0.0), 1)
+    else:
+        sel = tl.where(ok, s + tl.load(BIAS + e, mask=ok, other=0.0), float("-inf"))
+        ids = tl.zeros([KP], tl.int64)
+        w = tl.zeros([KP], tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(sel, 0)
+            pick = tl.min(tl.where(sel == best, e, BLOCK_E), 0)     # the lowest index among equals
+            ids = tl.where(kk == j, pick.to(tl.int64), ids)
+            w = tl.where(kk == j, tl.sum(tl.where(e == pick, s, 0.0), 0), w)
+            sel = tl.where(e == pick, float("-inf"), sel)
+    if NORM:
+        w = w / tl.sum(w, 0)
+    tl.store(W + t * K + kk, w * route_scale, mask=kok)
+    tl.store(IDS + t * K + kk, ids, mask=kok)
+
+
+def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float, norm: bool,
+                tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
+    """scores [T, E] float32 gate logits -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    t, e = scores.shape
+    scores = scores.float().contiguous()
+    w = torch.empty(t, topk, dtype=torch.float32, device=scores.device)
+    ids = torch.empty(t, topk, dtype=torch.int64, device=scores.device)
+    hashed = tid2eid is not None
+    if t:
+        gate_select_kernel[(t,)](scores, scores if bias is None else bias.float().contiguous(),
+                                 tid2eid.contiguous() if hashed else scores,
+                                 input_ids.contiguous() if hashed else scores, w, ids, e, float(route_scale),
+                                 K=topk, KP=triton.next_power_of_2(topk), BLOCK_E=triton.next_power_of_2(e),
+                                 HASH=hashed, NORM=norm, num_warps=4)
+    return w, ids

@@ -1,0 +1,36 @@
+"""V4's gate selection in one launch against `Gate.forward`'s torch operations."""
+
+import pytest
+import torch
+
+from hybridkv.model.moe import Gate
+from hybridkv.presets import get_preset
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_gate_select_matches_the_gate(device, monkeypatch, tokens, hash_layer):
+    cfg = get_preset("v4-flash")
+    gate = Gate(cfg, 0 if hash_layer else cfg.num_hash_layers)
+    assert gate.hash == hash_layer and gate.topk == 6 and gate.weight.shape[0] == 256
+    g = torch.Generator().manual_seed(tokens + 100 * hash_layer)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * 0.02)
+        if hash_layer:
+            gate.tid2eid.copy_(torch.rand(cfg.vocab_size, 256, generator=g).argsort(-1)[:, :6].int())
+        else:
+            gate.bias.copy_(torch.randn(256, generator=g) * 0.1)
+    gate = gate.to(device)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g)
+    x[0] *= 300                                    # logits past softplus' threshold (20) and far below 0
+    x, ids_in = x.to(device), torch.randint(0, cfg.vocab_size, (tokens,), generator=g).to(device)
+    with torch.no_grad():
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+        want_w, want_ids = gate(x, ids_in)
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+        got_w, got_ids = gate(x, ids_in)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    # (a hash layer may route to an expert whose score is a float32 subnormal, where exp()
+    # implementations differ: hence the absolute term, 1e-20 of weights that sum to 1.5)
+    torch.testing.assert_close(got_w, want_w, rtol=2e-6, atol=1e-20)
