@@ -90,3 +90,6 @@ for hashed in (False, True):
     attempt(f"gate_select hash={hashed}", lambda: moe_kernels.gate_select(
         torch.zeros(b, 256), None if hashed else torch.zeros(256), 6, 1.5, True,
         torch.zeros(16, 6, dtype=torch.int32) if hashed else None, torch.zeros(b, dtype=torch.long) if hashed else None))
+for limit in (0.0, 10.0):
+    attempt(f"swiglu limit={limit}", lambda: moe_kernels.swiglu(torch.zeros(b, 2048).bfloat16(), torch.zeros(b, 2048).bfloat16(),
+                                                              limit, None, torch.bfloat16))

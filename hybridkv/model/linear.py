@@ -99,3 +99,28 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
+
+
+def pair_storage(first: Linear, second: Linear) -> None:
+    """Give two quantised linears of one input (a SwiGLU's w1 and w3) one buffer for their weights
+    and one for their scales, `second`'s rows right after `first`'s, so that one GEMM can read both
+    (`paired_weights`). Called where the linears are made (before loading): no second copy exists."""
+    for attr in ("weight", "scale"):
+        a, b = getattr(first, attr), getattr(second, attr)
+        both = torch.empty((a.shape[0] + b.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
+        setattr(first, attr, nn.Parameter(both[: a.shape[0]], requires_grad=False))
+        setattr(second, attr, nn.Parameter(both[a.shape[0]:], requires_grad=False))
+
+
+def paired_weights(first: Linear, second: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The [N1 + N2, ...] weight and scale views over two linears that `pair_storage` paired (and
+    that still lie that way: moving a module moves each parameter alone), else None."""
+    out = []
+    for attr in ("weight", "scale"):
+        a, b = getattr(first, attr, None), getattr(second, attr, None)
+        if (a is None or b is None or a.dtype != b.dtype or a.shape[1:] != b.shape[1:] or not a.is_contiguous()
+                or not b.is_contiguous() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                or b.data_ptr() != a.data_ptr() + a.nbytes):
+            return None
+        out.append(a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride()))
+    return out[0], out[1]

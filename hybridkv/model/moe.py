@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.config import ModelConfig
-from hybridkv.model.linear import Linear
+from hybridkv.model.linear import Linear, pair_storage, paired_weights
+from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
 from hybridkv.ops import grouped_moe
 from hybridkv.ops.backend import is_deterministic
 
@@ -75,15 +76,26 @@ class Expert(nn.Module):
     """SwiGLU with `up` clamped to [−limit, limit] and `gate` to ≤ limit; the routing weight is applied
     before w2."""
 
-    def __init__(self, dim: int, inter: int, fmt: str, dtype: torch.dtype, block: tuple[int, int], limit: float):
+    def __init__(self, dim: int, inter: int, fmt: str, dtype: torch.dtype, block: tuple[int, int], limit: float,
+                 paired: bool = False):
         super().__init__()
         self.w1 = Linear(dim, inter, fmt, dtype, block)
         self.w2 = Linear(inter, dim, fmt, dtype, block)
         self.w3 = Linear(dim, inter, fmt, dtype, block)
         self.limit = limit
+        if paired and fmt == "fp8":     # w1 and w3 in one buffer: one packed GEMM reads both
+            pair_storage(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        pair = paired_weights(self.w1, self.w3) if fp8_kernel_ok(x, self.w1.weight, self.w1.block) else None
+        if pair is not None:
+            both = packed_fp8_linear(x, *pair, self.w1.compute_dtype)
+            gate, up = both[..., : self.w1.out_features], both[..., self.w1.out_features:]
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        if grouped_moe.swiglu_kernel_ok(gate):
+            return self.w2(grouped_moe.swiglu(gate, up, self.limit, weights, x.dtype))
+        gate, up = gate.float(), up.float()
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
@@ -115,7 +127,8 @@ class MoE(nn.Module):
             for _ in range(c.n_routed_experts))
         if expert_fmt == "fp4":   # one buffer per projection: the grouped kernels read experts by offset
             grouped_moe.stack_expert_storage([[e.w1, e.w3, e.w2] for e in self.experts])
-        self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit)
+        self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit,
+                                     paired=True)
         self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
         self._tables: grouped_moe.ExpertTables | None = None
 

@@ -170,3 +170,18 @@ def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, rout
     torch operations (ties: the lower expert id first)."""
     from hybridkv.ops.grouped_moe import triton as kernels
     return kernels.gate_select(scores, bias, topk, route_scale, norm, tid2eid, input_ids)
+
+
+def swiglu_kernel_ok(gate: torch.Tensor) -> bool:
+    """Whether `swiglu` runs as one launch: where the Triton kernels run, without autograd."""
+    return (use_triton(gate) and not (torch.is_grad_enabled() and gate.requires_grad)
+            and gate.dtype in (torch.float32, torch.bfloat16))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """An expert's activation in one launch: silu(min(gate, limit)) · clamp(up, ±limit) (limit 0:
+    no clamps), times the routing weight [T, 1] if given, in float32, cast to out_dtype: `Expert`'s
+    torch operations. gate/up [..., I] (may be column slices of one GEMM's output)."""
+    from hybridkv.ops.grouped_moe import triton as kernels
+    return kernels.swiglu(gate, up, limit, weights, out_dtype)

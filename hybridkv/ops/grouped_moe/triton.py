@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.compress.triton import _bf16_round
+
 MAX_FUSED_PAIRS = 512
 
 
@@ -171,3 +173,38 @@ def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, rout
                                  K=topk, KP=triton.next_power_of_2(topk), BLOCK_E=triton.next_power_of_2(e),
                                  HASH=hashed, NORM=norm, num_warps=4)
     return w, ids
+
+
+@triton.jit
+def swiglu_kernel(G, U, WTS, Y, n, s_g, s_u, limit, CLAMP: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < n
+    g = tl.load(G + t * s_g + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + t * s_u + c, mask=ok, other=0.0).to(tl.float32)
+    if CLAMP:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    if HAS_W:
+        h = tl.load(WTS + t) * h
+    if OUT_BF16:   # round to nearest by hand: the interpreter's own cast truncates
+        h = _bf16_round(h)
+    tl.store(Y + t * n + c, h.to(Y.dtype.element_ty), mask=ok)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    n = gate.shape[-1]
+    g, u = gate.reshape(-1, n), up.reshape(-1, n)
+    if g.stride(-1) != 1 or u.stride(-1) != 1:
+        g, u = g.contiguous(), u.contiguous()
+    y = torch.empty(g.shape, dtype=out_dtype, device=gate.device)
+    if g.shape[0]:
+        w = weights.reshape(-1).float().contiguous() if weights is not None else g
+        block = min(1024, triton.next_power_of_2(n))
+        swiglu_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, w, y, n, g.stride(0), u.stride(0), float(limit),
+                                                          CLAMP=limit > 0, HAS_W=weights is not None,
+                                                          OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, num_warps=4)
+    return y.view(*gate.shape[:-1], n)
