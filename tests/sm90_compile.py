@@ -93,3 +93,4 @@ for hashed in (False, True):
 for limit in (0.0, 10.0):
     attempt(f"swiglu limit={limit}", lambda: moe_kernels.swiglu(torch.zeros(b, 2048).bfloat16(), torch.zeros(b, 2048).bfloat16(),
                                                               limit, None, torch.bfloat16))
+attempt("split_sum", lambda: qk.split_sum(torch.zeros(4, 3, 1024), torch.bfloat16))

@@ -221,3 +221,13 @@ def test_the_device_check_decides_each_weight_layout_apart(monkeypatch):
     found = kernels._check_fp4_dot(torch.device("cpu"))
     assert (found.stacked, found.table, found.pipelined) == (1, 0, False)
     assert "disagrees, so unpipelined" in found.report and "RuntimeError" in found.report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_partials_are_summed_and_cast_in_one_launch(device, dtype):
+    g = torch.Generator().manual_seed(5)
+    partials = (torch.randn(4, 3, 1100, generator=g) * 10).to(device)
+    got = kernels.split_sum(partials, dtype)
+    want = ((partials[0] + partials[1]) + partials[2]) + partials[3]     # in split order
+    assert got.dtype == dtype and got.shape == (3, 1100)
+    assert torch.equal(got, want.to(dtype))

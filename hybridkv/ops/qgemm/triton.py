@@ -6,7 +6,7 @@
   input's and the weight's scales to each 128-deep block's fp32 partial sum (the promotion the
   release's kernels do), so no operand is ever widened in registers. Two configurations: decode
   (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few rows still spread over
-  every SM, partial sums added by one torch sum) and prefill (128×128 tiles, grouped launch order
+  every SM, partial sums added and cast by one launch) and prefill (128×128 tiles, grouped launch order
   for L2 reuse; on CUDA prefill usually runs through `hybridkv.ops.qgemm.scaled` instead).
 - `grouped_fp4`: the routed experts' packed E2M1 weights (two per byte, low nibble = even element,
   e8m0 scale per 32 inputs, multiplied by Triton's scaled dot, which widens them on the way to the
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
+from hybridkv.ops.compress.triton import _bf16_round
 from hybridkv.ops.quant.triton import _e4m3_round
 
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
@@ -175,8 +176,31 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
             xq, xs, weight, scale.view(torch.uint8), y, m, n, k, xq.stride(0), xs.stride(0), xs.stride(1), n, m * n,
             scale.stride(0), BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not _interpreting(), **cfg)
     if split > 1:
-        y = y.sum(0).to(out_dtype)
+        y = split_sum(y, out_dtype)
     return y.view(*lead, n)
+
+
+@triton.jit
+def split_sum_kernel(P, Y, S, MN, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.load(P + i, mask=ok, other=0.0)
+    for j in range(1, S):        # in split order, as torch's sum over a leading dim of a few rows adds
+        acc += tl.load(P + j * MN + i, mask=ok, other=0.0)
+    if OUT_BF16:   # round to nearest by hand: the interpreter's own cast truncates
+        acc = _bf16_round(acc)
+    tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def split_sum(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[S, M, N] float32 partial sums -> their sum [M, N] in out_dtype, one launch (the sum and the
+    cast of `partials.sum(0).to(out_dtype)`)."""
+    s, m, n = partials.shape
+    y = torch.empty(m, n, dtype=out_dtype, device=partials.device)
+    if m * n:
+        split_sum_kernel[(triton.cdiv(m * n, 1024),)](partials, y, s, m * n, OUT_BF16=out_dtype == torch.bfloat16,
+                                                       BLOCK=1024, num_warps=4)
+    return y
 
 
 def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
