@@ -31,9 +31,10 @@ from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK, ModelConfig
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
-from hybridkv.model.linear import Linear
+from hybridkv.model.linear import Linear, pair_storage, paired_weights
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
+from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm
@@ -71,6 +72,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, fmt, dtype, c.fp8_block)
         self.wkv = Linear(c.hidden_size, self.head_dim, fmt, dtype, c.fp8_block)
+        pair_storage(self.wq_a, self.wkv)    # one buffer: one packed GEMM reads both (FP8 only)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.wo_a = Linear(self.n_heads * self.head_dim // self.groups, self.groups * self.o_rank, "float", dtype)
         self.wo_b = Linear(self.groups * self.o_rank, c.hidden_size, fmt, dtype, c.fp8_block)
@@ -96,12 +98,18 @@ class Attention(nn.Module):
         """x [T, dim] (the whole flat batch) -> [T, dim]. `share` carries V4.1's cross-layer
         selections within this forward."""
         freqs = batch.rope(self.inv_freq, key=self.rope_key)
-        qr = self.q_norm(self.wq_a(x))
+        pair = paired_weights(self.wq_a, self.wkv) if fp8_kernel_ok(x, self.wq_a.weight, self.wq_a.block) else None
+        if pair is not None:
+            both = packed_fp8_linear(x, *pair, self.wq_a.compute_dtype)
+            q_a, kv_a = both[..., : self.wq_a.out_features], both[..., self.wq_a.out_features:]
+        else:
+            q_a, kv_a = self.wq_a(x), self.wkv(x)
+        qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if not self.v41:  # V4 RMS-normalises each query head (without a weight)
             q = rms_norm(q, None, self.eps)
         q = apply_rope(q, freqs)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), freqs)
+        kv = apply_rope(self.kv_norm(kv_a), freqs)
         if self.v41:
             kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
         elif not (batch.decode is not None and batch.decode.whole and self._window_fused(batch.decode.kv)):

@@ -101,15 +101,21 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
 
 
-def pair_storage(first: Linear, second: Linear) -> None:
+def pair_storage(first: Linear, second: Linear) -> bool:
     """Give two quantised linears of one input (a SwiGLU's w1 and w3) one buffer for their weights
     and one for their scales, `second`'s rows right after `first`'s, so that one GEMM can read both
-    (`paired_weights`). Called where the linears are made (before loading): no second copy exists."""
+    (`paired_weights`). Called where the linears are made (before loading): no second copy exists.
+    Only where `first`'s rows fill whole scale tiles (else the pair's tiles would straddle both);
+    returns whether they were paired."""
+    if first.fmt != "fp8" or second.fmt != "fp8" or first.out_features % first.block[0] or \
+            first.block != second.block or first.in_features != second.in_features:
+        return False
     for attr in ("weight", "scale"):
         a, b = getattr(first, attr), getattr(second, attr)
         both = torch.empty((a.shape[0] + b.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
         setattr(first, attr, nn.Parameter(both[: a.shape[0]], requires_grad=False))
         setattr(second, attr, nn.Parameter(both[a.shape[0]:], requires_grad=False))
+    return True
 
 
 def paired_weights(first: Linear, second: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -83,7 +83,7 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, dim, fmt, dtype, block)
         self.w3 = Linear(dim, inter, fmt, dtype, block)
         self.limit = limit
-        if paired and fmt == "fp8":     # w1 and w3 in one buffer: one packed GEMM reads both
+        if paired:      # w1 and w3 in one buffer: one packed GEMM reads both
             pair_storage(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

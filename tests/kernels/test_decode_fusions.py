@@ -2,7 +2,8 @@
 state update, block completion and packed store) change nothing: one fixed-shape decode step
 through them gives the logits, ring rows, compressor states and pool bytes of the same step
 through the unfused operations, to the bit. Both run their Triton kernels (in the interpreter on
-the CPU); the step completes a CSA entry for one request and not for the other."""
+the CPU); the step completes a CSA entry for one request and not for the other. And the attention's
+wq_a and wkv, read by one GEMM, give what the two GEMMs give."""
 
 from pathlib import Path
 
@@ -71,3 +72,16 @@ def test_fused_decode_launches_equal_the_unfused_operations(monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(fused[1:], before))   # the step wrote the store
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)
+    # wq_a and wkv share one buffer and one GEMM; read apart they give the same rows (the split-K
+    # sums may add in another order)
+    cfg = eng.model.config
+    pair_rows = []
+    real_gemm = attention.packed_fp8_linear
+    with monkeypatch.context() as m:
+        m.setattr(attention, "packed_fp8_linear", lambda x, w, *a: pair_rows.append(w.shape[0]) or real_gemm(x, w, *a))
+        step()
+    assert pair_rows == [cfg.q_lora_rank + cfg.head_dim] * cfg.num_hidden_layers
+    with monkeypatch.context() as m:
+        m.setattr(attention, "paired_weights", lambda *a: None)
+        apart = step()
+    torch.testing.assert_close(apart[0], fused[0], rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.compress.triton import _bf16_round
+from hybridkv.ops.quant.triton import _bf16_round
 
 MAX_FUSED_PAIRS = 512
 

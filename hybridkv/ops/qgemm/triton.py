@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
-from hybridkv.ops.compress.triton import _bf16_round
-from hybridkv.ops.quant.triton import _e4m3_round
+from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
 FP4_BLOCK = 32

@@ -34,6 +34,31 @@ def _e4m3_round(q):
 
 
 @triton.jit
+def _pow2_ceil_exp(amax, inv_qmax):
+    """Biased exponent of 2^ceil(log2(amax * inv_qmax)) (bit-exact with the reference's frexp form)."""
+    u = (amax * inv_qmax).to(tl.int32, bitcast=True)
+    return ((u >> 23) & 255) + ((u & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _bf16_round(x):
+    """float32 -> nearest bf16 (ties to even), kept as float32 (by hand, as the interpreter truncates)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_round(v):
+    a = tl.abs(v)
+    y = tl.where(a < 2, a * 2, tl.where(a < 4, a, a * 0.5))
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & ((r.to(tl.int32) % 2) == 1), r - 1, r)
+    q = tl.minimum(tl.where(a < 2, r * 0.5, tl.where(a < 4, r, r * 2)), 6.0)
+    return tl.where(v < 0, -q, q)
+
+
+@triton.jit
 def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
                           R: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.compress.triton import _bf16_round, _e4m3_round, _pow2_ceil_exp
+from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round, _pow2_ceil_exp
 
 
 @triton.jit
