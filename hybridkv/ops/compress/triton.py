@@ -109,6 +109,16 @@ def _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT,
 
 
 @triton.jit
+def _pool_rows(m, den, acc, sc, kv):
+    """One chunk of rows (score sc, kv [ROWS, D]) into the per-channel online softmax (m, den, acc)."""
+    m_new = tl.maximum(m, tl.max(sc, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(sc - m_safe[None, :])
+    alpha = tl.exp(m - m_safe)
+    return m_new, den * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p * kv, 0)
+
+
+@triton.jit
 def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, ENT_REQ, ENT_J,
                     eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                     MODE: tl.constexpr,
@@ -126,13 +136,7 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
         off = base + rows[:, None] * s_row_l + d[None, :]
         sc = tl.load(SCORE + off)
         kv = tl.load(KV + off)
-        m_new = tl.maximum(m, tl.max(sc, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(sc - m_safe[None, :])
-        alpha = tl.exp(m - m_safe)
-        den = den * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p * kv, 0)
-        m = m_new
+        m, den, acc = _pool_rows(m, den, acc, sc, kv)
     x = acc / den
     j = tl.load(ENT_J + e)
     req = tl.load(ENT_REQ + e)
@@ -205,13 +209,7 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
             sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + base + rows[:, None] * s_st_row + ch))
             kv = tl.where(is_new, tl.load(NEW_KV + new + ch, mask=is_new, other=0.0),
                           tl.load(ST_KV + base + rows[:, None] * s_st_row + ch))
-            m_new = tl.maximum(m, tl.max(sc, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(sc - m_safe[None, :])
-            alpha = tl.exp(m - m_safe)
-            den = den * alpha + tl.sum(p, 0)
-            acc = acc * alpha + tl.sum(p * kv, 0)
-            m = m_new
+            m, den, acc = _pool_rows(m, den, acc, sc, kv)
         _finish_store(acc / den, b, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt,
                       eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT)
         for r0 in range(0, R, ADV):
