@@ -31,10 +31,9 @@ from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK, ModelConfig
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
-from hybridkv.model.linear import Linear, pair_storage, paired_weights
+from hybridkv.model.linear import Linear, pair_storage, paired_forward
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
-from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm
@@ -98,12 +97,7 @@ class Attention(nn.Module):
         """x [T, dim] (the whole flat batch) -> [T, dim]. `share` carries V4.1's cross-layer
         selections within this forward."""
         freqs = batch.rope(self.inv_freq, key=self.rope_key)
-        pair = paired_weights(self.wq_a, self.wkv) if fp8_kernel_ok(x, self.wq_a.weight, self.wq_a.block) else None
-        if pair is not None:
-            both = packed_fp8_linear(x, *pair, self.wq_a.compute_dtype)
-            q_a, kv_a = both[..., : self.wq_a.out_features], both[..., self.wq_a.out_features:]
-        else:
-            q_a, kv_a = self.wq_a(x), self.wkv(x)
+        q_a, kv_a = paired_forward(self.wq_a, self.wkv, x)
         qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if not self.v41:  # V4 RMS-normalises each query head (without a weight)

@@ -130,3 +130,13 @@ def paired_weights(first: Linear, second: Linear) -> tuple[torch.Tensor, torch.T
             return None
         out.append(a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride()))
     return out[0], out[1]
+
+
+def paired_forward(first: Linear, second: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)): one packed FP8 GEMM over both where `pair_storage` paired them and the
+    kernel runs (the outputs are column slices of its result), else the two linears."""
+    pair = paired_weights(first, second)
+    if pair is None or not fp8_kernel_ok(x, first.weight, first.block):
+        return first(x), second(x)
+    both = packed_fp8_linear(x, *pair, first.compute_dtype)
+    return both[..., : first.out_features], both[..., first.out_features:]

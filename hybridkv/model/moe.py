@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.config import ModelConfig
-from hybridkv.model.linear import Linear, pair_storage, paired_weights
-from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
+from hybridkv.model.linear import Linear, pair_storage, paired_forward
 from hybridkv.ops import grouped_moe
 from hybridkv.ops.backend import is_deterministic
 
@@ -87,12 +86,7 @@ class Expert(nn.Module):
             pair_storage(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        pair = paired_weights(self.w1, self.w3) if fp8_kernel_ok(x, self.w1.weight, self.w1.block) else None
-        if pair is not None:
-            both = packed_fp8_linear(x, *pair, self.w1.compute_dtype)
-            gate, up = both[..., : self.w1.out_features], both[..., self.w1.out_features:]
-        else:
-            gate, up = self.w1(x), self.w3(x)
+        gate, up = paired_forward(self.w1, self.w3, x)
         if grouped_moe.swiglu_kernel_ok(gate):
             return self.w2(grouped_moe.swiglu(gate, up, self.limit, weights, x.dtype))
         gate, up = gate.float(), up.float()

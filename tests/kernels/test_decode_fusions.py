@@ -11,7 +11,7 @@ import torch
 
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.engine.graphs import DecodeGraphs, context_bucket
-from hybridkv.model import attention
+from hybridkv.model import attention, linear
 from hybridkv.model.attention import Attention
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
@@ -76,12 +76,17 @@ def test_fused_decode_launches_equal_the_unfused_operations(monkeypatch):
     # sums may add in another order)
     cfg = eng.model.config
     pair_rows = []
-    real_gemm = attention.packed_fp8_linear
+    real_pair = linear.paired_weights
     with monkeypatch.context() as m:
-        m.setattr(attention, "packed_fp8_linear", lambda x, w, *a: pair_rows.append(w.shape[0]) or real_gemm(x, w, *a))
+        def found(a, b):
+            pair = real_pair(a, b)
+            pair_rows.append(None if pair is None else pair[0].shape[0])
+            return pair
+        m.setattr(linear, "paired_weights", found)
         step()
-    assert pair_rows == [cfg.q_lora_rank + cfg.head_dim] * cfg.num_hidden_layers
+    # one paired GEMM per layer for wq_a / wkv and one for the shared expert's w1 / w3
+    assert pair_rows == [cfg.q_lora_rank + cfg.head_dim, 2 * cfg.moe_intermediate_size] * cfg.num_hidden_layers
     with monkeypatch.context() as m:
-        m.setattr(attention, "paired_weights", lambda *a: None)
+        m.setattr(linear, "paired_weights", lambda *a: None)
         apart = step()
     torch.testing.assert_close(apart[0], fused[0], rtol=1e-5, atol=1e-5)

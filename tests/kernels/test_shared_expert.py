@@ -6,7 +6,7 @@ import torch
 
 from helpers import rel_rms
 from hybridkv.model.linear import paired_weights
-from hybridkv.model import moe
+from hybridkv.model import linear
 from hybridkv.model.moe import Expert
 from hybridkv.ops import grouped_moe
 from hybridkv.ops.quant import quant_fp8_weight
@@ -51,10 +51,10 @@ def test_paired_w1_w3_read_by_one_gemm_equal_two(device, monkeypatch):
         want = ex(x)
         monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
         reads = []
-        real = moe.packed_fp8_linear
-        monkeypatch.setattr(moe, "packed_fp8_linear", lambda x, w, s, dt: reads.append(w.shape) or real(x, w, s, dt))
+        real = linear.packed_fp8_linear
+        monkeypatch.setattr(linear, "packed_fp8_linear", lambda x, w, s, dt: reads.append(w.shape) or real(x, w, s, dt))
         got = ex(x)
-    assert reads == [(768, 256)]                   # w1 and w3 in one GEMM
+    assert reads == [(768, 256), (256, 384)]       # w1 and w3 in one GEMM, then w2
     assert rel_rms(want, got) < 1e-5
     # a checkpoint holds each projection's own bytes
     state = dict(iter_state(ex))
