@@ -141,14 +141,14 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         xq = fp8_round_trip(x, 128)
 
         def up(cfg=None, mode=None):
-            cfg = cfg or kernels.grouped_config(p, inter)
+            cfg = cfg or kernels.grouped_config(p, inter, e_n)
             return kernels.grouped_fp4(xq, tok, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w1, tables.s1), inter,
                                        x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg,
                                        fp4_dot=mode)
         h = up()
 
         def down(cfg=None, mode=None):
-            cfg = cfg or kernels.grouped_config(p, dim)
+            cfg = cfg or kernels.grouped_config(p, dim, e_n)
             return kernels.grouped_fp4(h, None, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w2, tables.s2), dim,
                                        x.dtype, config=cfg, fp4_dot=mode)
         t_up, t_down = bench(up, cuda), bench(down, cuda)
@@ -157,23 +157,29 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         print(f"| {t} | {sel} | {ms:.4f} | {sel * per_expert / ms / 1e6:.0f} | "
               f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |{by_mode}", flush=True)
         if a.sweep and t in a.sweep_rows:
+            # tl.dot_scaled over address tables (or where the device check found pipelining
+            # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
+            unpiped = (kernels.fp4_dot_mode(x.device, not tables.stacked) > 0
+                       and not (tables.stacked and kernels.fp4_pipelined(x.device)))
+            tile_bm = 16 if p <= 512 else 64
+            families = {
+                "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
+                            for bn, bk, warps in itertools.product([16, 32, 64, 128], [128, 256, 512], [2, 4, 8])],
+                "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                          for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256], [4, 8],
+                                                                         [1] if unpiped else [2, 3, 4])],
+            }
             for name, fn in (("up", up), ("down", down)):
-                best = []
-                bm = kernels.grouped_config(p, inter)["BM"]
-                # tl.dot_scaled over address tables (or where the device check found pipelining
-                # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
-                unpiped = (kernels.fp4_dot_mode(x.device, not tables.stacked) > 0
-                           and not (tables.stacked and kernels.fp4_pipelined(x.device)))
-                stage_counts = [1] if unpiped else [2, 3, 4]
-                for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256], [4, 8], stage_counts):
-                    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
-                    try:
-                        best.append((bench(lambda c=cfg: fn(c), cuda), cfg))
-                    except Exception as e:  # out of resources: not a candidate
-                        print(f"    {cfg}: {type(e).__name__}")
-                best.sort(key=lambda tc: tc[0])
-                for tm, cfg in best[:3]:
-                    print(f"    sweep {name} {t} tokens: {tm:.4f} ms {cfg}", flush=True)
+                for family, configs in families.items():
+                    best = []
+                    for cfg in configs:
+                        try:
+                            best.append((bench(lambda c=cfg: fn(c), cuda), cfg))
+                        except Exception as e:  # out of resources: not a candidate
+                            print(f"    {cfg}: {type(e).__name__}")
+                    best.sort(key=lambda tc: tc[0])
+                    for tm, cfg in best[:3]:
+                        print(f"    sweep {name} {t} tokens, {family}: {tm:.4f} ms {cfg}", flush=True)
 
 
 def main() -> int:

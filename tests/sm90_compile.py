@@ -49,9 +49,15 @@ for layout, w in (("stacked", stacked), ("table", table)):
                         lambda: qk.grouped_fp4(x, rows if swiglu else None, tiles, w, n, torch.bfloat16,
                                                config=dict(BM=16, BN=64, num_warps=4, num_stages=stages),
                                                fp4_dot=mode, pipelined=True, **extra))
+    for swiglu in (False, True):           # the one-row decode kernel
+        extra = dict(w3=w, route=route, limit=10.0) if swiglu else {}
+        attempt(f"grouped_fp4 rows {layout} swiglu={swiglu}",
+                lambda: qk.grouped_fp4(x, rows if swiglu else None, tiles, w, n, torch.bfloat16,
+                                       config=dict(BM=1, BN=32, num_warps=4), **extra))
 for pairs in (6, 48, 384):
-    attempt(f"route pairs={pairs}", lambda: moe_kernels.route(torch.zeros(pairs // 6, 6, dtype=torch.long),
-                                                              torch.zeros(pairs // 6, 6), 256, 16))
+    for bm in (1, 16):
+        attempt(f"route pairs={pairs} bm={bm}", lambda: moe_kernels.route(torch.zeros(pairs // 6, 6, dtype=torch.long),
+                                                                          torch.zeros(pairs // 6, 6), 256, bm))
 attempt("moe_combine", lambda: moe_kernels.combine(torch.zeros(12, 4096).bfloat16(), torch.zeros(12, dtype=torch.int32),
                                                    torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 4096).bfloat16(),
                                                    torch.bfloat16))

@@ -129,6 +129,47 @@ def test_grouped_fp4_deeper_k_steps_give_the_same_product(device, bk):
         kernels.grouped_fp4(x, None, tiles, tables, n, torch.float32, config=dict(BM=16, BN=64, BK=384))
 
 
+@pytest.mark.parametrize("bn,bk,layout", [(16, 128, "stacked"), (32, 256, "table"), (64, 512, "stacked")])
+def test_one_row_decode_kernel_matches_torch(device, bn, bk, layout):
+    """The decode kernel (one sorted row per program, codes widened by bit placement) against
+    torch in float64: every E2M1 code (the subnormal 0.5 too) and both signs, rows gathered from
+    their tokens, three experts with one, two and three rows, a column count no tile divides; with
+    w3 the clamped SwiGLU times the routing weight."""
+    from hybridkv.ops.quant import dequant_fp4_weight
+    g = torch.Generator().manual_seed(bn + bk)
+    e_n, n, k = 3, 80, 512
+    w = torch.randint(0, 256, (2, e_n, n, k // 2), generator=g, dtype=torch.uint8)
+    s = torch.randint(118, 128, (2, e_n, n, k // 32), generator=g).to(torch.uint8)
+    x = reference.act_quant_sim(torch.randn(4, k, generator=g) * 4, 128)
+    ids = torch.tensor([[0, 2], [1, 2], [2, 1], [0, 0]])
+    sort = grouped_moe.sort_by_expert(ids, e_n)
+    tiles = grouped_moe.expert_tiles(sort, 1)
+    route = torch.rand(ids.numel(), generator=g)
+    w, s, x, route = w.to(device), s.to(device), x.to(device), route.to(device)
+    tiles = tuple(t.to(device) for t in tiles)
+    token = sort.token.int().to(device)
+    if layout == "table":
+        proj = [(torch.tensor([w[j, e].data_ptr() for e in range(e_n)], device=device),
+                 torch.tensor([s[j, e].data_ptr() for e in range(e_n)], device=device)) for j in range(2)]
+    else:
+        proj = [(w[j], s[j]) for j in range(2)]
+    cfg = dict(BM=1, BN=bn, BK=bk, num_warps=4)
+    got = kernels.grouped_fp4(x, token, tiles, proj[0], n, torch.float32, config=cfg)
+    dense = [[dequant_fp4_weight(w[j, e].view(torch.int8), s[j, e].view(torch.float8_e8m0fnu), 32, torch.float64)
+              for e in range(e_n)] for j in range(2)]
+    xs = x[token.long()].double()
+    want = torch.stack([xs[i] @ dense[0][int(sort.expert[i])].t() for i in range(len(xs))])
+    assert rel_rms(want, got) < TOL
+    limit = 20.0
+    got = kernels.grouped_fp4(x, token, tiles, proj[0], n, torch.float32, w3=proj[1], route=route,
+                              limit=limit, config=cfg)
+    up = torch.stack([xs[i] @ dense[1][int(sort.expert[i])].t() for i in range(len(xs))])
+    assert (want.abs() > limit).any() and (up.abs() > limit).any()       # the clamps bite
+    gate, up = want.clamp(max=limit), up.clamp(-limit, limit)
+    want = route.double()[:, None] * gate * torch.sigmoid(gate) * up
+    assert rel_rms(want, got) < TOL
+
+
 @interpreter_only
 def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
     """With the kernels switched on (HYBRIDKV_KERNELS=triton, the interpreter standing in for CUDA)

@@ -16,7 +16,8 @@
   experts' parameters views of one buffer per projection), or through a table of per-expert
   addresses for experts that are separate tensors; Triton 3.6 pipelines only the former correctly.
   With `swiglu` the program runs w1 and w3 together and writes the clamped SwiGLU times the
-  routing weight, what w2 reads.
+  routing weight, what w2 reads. At decode sizes (`grouped_config`: one-row tiles) the same call
+  runs `fp4_rows`' kernel instead: one sorted row per program on the CUDA cores.
 
 Under the interpreter (CPU tests) the MMAs run in fp32: the interpreter's bf16 and fp8 dots are not
 usable.
@@ -37,6 +38,7 @@ from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
 FP4_BLOCK = 32
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
+ROWS_PER_EXPERT = 4    # above this many rows per expert the decode shape's tensor-core tiles share weight reads
 
 
 def _interpreting() -> bool:
@@ -402,10 +404,13 @@ def _check_fp4_dot(device: torch.device) -> FP4Check:
     return FP4Check(stacked, by_table, piped, report)
 
 
-def grouped_config(pairs: int, n: int) -> dict:
-    """Row tile and column tile of the grouped FP4 GEMM: decode (a row or two per expert) wants small
-    row tiles and many column programs; prefill 64-row tiles. A config may also set BK, the inputs
-    one loop iteration multiplies (a multiple of 128 dividing K; 128 when absent)."""
+def grouped_config(pairs: int, n: int, experts: int | None = None) -> dict:
+    """Tiles of the grouped FP4 GEMM. Decode (at most 512 pairs, and at most ROWS_PER_EXPERT a
+    chosen expert on average when `experts` is given): one row per program on the CUDA cores
+    (`fp4_rows`, BM 1). Otherwise 64-row tensor-core tiles. A config may also set BK, the inputs one
+    loop iteration multiplies (a multiple of 128 dividing K; 128 for the tiles when absent)."""
+    if pairs <= 512 and (experts is None or pairs <= ROWS_PER_EXPERT * experts):
+        return dict(BM=1, BN=32, num_warps=4)
     if pairs <= 512:
         return dict(BM=16, BN=64, num_warps=4, num_stages=3)
     return dict(BM=64, BN=128, num_warps=8, num_stages=3)
@@ -432,6 +437,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     if p == 0:
         return y
     swiglu = w3 is not None
+    rows_bk = cfg.get("BK")         # the one-row kernel's own default when absent
     bk = cfg.pop("BK", SCALE_BLOCK)
     if bk % SCALE_BLOCK or k % bk or bk & (bk - 1):
         raise ValueError(f"grouped FP4: BK {bk} must be a power-of-two multiple of {SCALE_BLOCK} dividing K = {k}")
@@ -441,15 +447,19 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
                           and w1[0].stride(2) == w1[1].stride(2) == 1):
         raise ValueError("grouped FP4: weights must be address tables (int64) or stacked uint8 experts "
                          "[E, N, K/2] and [E, N, K/32] with contiguous rows")
+    ew, es = (0, 0) if table else (w1[0].stride(0), w1[1].stride(0))
+    if swiglu and not table and (w3[0].stride(0), w3[1].stride(0)) != (ew, es):
+        raise ValueError("grouped FP4: w1 and w3 stacks must have the same strides")
+    if cfg["BM"] == 1:
+        from hybridkv.ops.qgemm.fp4_rows import grouped_fp4_rows
+        cfg["BK"] = rows_bk
+        return grouped_fp4_rows(x, rows, tiles, w1, n, out_dtype, y, w3, route, limit, (ew, es), table, cfg)
     mode = fp4_dot_mode(x.device, table) if fp4_dot is None else fp4_dot
     if mode > 0 and (table or not (fp4_pipelined(x.device) if pipelined is None else pipelined)):
         # Triton 3.6's software pipelining of `tl.dot_scaled` reads wrong weights when their
         # address comes from a table (rel err 1.3 from num_stages=2 on, on the H200); stacked
         # experts pipeline where the device check found them right
         cfg["num_stages"] = 1
-    ew, es = (0, 0) if table else (w1[0].stride(0), w1[1].stride(0))
-    if swiglu and not table and (w3[0].stride(0), w3[1].stride(0)) != (ew, es):
-        raise ValueError("grouped FP4: w1 and w3 stacks must have the same strides")
     grid = (tiles[0].shape[0], triton.cdiv(n, cfg["BN"]))
     grouped_fp4_kernel[grid](
         x, rows if rows is not None else tiles[0], *tiles, w1[0], w1[1], *(w3 if swiglu else w1),
