@@ -164,10 +164,10 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             tile_bm = 16 if p <= 512 else 64
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
-                            for bn, bk, warps in itertools.product([16, 32, 64, 128], [128, 256, 512], [2, 4, 8])],
+                            for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
-                          for bn, bk, warps, stages in itertools.product([32, 64, 128], [128, 256], [4, 8],
-                                                                         [1] if unpiped else [2, 3, 4])],
+                          for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
+                                                                         [1] if unpiped else [3])],
             }
             for name, fn in (("up", up), ("down", down)):
                 for family, configs in families.items():

@@ -99,4 +99,6 @@ for hashed in (False, True):
 for limit in (0.0, 10.0):
     attempt(f"swiglu limit={limit}", lambda: moe_kernels.swiglu(torch.zeros(b, 2048).bfloat16(), torch.zeros(b, 2048).bfloat16(),
                                                               limit, None, torch.bfloat16))
-attempt("split_sum", lambda: qk.split_sum(torch.zeros(4, 3, 1024), torch.bfloat16))
+fp8_w = (torch.zeros(512, 1024, dtype=torch.float8_e4m3fn), torch.zeros(4, 8, dtype=torch.float8_e8m0fnu))
+for rows in (1, 40, 200):      # split K (in-kernel quantisation and partial sums), one-pass decode, prefill
+    attempt(f"fp8_linear rows={rows}", lambda: qk.fp8_linear(torch.zeros(rows, 1024).bfloat16(), *fp8_w, torch.bfloat16))

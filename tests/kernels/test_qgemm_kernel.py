@@ -265,10 +265,22 @@ def test_the_device_check_decides_each_weight_layout_apart(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_k_partials_are_summed_and_cast_in_one_launch(device, dtype):
+def test_split_k_decode_is_one_launch_that_adds_the_splits_in_order(device, dtype):
+    """The decode shape splits K over four programs per tile, each quantising its own input rows;
+    the last to arrive adds the four partial sums in split order and casts: equal, to the bit, to
+    four GEMMs over the K slices added in that order. Twice: the arrival counters are back at zero
+    after a launch."""
     g = torch.Generator().manual_seed(5)
-    partials = (torch.randn(4, 3, 1100, generator=g) * 10).to(device)
-    got = kernels.split_sum(partials, dtype)
-    want = ((partials[0] + partials[1]) + partials[2]) + partials[3]     # in split order
-    assert got.dtype == dtype and got.shape == (3, 1100)
-    assert torch.equal(got, want.to(dtype))
+    q, s = _fp8_weight(256, 1024, g)
+    x = torch.randn(3, 1024, generator=g) * 3
+    q, s, x = q.to(device), s.to(device), x.to(device)
+    cfg = dict(BM=16, BN=64, SPLIT_K=4, GROUP_M=1, num_warps=4, num_stages=2)
+    one = dict(cfg, SPLIT_K=1)
+    parts = [kernels.fp8_linear(x[:, 256 * j:256 * (j + 1)], q[:, 256 * j:256 * (j + 1)].contiguous(),
+                                s[:, 2 * j:2 * (j + 1)].contiguous(),
+                                torch.float32, config=one) for j in range(4)]
+    want = (((parts[0] + parts[1]) + parts[2]) + parts[3]).to(dtype)
+    for _ in range(2):
+        got = kernels.fp8_linear(x, q, s, dtype, config=cfg)
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert not kernels._ARRIVALS[(torch.device(device).type, torch.device(device).index)].any()

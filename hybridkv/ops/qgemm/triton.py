@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.qgemm import DECODE_ROWS
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 
@@ -105,9 +106,24 @@ def act_codes(x2: torch.Tensor, row_pad: int = 1, outer_major: bool = False) -> 
 
 
 @triton.jit
-def fp8_gemm_kernel(XQ, XS, W, WS, Y, M, N, K, stride_xq, xs_row, xs_blk, stride_ym, stride_ys, ws_stride,
+def _gpu_fence(NEEDED: tl.constexpr):
+    """Each thread's earlier global writes visible GPU-wide before the barrier that follows (the
+    split-K arrival count), or each thread acquiring after it (the last arrival's reads). Nothing in
+    the interpreter, whose programs run one after another."""
+    if NEEDED:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, xs_row, xs_blk, stride_ym, ws_stride,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, NATIVE: tl.constexpr):
+                    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, NATIVE: tl.constexpr, QUANT_IN: tl.constexpr,
+                    OUT_BF16: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+    """One [BM, BN] tile of codes × codes. QUANT_IN: the program quantises its own rows of X per
+    128 values (`act_codes`' rounding, bit for bit) instead of reading XQ/XS. SPLIT_K > 1: each
+    program adds a share of the K blocks into P [SPLIT_K, M, N]; the last of a tile's programs to
+    arrive (CNT counts them and is reset to zero) adds the shares in split order and stores Y."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     width = GROUP_M * num_n
@@ -126,9 +142,17 @@ def fp8_gemm_kernel(XQ, XS, W, WS, Y, M, N, K, stride_xq, xs_row, xs_blk, stride
     srow = (pid_n * BN) // BK          # BN divides the 128-row scale tile
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb0, kb1):
-        xq = tl.load(XQ + rm.to(tl.int64)[:, None] * stride_xq + (kb * BK + rk)[None, :], mask=m_ok[:, None],
-                     other=0.0)
-        xs = tl.load(XS + rm * xs_row + kb * xs_blk, mask=m_ok, other=0.0)
+        if QUANT_IN:
+            xv = tl.load(X + rm.to(tl.int64)[:, None] * stride_x + (kb * BK + rk)[None, :], mask=m_ok[:, None],
+                         other=0.0).to(tl.float32)
+            xs, inv = _act_scales(tl.max(tl.abs(xv), 1), FLOOR, QMAX)
+            xq = _e4m3_round(tl.minimum(tl.maximum(xv * inv[:, None], -QMAX), QMAX))
+            if NATIVE:
+                xq = xq.to(tl.float8e4nv)
+        else:
+            xq = tl.load(XQ + rm.to(tl.int64)[:, None] * stride_xq + (kb * BK + rk)[None, :], mask=m_ok[:, None],
+                         other=0.0)
+            xs = tl.load(XS + rm * xs_row + kb * xs_blk, mask=m_ok, other=0.0)
         w = tl.load(W + rn.to(tl.int64)[:, None] * K + (kb * BK + rk)[None, :], mask=n_ok[:, None], other=0.0)
         s = _e8m0(tl.load(WS + srow * ws_stride + kb))
         if NATIVE:     # e4m3 × e4m3 on the tensor cores, promoted to fp32 once per 128-deep block
@@ -136,14 +160,28 @@ def fp8_gemm_kernel(XQ, XS, W, WS, Y, M, N, K, stride_xq, xs_row, xs_blk, stride
         else:
             d = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)))
         acc += d * (xs[:, None] * s)
-    out = Y + pid_k.to(tl.int64) * stride_ys
-    tl.store(out + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+    else:
+        tl.store(P + pid_k.to(tl.int64) * M * N + at, acc, mask=ok)
+        _gpu_fence(NATIVE)
+        tl.debug_barrier()
+        if tl.atomic_add(CNT + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            _gpu_fence(NATIVE)
+            total = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT_K):      # in split order
+                total += tl.load(P + tl.full([], j, tl.int64) * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+            if OUT_BF16:   # round to nearest by hand: the interpreter's own cast truncates
+                total = _bf16_round(total)
+            tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], total.to(Y.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(CNT + pid, 0)
 
 
 def fp8_config(m: int, n: int, k: int) -> dict:
     """Tile sizes for an [m, k] × [n, k]ᵀ FP8 GEMM: decode-shaped (few rows) or prefill-shaped."""
-    if m <= 64:
+    if m <= DECODE_ROWS:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 64
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -155,11 +193,30 @@ def fp8_config(m: int, n: int, k: int) -> dict:
     return dict(BM=128, BN=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=3)
 
 
+_ARRIVALS: dict = {}     # device -> int32 split-K arrival counters, all zero between launches
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` zeroed counters on `device` (each launch leaves them zero again). Made
+    outside CUDA-graph capture: a buffer first made inside one would belong to that graph."""
+    key = (device.type, device.index)
+    have = _ARRIVALS.get(key)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split-K FP8 GEMM: {tiles} arrival counters needed inside CUDA-graph capture, "
+                               f"{0 if have is None else have.numel()} made; run the shape once before capture")
+        _ARRIVALS[key] = have = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return have
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                config: dict | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] of out_dtype, the weight e4m3 [N, K] with e8m0 scales per 128×128
-    tile; the input is quantised to e4m3 per 128 values first (`act_codes`, one launch), and the
-    GEMM multiplies codes by codes and applies both scales per 128-deep block."""
+    tile; the input is quantised to e4m3 per 128 values (`act_codes`' rounding) and the GEMM
+    multiplies codes by codes and applies both scales per 128-deep block. Decode shapes (at most
+    DECODE_ROWS rows) are one launch: each program quantises its own rows, and with K split the
+    last program of a tile adds the partial sums; prefill shapes quantise the input first
+    (`act_codes`, one more launch)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -168,40 +225,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     m = x2.shape[0]
     cfg = dict(config or fp8_config(m, n, k))
     split = cfg.pop("SPLIT_K")
-    y = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else \
-        torch.empty(m, n, dtype=out_dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
-        xq, xs = act_codes(x2)
-        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
-        fp8_gemm_kernel[grid](
-            xq, xs, weight, scale.view(torch.uint8), y, m, n, k, xq.stride(0), xs.stride(0), xs.stride(1), n, m * n,
-            scale.stride(0), BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not _interpreting(), **cfg)
-    if split > 1:
-        y = split_sum(y, out_dtype)
+        tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+        quant_in = m <= DECODE_ROWS       # each program quantises its own few rows
+        xq, xs = (x2, x2) if quant_in else act_codes(x2)
+        partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+        counters = _arrivals(x.device, tiles) if split > 1 else y
+        fp8_gemm_kernel[(tiles, split)](
+            x2, xq, xs, weight, scale.view(torch.uint8), y, partials, counters, m, n, k, x2.stride(0), xq.stride(0),
+            xs.stride(0) if not quant_in else 0, xs.stride(1) if not quant_in else 0, n, scale.stride(0),
+            BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not _interpreting(), QUANT_IN=quant_in,
+            OUT_BF16=out_dtype == torch.bfloat16, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, **cfg)
     return y.view(*lead, n)
-
-
-@triton.jit
-def split_sum_kernel(P, Y, S, MN, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < MN
-    acc = tl.load(P + i, mask=ok, other=0.0)
-    for j in range(1, S):        # in split order, as torch's sum over a leading dim of a few rows adds
-        acc += tl.load(P + j * MN + i, mask=ok, other=0.0)
-    if OUT_BF16:   # round to nearest by hand: the interpreter's own cast truncates
-        acc = _bf16_round(acc)
-    tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
-
-
-def split_sum(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """[S, M, N] float32 partial sums -> their sum [M, N] in out_dtype, one launch (the sum and the
-    cast of `partials.sum(0).to(out_dtype)`)."""
-    s, m, n = partials.shape
-    y = torch.empty(m, n, dtype=out_dtype, device=partials.device)
-    if m * n:
-        split_sum_kernel[(triton.cdiv(m * n, 1024),)](partials, y, s, m * n, OUT_BF16=out_dtype == torch.bfloat16,
-                                                       BLOCK=1024, num_warps=4)
-    return y
 
 
 def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
