@@ -1,14 +1,14 @@
 """The grouped FP4 expert kernel's pieces one by one on the GPU, each against torch: the weight
 address table, the E2M1 and e8m0 decoding, and one 128-deep block's product in each way the kernel
-can multiply (`FP4_DOT` 0, 1, 2). The whole kernel disagrees with the per-expert definition on the
-H200 while the interpreter's agrees; these say which piece the GPU build gets wrong."""
+can multiply (`FP4_DOT` 0, 1, 2): if the whole kernel ever disagrees with the per-expert definition
+on a GPU while the interpreter's agrees, these say which piece the GPU build gets wrong."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.qgemm.triton import FP4_DOT_NAMES, _aligned, _e2m1, _e8m0, _fp4_block_dot
+from hybridkv.ops.qgemm.triton import FP4_DOT_NAMES, _e2m1, _e8m0, _expert_base, _fp4_block_dot
 from hybridkv.ops.quant import dequant_fp4_weight
 from hybridkv.ops.quant.reference import unpack_fp4
 
@@ -17,7 +17,7 @@ DEV = "cuda"
 
 @triton.jit
 def _table_bytes_kernel(TABLE, OUT, E, NBYTES: tl.constexpr):
-    w = _aligned(TABLE, E)
+    w = _expert_base(TABLE, E, 0, True)
     r = tl.arange(0, NBYTES)
     tl.store(OUT + r, tl.load(w + r))
 
@@ -35,7 +35,7 @@ def _decode_kernel(W, S, OUT_LO, OUT_HI, OUT_S, N: tl.constexpr, NB: tl.constexp
 @triton.jit
 def _block_dot_kernel(X, TABLE, STABLE, Y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       FP4_DOT: tl.constexpr):
-    w, sc = _aligned(TABLE, 0), _aligned(STABLE, 0)
+    w, sc = _expert_base(TABLE, 0, 0, True), _expert_base(STABLE, 0, 0, True)
     r = tl.arange(0, BM)
     rn = tl.arange(0, BN)
     rb = tl.arange(0, BK // 2)

@@ -4,8 +4,8 @@ step is bound by how many instructions turn each packed nibble into an operand (
 spends about 17 per value on the H200; the byte rate needs at most about 4). Here the weight is
 read as 32-bit words of eight E2M1 codes and each code becomes a float32 by moving its bits into
 place (one shift for the magnitude, one for the sign, one merge: the value times 2^-126, exactly),
-then one FMA with the activation. The e8m0 scale (times 2^126) multiplies each 32-value group's
-partial sum. Rows that share an expert are adjacent programs of the grid, so their second read of
+then one FMA with the activation. The e8m0 scale (times 2^126) multiplies each word's partial
+sum. Each program loads the next K block before it computes this one. Rows that share an expert are adjacent programs of the grid, so their second read of
 the weight comes from L2.
 
 Same contract as `triton.grouped_fp4` (whose tile table, built with one row per tile, it reads):
@@ -60,19 +60,26 @@ def _expert_scales(P, e, expert_stride, TABLE: tl.constexpr):
 
 
 @triton.jit
-def _row_block_dot(acc, w, sc, xrow, rn, n_ok, c, g, kb, w_words, s_stride, BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BN, BK/32] + one BK-deep block of the row's dot with BN weight rows: per 32-value group
-    the plain float32 sum of code × activation, times the group's scale."""
-    words = tl.load(w + rn.to(tl.int64)[:, None] * w_words + kb * (BK // 8) + c[None, :], mask=n_ok[:, None],
-                    other=0).to(tl.uint32, bitcast=True)                        # [BN, BK/8]
+def _load_block(w, sc, rn, n_ok, c, kb, live, w_words, s_stride, BN: tl.constexpr, BK: tl.constexpr):
+    """K block kb of BN weight rows: words [BN, BK/8] and each word's 32-value group scale as float32
+    (e8m0 · 2^126), nothing read where not `live`."""
+    ok = n_ok[:, None] & live
+    words = tl.load(w + rn.to(tl.int64)[:, None] * w_words + kb * (BK // 8) + c[None, :], mask=ok, other=0)
+    g = tl.arange(0, BK // 32)
+    s = tl.load(sc + rn.to(tl.int64)[:, None] * s_stride + kb * (BK // 32) + g[None, :], mask=ok, other=127)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    return words.to(tl.uint32, bitcast=True), scale
+
+
+@triton.jit
+def _block_dot(acc, words, scale, xrow, c, kb, BK: tl.constexpr):
+    """acc [BN, BK/8] + each word's eight codes × their activations, times the word's scale."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         x = tl.load(xrow + kb * BK + c * 8 + j).to(tl.float32)                  # [BK/8], shared by the rows
         part += _e2m1_plane(words, j) * x[None, :]
-    s = tl.load(sc + rn.to(tl.int64)[:, None] * s_stride + kb * (BK // 32) + g[None, :], mask=n_ok[:, None],
-                other=127)
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 8.507059173023462e37   # e8m0 · 2^126
-    return acc + tl.sum(tl.reshape(part, (BN, BK // 32, 4)), 2) * scale
+    return acc + part * scale
 
 
 @triton.jit
@@ -90,15 +97,29 @@ def grouped_fp4_rows_kernel(X, ROWS, TILE_E, TILE_S, WP1, SP1, WP3, SP3, ROUTE, 
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
     c = tl.arange(0, BK // 8)
-    g = tl.arange(0, BK // 32)
+    n_kb = K // BK
     w1, s1 = _expert_words(WP1, e, ew_stride, TABLE), _expert_scales(SP1, e, es_stride, TABLE)
-    acc1 = tl.zeros((BN, BK // 32), dtype=tl.float32)
-    acc3 = tl.zeros((BN, BK // 32), dtype=tl.float32)
+    w3, s3 = w1, s1
     if SWIGLU:
         w3, s3 = _expert_words(WP3, e, ew_stride, TABLE), _expert_scales(SP3, e, es_stride, TABLE)
-        for kb in range(0, K // BK):
-            acc1 = _row_block_dot(acc1, w1, s1, xrow, rn, n_ok, c, g, kb, w_words, s_stride, BN, BK)
-            acc3 = _row_block_dot(acc3, w3, s3, xrow, rn, n_ok, c, g, kb, w_words, s_stride, BN, BK)
+    acc1 = tl.zeros((BN, BK // 8), dtype=tl.float32)
+    acc3 = tl.zeros((BN, BK // 8), dtype=tl.float32)
+    # the next block's loads are issued before this block's arithmetic, so that each program keeps
+    # a block of weight bytes in flight while it computes
+    words1, scale1 = _load_block(w1, s1, rn, n_ok, c, 0, True, w_words, s_stride, BN, BK)
+    words3, scale3 = words1, scale1
+    if SWIGLU:
+        words3, scale3 = _load_block(w3, s3, rn, n_ok, c, 0, True, w_words, s_stride, BN, BK)
+    for kb in range(0, n_kb):
+        live = kb + 1 < n_kb
+        next1, nscale1 = _load_block(w1, s1, rn, n_ok, c, kb + 1, live, w_words, s_stride, BN, BK)
+        if SWIGLU:
+            next3, nscale3 = _load_block(w3, s3, rn, n_ok, c, kb + 1, live, w_words, s_stride, BN, BK)
+            acc3 = _block_dot(acc3, words3, scale3, xrow, c, kb, BK)
+            words3, scale3 = next3, nscale3
+        acc1 = _block_dot(acc1, words1, scale1, xrow, c, kb, BK)
+        words1, scale1 = next1, nscale1
+    if SWIGLU:
         # each projection's output is rounded to the compute dtype, as `Linear` returns it
         gate = tl.sum(acc1, 1).to(Y.dtype.element_ty).to(tl.float32)
         up = tl.sum(acc3, 1).to(Y.dtype.element_ty).to(tl.float32)
@@ -107,13 +128,11 @@ def grouped_fp4_rows_kernel(X, ROWS, TILE_E, TILE_S, WP1, SP1, WP3, SP3, ROUTE, 
             gate = tl.minimum(gate, limit)
         out = tl.load(ROUTE + r) * (gate * tl.sigmoid(gate) * up)
     else:
-        for kb in range(0, K // BK):
-            acc1 = _row_block_dot(acc1, w1, s1, xrow, rn, n_ok, c, g, kb, w_words, s_stride, BN, BK)
         out = tl.sum(acc1, 1)
     tl.store(Y + r.to(tl.int64) * N + rn, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
-def row_block_k(k: int, want: int = 256) -> int:
+def row_block_k(k: int, want: int = 512) -> int:
     """The deepest power-of-two K block (≤ want, ≥ 128) dividing k."""
     bk = want
     while bk > 128 and k % bk:
@@ -127,7 +146,7 @@ def grouped_fp4_rows(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[to
                      strides: tuple[int, int], table: bool, config: dict) -> torch.Tensor:
     """The launch behind `triton.grouped_fp4` for one-row tiles (config BM 1; the caller checked the
     layout). config: BN (weight rows per program), BK (inputs per loop step, a power of two ≥ 128
-    dividing K; the deepest up to 256 when absent), num_warps."""
+    dividing K; the deepest up to 512 when absent), num_warps."""
     k = x.shape[-1]
     cfg = dict(config)
     cfg.pop("BM")

@@ -446,7 +446,7 @@ def grouped_config(pairs: int, n: int, experts: int | None = None) -> dict:
     (`fp4_rows`, BM 1). Otherwise 64-row tensor-core tiles. A config may also set BK, the inputs one
     loop iteration multiplies (a multiple of 128 dividing K; 128 for the tiles when absent)."""
     if pairs <= 512 and (experts is None or pairs <= ROWS_PER_EXPERT * experts):
-        return dict(BM=1, BN=32, num_warps=4)
+        return dict(BM=1, BN=16, num_warps=4)
     if pairs <= 512:
         return dict(BM=16, BN=64, num_warps=4, num_stages=3)
     return dict(BM=64, BN=128, num_warps=8, num_stages=3)
