@@ -141,7 +141,7 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         xq = fp8_round_trip(x, 128)
 
         def up(cfg=None, mode=None):
-            cfg = cfg or kernels.grouped_config(p, inter, e_n)
+            cfg = cfg or kernels.grouped_config(p, inter, e_n, gated=True)
             return kernels.grouped_fp4(xq, tok, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w1, tables.s1), inter,
                                        x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg,
                                        fp4_dot=mode)

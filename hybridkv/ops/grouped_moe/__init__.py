@@ -135,7 +135,7 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     from hybridkv.ops.quant.triton import fp8_round_trip
     n_experts = tables.w1.shape[0]
     p = ids.numel()
-    cfg_up = kernels.grouped_config(p, tables.inter, n_experts)
+    cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True)
     cfg_down = kernels.grouped_config(p, tables.dim, n_experts)
     xq = fp8_round_trip(x.contiguous(), ACT_BLOCK)           # each token's input quantised once
     if p <= combine_kernels.MAX_FUSED_PAIRS and cfg_down["BM"] == cfg_up["BM"]:

@@ -132,7 +132,7 @@ def grouped_fp4_rows_kernel(X, ROWS, TILE_E, TILE_S, WP1, SP1, WP3, SP3, ROUTE, 
     tl.store(Y + r.to(tl.int64) * N + rn, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
-def row_block_k(k: int, want: int = 512) -> int:
+def row_block_k(k: int, want: int = 256) -> int:
     """The deepest power-of-two K block (≤ want, ≥ 128) dividing k."""
     bk = want
     while bk > 128 and k % bk:
@@ -146,7 +146,7 @@ def grouped_fp4_rows(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[to
                      strides: tuple[int, int], table: bool, config: dict) -> torch.Tensor:
     """The launch behind `triton.grouped_fp4` for one-row tiles (config BM 1; the caller checked the
     layout). config: BN (weight rows per program), BK (inputs per loop step, a power of two ≥ 128
-    dividing K; the deepest up to 512 when absent), num_warps."""
+    dividing K; the deepest up to 256 when absent), num_warps."""
     k = x.shape[-1]
     cfg = dict(config)
     cfg.pop("BM")

@@ -39,7 +39,6 @@ from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
 FP4_BLOCK = 32
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
-ROWS_PER_EXPERT = 4    # above this many rows per expert the decode shape's tensor-core tiles share weight reads
 
 
 def _interpreting() -> bool:
@@ -440,13 +439,16 @@ def _check_fp4_dot(device: torch.device) -> FP4Check:
     return FP4Check(stacked, by_table, piped, report)
 
 
-def grouped_config(pairs: int, n: int, experts: int | None = None) -> dict:
-    """Tiles of the grouped FP4 GEMM. Decode (at most 512 pairs, and at most ROWS_PER_EXPERT a
-    chosen expert on average when `experts` is given): one row per program on the CUDA cores
-    (`fp4_rows`, BM 1). Otherwise 64-row tensor-core tiles. A config may also set BK, the inputs one
-    loop iteration multiplies (a multiple of 128 dividing K; 128 for the tiles when absent)."""
-    if pairs <= 512 and (experts is None or pairs <= ROWS_PER_EXPERT * experts):
-        return dict(BM=1, BN=16, num_warps=4)
+def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool = False) -> dict:
+    """Tiles of the grouped FP4 GEMM (`gated`: the w1/w3 launch with its SwiGLU). Decode, at most
+    one row for every two experts (64 pairs when `experts` is not given): one row per program on
+    the CUDA cores (`fp4_rows`, BM 1). Measured on the H200 at V4-Flash's width (256 experts ×
+    2048, `benchmarks/qgemm_kernels.py --sweep`): 1.6× faster than the tensor-core tiles at 1 and
+    8 tokens, 6 % slower at 64 tokens (about two rows per chosen expert). Otherwise 16-row tiles up
+    to 512 pairs, 64-row tiles beyond. A config may also set BK, the inputs one loop iteration
+    multiplies (a multiple of 128 dividing K; 128 for the tiles, up to 256 for one row, when absent)."""
+    if pairs <= (experts // 2 if experts else 64):
+        return dict(BM=1, BN=32 if gated else 64, num_warps=4)
     if pairs <= 512:
         return dict(BM=16, BN=64, num_warps=4, num_stages=3)
     return dict(BM=64, BN=128, num_warps=8, num_stages=3)
@@ -466,7 +468,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     or int64 tables of each expert's weight and scale address. With w3 the SwiGLU of (w1, w3) times
     `route` [P] is returned. `pipelined` (default: what the device check found) lets the scaled-dot
     K loop over stacked experts pipeline."""
-    cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n))
+    cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n, gated=w3 is not None))
     p = rows.shape[0] if rows is not None else x.shape[0]
     k = x.shape[-1]
     y = torch.empty(p, n, dtype=out_dtype, device=x.device)
