@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from helpers import interpreter_only
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.engine.graphs import DecodeGraphs, context_bucket
 from hybridkv.model import attention, linear
@@ -27,6 +28,7 @@ def _store_tensors(store) -> list[torch.Tensor]:
     return out
 
 
+@interpreter_only      # the CPU engine with the kernels in the interpreter; on CUDA the GPU tests compare paths
 def test_fused_decode_launches_equal_the_unfused_operations(monkeypatch):
     llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="fp8")
     eng = llm.engine
