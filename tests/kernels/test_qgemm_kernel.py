@@ -264,12 +264,13 @@ def test_the_device_check_decides_each_weight_layout_apart(monkeypatch):
     assert "disagrees, so unpipelined" in found.report and "RuntimeError" in found.report
 
 
+@pytest.mark.parametrize("quantise_in", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_k_decode_is_one_launch_that_adds_the_splits_in_order(device, dtype):
-    """The decode shape splits K over four programs per tile, each quantising its own input rows;
-    the last to arrive adds the four partial sums in split order and casts: equal, to the bit, to
-    four GEMMs over the K slices added in that order. Twice: the arrival counters are back at zero
-    after a launch."""
+def test_split_k_decode_adds_the_splits_in_order_in_the_gemm(device, dtype, quantise_in):
+    """The decode shape splits K over four programs per tile (each quantising its own input rows,
+    or reading `act_codes`' codes); the last to arrive adds the four partial sums in split order
+    and casts: equal, to the bit, to four GEMMs over the K slices added in that order. Twice: the
+    arrival counters are back at zero after a launch."""
     g = torch.Generator().manual_seed(5)
     q, s = _fp8_weight(256, 1024, g)
     x = torch.randn(3, 1024, generator=g) * 3
@@ -281,6 +282,6 @@ def test_split_k_decode_is_one_launch_that_adds_the_splits_in_order(device, dtyp
                                 torch.float32, config=one) for j in range(4)]
     want = (((parts[0] + parts[1]) + parts[2]) + parts[3]).to(dtype)
     for _ in range(2):
-        got = kernels.fp8_linear(x, q, s, dtype, config=cfg)
+        got = kernels.fp8_linear(x, q, s, dtype, config=cfg, quantise_in=quantise_in)
         assert got.dtype == dtype and torch.equal(got, want)
     assert not kernels._arrivals(x.device, 1).any()

@@ -208,14 +208,21 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     return have
 
 
+# Inputs of at most 16 rows into e4m3 weights of at most 8 MiB are quantised inside the GEMM. On the
+# H200 (2026-12-02) that saved a launch and 1-3 µs at V4-Flash's small linears, but cost 1.2-1.5×
+# at its two 32 MiB ones (every column tile repeats the rows' quantisation) and 2-3× at 64 rows.
+QUANT_IN_ROWS = 16
+QUANT_IN_WEIGHT = 8 << 20
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, quantise_in: bool | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] of out_dtype, the weight e4m3 [N, K] with e8m0 scales per 128×128
     tile; the input is quantised to e4m3 per 128 values (`act_codes`' rounding) and the GEMM
-    multiplies codes by codes and applies both scales per 128-deep block. Decode shapes (at most
-    DECODE_ROWS rows) are one launch: each program quantises its own rows, and with K split the
-    last program of a tile adds the partial sums; prefill shapes quantise the input first
-    (`act_codes`, one more launch)."""
+    multiplies codes by codes and applies both scales per 128-deep block. With K split (decode
+    shapes) the last program of each tile adds the partial sums. The input is quantised inside the
+    GEMM (`quantise_in`; by default for few rows into small weights, see QUANT_IN_ROWS) or first
+    by `act_codes` (one more launch)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -227,7 +234,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
         tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-        quant_in = m <= DECODE_ROWS       # each program quantises its own few rows
+        quant_in = (m <= QUANT_IN_ROWS and n * k <= QUANT_IN_WEIGHT) if quantise_in is None else quantise_in
         xq, xs = (x2, x2) if quant_in else act_codes(x2)
         partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
         counters = _arrivals(x.device, tiles) if split > 1 else y
