@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.qgemm.triton import FP4_DOT_NAMES, _e2m1, _e8m0, _expert_base, _fp4_block_dot
+from hybridkv.ops.qgemm.layout import _e8m0, _expert_base
+from hybridkv.ops.qgemm.triton import FP4_DOT_NAMES, _e2m1, _fp4_block_dot
 from hybridkv.ops.quant import dequant_fp4_weight
 from hybridkv.ops.quant.reference import unpack_fp4
 

@@ -3,7 +3,7 @@ experts' FP4 lives in `hybridkv.ops.grouped_moe`). `reference` is the definition
 round trip, exact dequantisation, one dense GEMM); on CUDA the Triton kernel reads the FP8 weight
 itself. `HYBRIDKV_DENSE_WEIGHTS=1` keeps the old path on CUDA (a dense copy cached per weight, see
 `hybridkv.model.linear`), the baseline of the GPU benchmark. On CUDA, inputs of more than
-`DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul where this torch computes
+`triton.DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul where this torch computes
 it correctly (`scaled`), fewer rows (decode) through the Triton kernel (`triton`)."""
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int])
     return kernels.fp8_supported(weight, block)
 
 
-DECODE_ROWS = 64
-
 
 def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The kernel path of `fp8_linear` (for inputs where `fp8_kernel_ok`)."""
     from hybridkv.ops.qgemm import triton as kernels
     k = weight.shape[1]
     x2 = x.reshape(-1, k)
-    if x.is_cuda and x2.shape[0] > DECODE_ROWS:
+    if x.is_cuda and x2.shape[0] > kernels.DECODE_ROWS:
         from hybridkv.ops.qgemm import scaled
         y = scaled.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale, out_dtype)
         if y is not None:

@@ -1,12 +1,12 @@
 """The routed experts' packed FP4 GEMM at decode sizes: one sorted row per program, on the CUDA
-cores. At decode an expert sees one or two rows, so a tensor-core tile is mostly padding and the
-step is bound by how many instructions turn each packed nibble into an operand (Triton's scaled dot
-spends about 17 per value on the H200; the byte rate needs at most about 4). Here the weight is
-read as 32-bit words of eight E2M1 codes and each code becomes a float32 by moving its bits into
-place (one shift for the magnitude, one for the sign, one merge: the value times 2^-126, exactly),
-then one FMA with the activation. The e8m0 scale (times 2^126) multiplies each word's partial
-sum. Each program loads the next K block before it computes this one. Rows that share an expert are adjacent programs of the grid, so their second read of
-the weight comes from L2.
+cores. At decode an expert sees one or two rows, so a tensor-core tile is mostly padding, and what
+bounds the step is the work of turning each packed code into an operand (Triton's scaled dot, in
+the tile kernel, widens codes to bf16 and stages them through shared memory for the MMA). Here the
+weight is read as 32-bit words of eight E2M1 codes, and each code becomes a float32 by moving its
+bits into place (two shifts, two masks: the value times 2^-126, exactly), then one FMA with the
+activation; the e8m0 scale (times 2^126) multiplies each word's partial sum. Each program loads
+the next K block before it computes this one. Rows that share an expert are adjacent programs of
+the grid, so their second read of the weight comes from L2.
 
 Same contract as `triton.grouped_fp4` (whose tile table, built with one row per tile, it reads):
 activations already through their FP8 round trip, products exact in float32, only the order of
@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.qgemm.layout import _e8m0, _expert_base
+
 FP4_BLOCK = 32
 WORD = 8                     # E2M1 codes per 32-bit word
-TWO_126 = 2.0 ** 126         # undoes the bit placement's 2^-126
 
 
 @triton.jit
@@ -40,26 +41,6 @@ def _e2m1_plane(words, J: tl.constexpr):
 
 
 @triton.jit
-def _expert_words(P, e, expert_stride, TABLE: tl.constexpr):
-    """Expert e's packed weight as int32 words: the 16-byte-aligned address P[e] (TABLE) or
-    e · expert_stride bytes after P (stacked experts)."""
-    if TABLE:
-        base = tl.multiple_of(tl.load(P + e), 16).to(tl.pointer_type(tl.int32))
-    else:
-        base = (P + e.to(tl.int64) * expert_stride).to(tl.pointer_type(tl.int32))
-    return base
-
-
-@triton.jit
-def _expert_scales(P, e, expert_stride, TABLE: tl.constexpr):
-    if TABLE:
-        base = tl.load(P + e).to(tl.pointer_type(tl.uint8))
-    else:
-        base = P + e.to(tl.int64) * expert_stride
-    return base
-
-
-@triton.jit
 def _load_block(w, sc, rn, n_ok, c, kb, live, w_words, s_stride, BN: tl.constexpr, BK: tl.constexpr):
     """K block kb of BN weight rows: words [BN, BK/8] and each word's 32-value group scale as float32
     (e8m0 · 2^126), nothing read where not `live`."""
@@ -68,7 +49,7 @@ def _load_block(w, sc, rn, n_ok, c, kb, live, w_words, s_stride, BN: tl.constexp
     g = tl.arange(0, BK // 32)
     s = tl.load(sc + rn.to(tl.int64)[:, None] * s_stride + kb * (BK // 32) + g[None, :], mask=ok, other=127)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    scale = _e8m0(s) * 8.507059173023462e37           # 2^126 undoes the bit placement's 2^-126
     return words.to(tl.uint32, bitcast=True), scale
 
 
@@ -98,10 +79,13 @@ def grouped_fp4_rows_kernel(X, ROWS, TILE_E, TILE_S, WP1, SP1, WP3, SP3, ROUTE, 
     n_ok = rn < N
     c = tl.arange(0, BK // 8)
     n_kb = K // BK
-    w1, s1 = _expert_words(WP1, e, ew_stride, TABLE), _expert_scales(SP1, e, es_stride, TABLE)
+    # the packed weight read as 32-bit words of eight codes
+    w1 = _expert_base(WP1, e, ew_stride, TABLE).to(tl.pointer_type(tl.int32))
+    s1 = _expert_base(SP1, e, es_stride, TABLE)
     w3, s3 = w1, s1
     if SWIGLU:
-        w3, s3 = _expert_words(WP3, e, ew_stride, TABLE), _expert_scales(SP3, e, es_stride, TABLE)
+        w3 = _expert_base(WP3, e, ew_stride, TABLE).to(tl.pointer_type(tl.int32))
+        s3 = _expert_base(SP3, e, es_stride, TABLE)
     acc1 = tl.zeros((BN, BK // 8), dtype=tl.float32)
     acc3 = tl.zeros((BN, BK // 8), dtype=tl.float32)
     # the next block's loads are issued before this block's arithmetic, so that each program keeps

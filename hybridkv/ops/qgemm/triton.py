@@ -32,13 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.qgemm import DECODE_ROWS
+from hybridkv.ops.qgemm.fp4_rows import grouped_fp4_rows
+from hybridkv.ops.qgemm.layout import _e8m0, _expert_base
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
 FP4_BLOCK = 32
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
+DECODE_ROWS = 64       # at most this many rows: the decode tiles (and, on CUDA, this GEMM rather than torch's)
 
 
 def _interpreting() -> bool:
@@ -51,12 +53,6 @@ def _act_scales(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
     t = tl.maximum(amax, FLOOR) * (1.0 / QMAX)
     s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
     return s_bits.to(tl.float32, bitcast=True), (0x7F000000 - s_bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0(s):
-    """e8m0 bytes (as uint8) -> 2^(s-127) in float32."""
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -197,7 +193,9 @@ _ARRIVALS: dict = {}     # device -> int32 split-K arrival counters, all zero be
 
 def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     """At least `tiles` zeroed counters on `device` (each launch leaves them zero again). Made
-    outside CUDA-graph capture: a buffer first made inside one would belong to that graph."""
+    outside CUDA-graph capture: a buffer first made inside one would belong to that graph. One
+    buffer a device: split-K launches must not run concurrently on two streams (the engine's
+    decode steps, eager or replayed, run one after another)."""
     key = (device.type, device.index)
     have = _ARRIVALS.get(key)
     if have is None or have.numel() < tiles:
@@ -248,19 +246,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
 
 def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
     return tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and weight.shape[1] % SCALE_BLOCK == 0
-
-
-@triton.jit
-def _expert_base(P, e, expert_stride, TABLE: tl.constexpr):
-    """Expert e's packed weight (or scale) bytes: with TABLE, the 16-byte-aligned device address
-    `P[e]` (separate tensors; the alignment lets the compiler use wide loads, `expert_tables` checks
-    it); otherwise e · expert_stride bytes after P (the experts stacked in one buffer)."""
-    # one return: a compiled kernel may not return two pointer types (int64 table, uint8 bytes)
-    if TABLE:
-        base = tl.multiple_of(tl.load(P + e), 16).to(tl.pointer_type(tl.uint8))
-    else:
-        base = P + e.to(tl.int64) * expert_stride
-    return base
 
 
 @triton.jit
@@ -496,7 +481,6 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     if swiglu and not table and (w3[0].stride(0), w3[1].stride(0)) != (ew, es):
         raise ValueError("grouped FP4: w1 and w3 stacks must have the same strides")
     if cfg["BM"] == 1:
-        from hybridkv.ops.qgemm.fp4_rows import grouped_fp4_rows
         cfg["BK"] = rows_bk
         return grouped_fp4_rows(x, rows, tiles, w1, n, out_dtype, y, w3, route, limit, (ew, es), table, cfg)
     mode = fp4_dot_mode(x.device, table) if fp4_dot is None else fp4_dot
