@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.qgemm.layout import _e8m0, _expert_base
+from hybridkv.ops.qgemm.layout import FP4_BLOCK, _e8m0, _expert_base
 
-FP4_BLOCK = 32
 WORD = 8                     # E2M1 codes per 32-bit word
 
 

@@ -4,6 +4,8 @@ scale bytes as float32, and where one routed expert's bytes lie (stacked buffer 
 import triton
 import triton.language as tl
 
+from hybridkv.ops.qgemm.reference import FP4_WEIGHT_BLOCK as FP4_BLOCK  # noqa: F401 (inputs per e8m0 scale)
+
 
 @triton.jit
 def _e8m0(s):

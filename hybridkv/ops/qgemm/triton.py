@@ -33,12 +33,11 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.qgemm.fp4_rows import grouped_fp4_rows
-from hybridkv.ops.qgemm.layout import _e8m0, _expert_base
+from hybridkv.ops.qgemm.layout import FP4_BLOCK, _e8m0, _expert_base
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
-FP4_BLOCK = 32
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
 DECODE_ROWS = 64       # at most this many rows: the decode tiles (and, on CUDA, this GEMM rather than torch's)
 
