@@ -15,6 +15,8 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
                 allow_module_level=True)
 
 from hybridkv.model import ContiguousKV, ForwardBatch  # noqa: E402
+from hybridkv.tasks.prose import pieces  # noqa: E402
+from hybridkv.tasks.tokenizer import TaskTokenizer  # noqa: E402
 from hybridkv.train.average import average_models  # noqa: E402
 from hybridkv.train.export import export_model, float_model  # noqa: E402
 from hybridkv.train.recipes import get_recipe  # noqa: E402
@@ -60,11 +62,14 @@ def test_the_shipped_model_loads_whole(shipped_hf):
 
 def test_its_logits_are_ours_up_to_the_round_trips_it_omits(shipped_hf):
     """transformers computes without the activation/KV FP8, indexer FP4 and Hadamard round trips:
-    on golden/v4-tiny that moves the reference's prefill logits by ~4.5% relative RMS (SPEC §1.7);
-    here it measured 5.4% and 97.7% of argmaxes equal. A wrong or re-initialised tensor gives
-    errors of order 1."""
+    on golden/v4-tiny that moves the reference's prefill logits by ~4.5% relative RMS (SPEC §1.7).
+    On 300 tokens of held-out prose the shipped model measured 5.6% and 94% of argmaxes equal; a
+    wrong or re-initialised tensor gives errors of order 1. The input is text because on random
+    token ids the argmax is mostly a near-tie (86.7% equal there at a similar 8.4% error)."""
     model, cfg = load_model(SHIPPED)
-    ids = torch.randint(2, cfg.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    tok = TaskTokenizer.load(SHIPPED)
+    ids = torch.tensor([tok.encode(" ".join(pieces("eval")[:40]))[:300]])
+    assert ids.shape[1] == 300
     with torch.no_grad():
         ours = model.logits(model(ids[0], ForwardBatch.build([(ContiguousKV(cfg), 0, 300)]))).float()
         theirs = shipped_hf(ids).logits[0].float()

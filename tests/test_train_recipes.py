@@ -148,7 +148,7 @@ def test_batches_of_a_next_document_recipe_end_their_answers_before_the_row_end(
 
 
 def test_prose_recipes_put_half_of_each_real_text_familys_rows_over_real_prose():
-    """tiny-v4-prose continues the shipped model on its filler; it and tiny-v41-prose move half the
+    """tiny-v4-prose continues the anypos/long average on its filler; it and tiny-v41-prose move half the
     weight of every family with a real-text variant to that variant, and nothing else."""
     r, v41 = get_recipe("tiny-v4-prose"), get_recipe("tiny-v41-prose")
     assert r.base == "tiny-v4-long" and r.hex_chars and not r.adds_hex_chars and r.realtext_share == 0.5

@@ -6,19 +6,19 @@ optimisation settings.
 - `tiny-v4`: from scratch, a task curriculum (passkey alone, then the needle families, then every
   family) before the length curriculum (1K to 32K).
 - `tiny-v4-needles`, `tiny-v4-keys`, `tiny-v4-hexsplit`, `tiny-v4-polish`, `tiny-v4-anypos`,
-  `tiny-v4-long`: each continues the export of the one before it (`--init-from`); the shipped model
-  (`models/tiny-v4`) is the weight average of the `tiny-v4-anypos` and `tiny-v4-long` exports
-  (`python -m hybridkv.train.average A B --weight 0.5`).
+  `tiny-v4-long`: each continues the export of the one before it (`--init-from`); the weight average
+  of the `tiny-v4-anypos` and `tiny-v4-long` exports (`python -m hybridkv.train.average A B
+  --weight 0.5`) is the base of the prose recipes.
 - `tiny-v41`: tiny-v4's data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md).
-- `tiny-v4-prose`: continues the shipped model (`--init-from models/tiny-v4`) on its needle mix with
-  half of every needle family's rows hiding the needles in real prose (`realtext_share`; the
-  training part of `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same
-  mix (half of each stage's rows of a family with a real-text variant over real prose).
+- `tiny-v4-prose`: continues that average on its needle mix with half of every needle family's
+  rows hiding the needles in real prose (`realtext_share`; the training part of
+  `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same mix (half of each
+  stage's rows of a family with a real-text variant over real prose).
 - `tiny-v4-prose-keys`: continues the `tiny-v4-prose` export with multi-key needles and their
   hard drill over half the rows (`--init-from` that export).
 - `tiny-v4-prose-uuid`: continues the `tiny-v4-prose-keys` export with UUID needles over a third
-  of the rows, 2K to 16K, multi-key kept.
+  of the rows, 2K to 16K, multi-key kept. Its export is the shipped model (`models/tiny-v4`).
 
 The recipes tried and dropped, with their results, are in docs/training-log.md.
 """
@@ -254,7 +254,7 @@ _CONTINUATIONS = {
                                                      (700, 16384, 2)), seed=14, lr=3e-4, next_document=128,
                                   **_ON_HEXSPLIT_FILLER),
 }
-# trained once (2026-12-02, not shipped: docs/training-log.md): continues the shipped model, the
+# the shipped model's last three steps (docs/training-log.md, 2026-12-02). The first continues the
 # weight average of tiny-v4-anypos and tiny-v4-long (same model and tokenizer as tiny-v4-long's
 # export, so its `base` is tiny-v4-long). Half of every
 # needle family's rows over real prose, at 2K to 32K (the real-text bars go to 32K); multi-key
