@@ -214,6 +214,30 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_memory_indexer(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from hybridkv.errors import TrainingError
+    from hybridkv.memory.training import MemoryTrainConfig, train_memory_indexer
+
+    model_dir = Path(a.model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise TrainingError(f"{model_dir}: no tokenizer.json (a model directory that --export wrote)")
+    overrides = {k: getattr(a, k) for k in ("docs", "val_docs", "length", "vote", "stride", "steps", "batch_positions",
+                                            "lr", "budget", "seed") if getattr(a, k) is not None}
+    cfg = replace(MemoryTrainConfig(), **overrides)
+    for k in ("docs", "val_docs", "length", "vote", "stride", "steps", "batch_positions"):
+        if getattr(cfg, k) < 1:
+            raise TrainingError(f"--{k.replace('_', '-')} {getattr(cfg, k)}: must be at least 1")
+    layers = [int(x) for x in a.layers.split(",")] if a.layers else None
+    labels = a.labels or f"runs/memory-labels/{model_dir.resolve().name}"
+    report = train_memory_indexer(model_dir, a.out or model_dir, cfg, labels, a.device, layers,
+                                  echo=lambda *x: print(*x, file=sys.stderr))
+    print(f"wrote {report['path']}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hybridkv.engine.config import EngineConfig, add_model_arguments
 
@@ -291,6 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--export", default=None, help="write the trained model in the release format here")
     t.add_argument("--export-only", action="store_true", help="export the run in --out without training")
     t.set_defaults(func=cmd_train)
+
+    m = sub.add_parser("train-memory-indexer",
+                       help="train FlashMemory's memory indexer for a V4 model on labels from the model itself")
+    m.add_argument("model_dir")
+    m.add_argument("--out", default=None, help="weights file or directory (default: MODEL_DIR/memory_indexer.safetensors)")
+    m.add_argument("--labels", default=None, help="label files, reused when present (default: runs/memory-labels/NAME)")
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--layers", default=None, help="target CSA layers, comma separated (default: every CSA layer)")
+    for name, typ in (("docs", int), ("val-docs", int), ("length", int), ("vote", int), ("stride", int), ("steps", int),
+                      ("batch-positions", int), ("lr", float), ("budget", float), ("seed", int)):
+        m.add_argument(f"--{name}", type=typ, default=None)
+    m.set_defaults(func=cmd_train_memory_indexer)
 
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")
     d.add_argument("--model", default=None, help="model directory (default: the shipped model)")

@@ -88,3 +88,80 @@ def test_oracle_uses_prompt_end_attention(fixtures):
 def test_prefix_caching_conflict_is_explicit(fixtures):
     with pytest.raises(ConfigError, match="prefix caching cannot be combined"):
         LLM(fixtures / "v4-tiny", num_blocks=8, memory_policy="recency-512", enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def warm_start_indexer(fixtures, tmp_path_factory):
+    """A memory indexer for the v4-tiny fixture: the warm start from its native indexers."""
+    from hybridkv.memory.indexer import MemoryIndexer
+    from hybridkv.train.export import float_model
+
+    return MemoryIndexer.from_native(float_model(fixtures / "v4-tiny")).save(tmp_path_factory.mktemp("mi"))
+
+
+def test_flashmemory_with_its_whole_budget_matches_full(fixtures, warm_start_indexer):
+    ids = prompt(700, seed=1)
+    _, full = run(fixtures, "full", ids)
+    llm, whole = run(fixtures, "flashmemory-1", ids, memory_indexer=str(warm_start_indexer))
+    assert whole.output_ids == full.output_ids
+    for a, b in zip(whole.step_logits, full.step_logits):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert llm.engine.stats.pages_evicted == 0
+
+
+def test_flashmemory_recalls_what_its_scorer_names_at_its_cadence(fixtures, warm_start_indexer, monkeypatch):
+    """A deterministic scorer: at the end of the prefill it names the chunks of block 5, 64 decode
+    steps later those of block 2. The policy keeps the newest complete block and the named one (and
+    the block being filled); no decode step reads a block that is not resident (the engine raises)."""
+    from hybridkv.engine.core import EngineCore
+
+    calls = []
+
+    def scores(self, seq):
+        visible = seq.num_computed // 4
+        calls.append((len(seq.output_ids), visible))
+        p = torch.zeros(visible)
+        if len(seq.output_ids) > 1:
+            p[64:96] = 0.9                     # block 2's 32 chunks
+        else:
+            p[160:192] = 0.9                   # block 5's
+        return p
+    monkeypatch.setattr(EngineCore, "_memory_scores", scores)
+    ids = prompt(1500, seed=2)                 # 12 blocks: 11 complete, budget 0.2 -> 2 blocks
+    llm, seq = run(fixtures, "flashmemory-0.2", ids, max_tokens=70, memory_indexer=str(warm_start_indexer))
+    assert calls == [(1, 375), (65, 391)]      # the prefill's end, then 64 decode steps later
+    store = llm.engine.store
+    # first call: 11 complete blocks, budget round(0.2 * 11) = 2: block 10 (newest) and block 5, plus
+    # block 11 being filled: 9 evicted. Second: 12 complete, blocks 11 and 2 and the filling 12:
+    # block 2 comes back from host memory, 10 and 5 leave
+    assert llm.engine.stats.pages_evicted == 9 + 2 and llm.engine.stats.pages_loaded == 1
+    assert seq.device_kv_bytes["CSA main"] == 3 * store.page_bytes()
+
+
+def test_a_recalled_page_holds_the_host_copys_bytes(fixtures):
+    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy="recency-128")
+    seq = llm.engine.add_request(prompt(900, seed=4), SamplingParams(max_tokens=2, ignore_eos=True))
+    llm.engine.step()
+    store, cache = llm.engine.store, seq.cache
+    before = {layer: pages[cache.pages[0]].clone() for layer, pages in store.pages.items()} if cache.pages[0] >= 0 else None
+    store.set_resident(cache, {len(cache.block_table) - 1})          # block 0 leaves the device
+    assert cache.pages[0] < 0
+    store.set_resident(cache, {0, len(cache.block_table) - 1})       # and comes back
+    for layer, pages in store.pages.items():
+        assert torch.equal(pages[cache.pages[0]], store.entries[layer]["kv"][cache.block_table[0]])
+        if before is not None:
+            assert torch.equal(pages[cache.pages[0]], before[layer])
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
+def test_flashmemory_without_an_indexer_or_with_another_models_is_refused(fixtures, tmp_path):
+    from hybridkv.memory.indexer import MemoryIndexer
+    from hybridkv.train.export import float_model
+
+    with pytest.raises(ConfigError, match="needs a memory indexer.*train-memory-indexer"):
+        LLM(fixtures / "v4-tiny", num_blocks=8, memory_policy="flashmemory")
+    shipped = float_model(fixtures.parents[1] / "models" / "tiny-v4")
+    path = MemoryIndexer.from_native(shipped).save(tmp_path)
+    with pytest.raises(ConfigError, match="a memory indexer for another model"):
+        LLM(fixtures / "v4-tiny", num_blocks=8, memory_policy="flashmemory", memory_indexer=str(path))

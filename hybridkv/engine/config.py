@@ -55,7 +55,8 @@ class EngineConfig:
     snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
     enable_prefix_caching: bool | None = None   # default: on, unless the memory policy offloads
     max_model_len: int | None = None     # longest request (default: max_position_embeddings)
-    memory_policy: str = "full"          # full | recency-N | random-p | oracle-K (CSA KV kept on the device)
+    memory_policy: str = "full"          # full | recency-N | random-p | oracle-K | flashmemory[-B] (CSA KV kept on the device)
+    memory_indexer: str | None = None    # flashmemory: its weights (default: MODEL_DIR/memory_indexer.safetensors)
     resident_pages: int | None = None    # device pages for resident CSA KV when the policy offloads
     oracle_query_tokens: int = 64        # prompt-end queries whose attention an oracle policy ranks by
     indexer: str = "native"              # native | random (ablation: CSA top-k replaced by a random set)
@@ -143,8 +144,11 @@ class EngineConfig:
         g.add_argument("--snapshot-bytes", type=_size, default=d.snapshot_bytes,
                        help="memory for window-state snapshots kept for prefix hits (e.g. 256M; default 256M)")
         g.add_argument("--memory-policy", default=d.memory_policy,
-                       help="the CSA KV kept on the device while decoding: full | recency-N | random-p | oracle-K "
-                            "(eval: a comma-separated list, run in turn; default: %(default)s)")
+                       help="the CSA KV kept on the device while decoding: full | recency-N | random-p | oracle-K | "
+                            "flashmemory[-B] (eval: a comma-separated list, run in turn; default: %(default)s)")
+        g.add_argument("--memory-indexer", default=d.memory_indexer,
+                       help="flashmemory: the memory indexer's weights (default: MODEL_DIR/memory_indexer.safetensors, "
+                            "written by hybridkv train-memory-indexer)")
         g.add_argument("--resident-pages", type=int, default=d.resident_pages,
                        help="device pages for resident CSA KV when the memory policy offloads "
                             "(default: --num-blocks)")

@@ -83,6 +83,10 @@ class EngineCore:
                               f"prefix caching cannot be combined with it (leave enable_prefix_caching unset)")
         if self.ec.enable_prefix_caching is None:
             self.ec = replace(self.ec, enable_prefix_caching=not self.memory.offloads)
+        self._query_x: dict[int, torch.Tensor] = {}     # flashmemory: target layer -> this forward's attention input
+        self._query_rows: dict[str, int] = {}           # request id -> its last row in this forward
+        if self.memory.needs_query:
+            self._attach_memory_indexer()
         self.speculative = self.ec.speculative is not None
         if self.speculative:
             check_supported(model, self.memory.offloads)
@@ -356,6 +360,8 @@ class EngineCore:
             out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
         if hidden is not None:
             hidden.update({rid: h[a:a + n] for rid, (a, n) in spans.items()})
+        if self.memory.needs_query:
+            self._query_rows = {rid: a + n - 1 for rid, (a, n) in spans.items()}
         logits, i = {}, 0
         for owner in owners:
             if isinstance(owner, tuple):       # a verify chunk: every row's logits
@@ -449,6 +455,47 @@ class EngineCore:
             reason = "stop" if stopped else reason
         return Event(seq.request_id, s.token_id, delta, reason is not None, reason, len(seq.output_ids) - 1), reason
 
+    def _attach_memory_indexer(self) -> None:
+        """flashmemory: load the memory indexer and have its target CSA layers record their attention
+        input every forward (a recall scores from a request's last computed row)."""
+        from pathlib import Path
+
+        from hybridkv.memory.indexer import MemoryIndexer
+
+        path = Path(self.ec.memory_indexer) if self.ec.memory_indexer else None
+        if path is None or not (path.is_file() or (path / "memory_indexer.safetensors").is_file()):
+            raise ConfigError(f"memory policy {self.memory} needs a memory indexer"
+                              f"{f' (none at {path})' if path else ''}: train one with `hybridkv train-memory-indexer "
+                              f"MODEL_DIR`, or name its file with --memory-indexer")
+        mi = MemoryIndexer.load(path, self.device)
+        c = self.config
+        csa = [i for i, block in enumerate(self.model.layers) if getattr(block.attn, "indexer", None) is not None]
+        if mi.config.dim != c.hidden_size or mi.config.head_dim != c.index_head_dim or not set(mi.config.layers) <= set(csa):
+            raise ConfigError(f"{path}: a memory indexer for another model (layers {mi.config.layers}, dim "
+                              f"{mi.config.dim}, key width {mi.config.head_dim}; this model: CSA layers {csa}, dim "
+                              f"{c.hidden_size}, key width {c.index_head_dim})")
+        self.memory.scorer = mi
+
+        def recorder(layer: int):
+            def hook(module, args):
+                self._query_x[layer] = args[0]
+            return hook
+        for layer in mi.config.layers:
+            self.model.layers[layer].attn.register_forward_pre_hook(recorder(layer))
+
+    def _memory_scores(self, seq: Sequence) -> torch.Tensor:
+        """The memory indexer's probabilities [visible chunks] from the request's last computed row."""
+        mi = self.memory.scorer
+        row, pos = self._query_rows[seq.request_id], seq.num_computed - 1
+        ratio = self.model.layers[mi.config.layers[0]].attn.ratio
+        visible = (pos + 1) // ratio
+        view = self.store.view(seq.cache)
+        with torch.inference_mode():
+            xs = {layer: self._query_x[layer][row:row + 1] for layer in mi.config.layers}
+            keys = {layer: view.layer(layer).entries("index", visible) for layer in mi.config.layers}
+            probs = mi.probabilities(xs, torch.tensor([pos], device=self.device), keys)[0]
+        return probs.float().cpu()
+
     def _after_token(self, seq: Sequence) -> None:
         """Run the memory policy when the prefill has ended, then every `interval` decode steps."""
         first = len(seq.output_ids) == 1
@@ -463,8 +510,12 @@ class EngineCore:
             for layer_mass in seq.capture.mass.values():
                 blocks = torch.arange(layer_mass.numel()) // per_block
                 mass.index_add_(0, blocks, layer_mass.cpu())
+        extra = {}
+        if self.memory.needs_query:
+            ratio = self.model.layers[self.memory.scorer.config.layers[0]].attn.ratio
+            extra = {"chunk_probs": self._memory_scores(seq), "block_chunks": self.store.block_tokens // ratio}
         ctx = PolicyContext(seq.request_id, len(seq.cache.block_table), seq.num_computed, self.store.block_tokens,
-                            steps, seq.params.seed or 0, mass)
+                            steps, seq.params.seed or 0, mass, extra)
         loaded, evicted = self.store.set_resident(seq.cache, self.memory.resident(ctx))
         self.stats.pages_loaded += loaded
         self.stats.pages_evicted += evicted

@@ -14,6 +14,8 @@ from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.sequence import Sequence
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.errors import RequestError
+from hybridkv.memory import parse_policy
+from hybridkv.memory.indexer import FILENAME as MEMORY_INDEXER_FILE
 from hybridkv.weights import checkpoint_identity, load_model
 
 
@@ -59,6 +61,8 @@ class LLM:
         self.model, self.config = load_model(self.model_dir, device=device, dtype=resolve_dtype(dtype, device))
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         ec = replace(engine_config, **engine_options) if engine_config is not None else EngineConfig(**engine_options)
+        if ec.memory_indexer is None and parse_policy(ec.memory_policy).needs_query:
+            ec = replace(ec, memory_indexer=str(self.model_dir / MEMORY_INDEXER_FILE))
         self.engine = EngineCore(self.model, self.tokenizer, checkpoint_identity(self.model_dir), ec)
 
     def close(self) -> None:

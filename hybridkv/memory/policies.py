@@ -13,10 +13,17 @@ being filled is always resident. Policies run when a request's prefill ends and 
 - `oracle-K`: the K blocks (K < 1: that fraction of the complete blocks) with the highest
   attention mass from the prompt's final query tokens with full attention (an upper bound that
   reads the question).
+- `flashmemory-B` (FlashMemory's lookahead recall; B, default 0.15, the resident share of the
+  complete blocks): the memory indexer (`memory.indexer`) scores every existing chunk from the last
+  computed position at the end of the prefill and every 64 decode steps; the newest blocks (a
+  third of the budget, at least one) stay, then the blocks with the most chunks above 0.5 (ties:
+  the larger summed probability) up to the budget; FlashMemory's pages of 64 chunks are these
+  blocks of 32. The engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -45,6 +52,7 @@ class MemoryPolicy:
     interval = 64
     offloads = False
     needs_attention_mass = False
+    needs_query = False      # the engine scores chunks with the policy's memory indexer (`scorer`)
 
     def resident(self, ctx: PolicyContext) -> set[int]:
         return set(range(ctx.num_blocks))
@@ -100,20 +108,66 @@ class OracleTopK(MemoryPolicy):
         return set(top) | {ctx.num_blocks - 1}
 
 
+class FlashMemory(MemoryPolicy):
+    offloads = True
+    needs_query = True
+
+    def __init__(self, budget: float = 0.15, tail_share: float = 1 / 3):
+        if not 0 < budget <= 1:
+            raise ConfigError(f"flashmemory needs a resident share in (0, 1], got {budget}")
+        self.budget, self.tail_share = budget, tail_share
+        self.name = f"flashmemory-{budget:g}"
+        self.scorer = None          # the memory indexer, attached by the engine
+
+    def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
+        """bool [visible]: the chunks of the blocks this recall keeps, from the chunk probabilities
+        [≥ visible] of one query (the block being filled always)."""
+        n_blocks = -(-visible // block_chunks)
+        complete = visible // block_chunks
+        keep = torch.zeros(n_blocks, dtype=torch.bool)
+        keep[complete:] = True
+        budget = max(1, round(self.budget * complete)) if complete else 0
+        tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
+        keep[complete - tail:complete] = True
+        p = torch.zeros(n_blocks * block_chunks)
+        p[:visible] = probs[:visible].float().cpu()
+        p = p.view(n_blocks, block_chunks)
+        rank = (p > 0.5).sum(1).float() * (block_chunks + 1) + p.sum(1)     # the count first, mass breaks ties
+        rank[keep] = -math.inf
+        if budget > tail:
+            top = rank[:complete].topk(min(budget - tail, complete)).indices
+            keep[top[rank[top] > -math.inf]] = True
+        return keep.repeat_interleave(block_chunks)[:visible]
+
+    def resident(self, ctx: PolicyContext) -> set[int]:
+        probs = ctx.extra.get("chunk_probs")
+        if probs is None:
+            raise RuntimeError("flashmemory policy without memory-indexer scores")
+        per_block = ctx.extra["block_chunks"]
+        keep = self.chunks(probs, probs.numel(), per_block)
+        blocks = {int(c) // per_block for c in torch.nonzero(keep).flatten().tolist()}
+        return blocks | {ctx.num_blocks - 1}
+
+
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
-    """'full', 'recency-2048', 'random-0.1', 'oracle-0.1' or 'oracle-8' (blocks)."""
+    """'full', 'recency-2048', 'random-0.1', 'oracle-0.1', 'oracle-8' (blocks), 'flashmemory' or
+    'flashmemory-0.15'."""
     if isinstance(spec, MemoryPolicy):
         return spec
     t = (spec or "full").strip().lower()
     if t == "full":
         return MemoryPolicy()
-    m = re.fullmatch(r"(recency|random|oracle)[-:=(]?([0-9.]+[km]?)\)?", t)
+    if t == "flashmemory":
+        return FlashMemory()
+    m = re.fullmatch(r"(recency|random|oracle|flashmemory)[-:=(]?([0-9.]+[km]?)\)?", t)
     if not m:
-        raise ConfigError(f"unknown memory policy {spec!r}; use full, recency-N, random-p or oracle-K")
+        raise ConfigError(f"unknown memory policy {spec!r}; use full, recency-N, random-p, oracle-K or flashmemory[-B]")
     kind, value = m.groups()
     if kind == "recency":
         mult = {"k": 1024, "m": 1 << 20}.get(value[-1], 1)
         return Recency(int(float(value.rstrip("km")) * mult))
     if kind == "random":
         return RandomBlocks(float(value))
+    if kind == "flashmemory":
+        return FlashMemory(float(value))
     return OracleTopK(float(value))

@@ -37,6 +37,7 @@ class TrainOptions:
     qat_indexer: bool = False    # FP4 round trip of the indexer QK path, as served
     kl_queries: int = 256        # query positions per sequence the indexer KL is computed on
     query_tile: int = 2048       # queries per tile when the indexer selects top-k (bounds memory)
+    capture_indexer: bool = False  # keep each V4 CSA layer's indexer inputs in `Aux.captured` (labels)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class Aux:
     # dense forwards only: recall of the indexer's top-k against the main attention's top-k (its
     # head-summed probabilities) at the KL query positions that see more than k entries
     indexer_recall: dict[int, float] = field(default_factory=dict)
+    # `capture_indexer` only, per V4 CSA layer (detached): the attention input `x` [B·S, dim], the
+    # indexer's queries `q` [B·S, H, d] and head weights `w` [B·S, H], its keys `keys` [B, n, d]
+    captured: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class _Ctx:
@@ -309,6 +313,8 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
                 iq = fp4_round_trip_ste(iq, 32)
             iw = ind.head_weights(xd)
             ikeys = compress_sequence(ind.compressor, xd, ctx, attn.inv_freq, "index")
+            if ctx.opts.capture_indexer:
+                ctx.aux.captured[attn.layer_id] = dict(x=xd, q=iq.detach(), w=iw.detach(), keys=ikeys.detach())
             if not ctx.opts.dense_indexer and n > ind.topk:
                 sel = _select(attn, iq, iw, ikeys.detach(), ctx)
     if attn.ratio:

@@ -1,0 +1,271 @@
+"""Training and validating a memory indexer on labels from its model (`hybridkv train-memory-indexer`).
+
+Data: long documents from the task generators (the needle families over generated filler and over
+the training half of the real prose; seeds far from the evaluation's), each followed by its
+reference completion (what the model decodes when it is right), labelled by `labels.label_sequence`
+and cached as label files. Documents are split into a training and a validation part.
+
+A training sample is one (document, query position t) with at least one window target: the
+positives are the window targets of t (chunks with ≥ `vote` votes in t .. t + 63 that exist at t),
+at most 512; the negatives are 3× as many chunks drawn uniformly from the other visible chunks,
+plus as many hard negatives (the highest-scoring other chunks under the current weights). Loss:
+binary cross-entropy on every target layer's logits. Query positions: every `stride`-th one and
+the document's last 128 (where the question and the answer are).
+
+Validation, on held-out documents at every `stride`-th position: micro F1 of (prob > 0.5) against
+the window targets (max over target layers), and recall under the serving policy
+(`policies.FlashMemory`): the share of window targets in the blocks a recall would make resident,
+next to the resident share of the visible chunks. The same policy is scored with the native indexer's
+own logits (probability = sigmoid of the logit; a reference, uncalibrated), with recency at the
+same budget, and with the labels themselves (the oracle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridkv.errors import TrainingError
+from hybridkv.memory.indexer import MemoryIndexer
+from hybridkv.memory.policies import FlashMemory
+from hybridkv.memory.labels import DocumentLabels, label_sequence, load_labels, save_labels, window_targets
+
+DOC_TASKS = ("passkey", "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
+             "niah_multiquery", "passkey_realtext", "niah_single_1_realtext", "niah_multikey_1_realtext")
+DOC_SEED = 9_000_000          # evaluation prompts use seeds below 10^8 of the form seed·10^5 + i; the pools differ too
+POOL_SEED = 77
+
+
+@dataclass
+class MemoryTrainConfig:
+    docs: int = 48
+    val_docs: int = 8
+    length: int = 8192
+    vote: int = 2
+    stride: int = 16
+    steps: int = 600
+    batch_positions: int = 64
+    lr: float = 1e-3
+    neg_ratio: int = 3
+    max_positives: int = 512
+    block_chunks: int = 32            # chunks per KV block (128 tokens / ratio 4): the recall unit
+    budget: float = 0.15              # the policy's resident share of the complete blocks (`flashmemory-B`)
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Documents:
+    """The documents, deterministic in their index: document i is task DOC_TASKS[i % len] with seed
+    DOC_SEED + i at `length` prompt tokens, followed by its reference completion."""
+
+    def __init__(self, model_dir: str | Path, length: int):
+        from hybridkv.tasks.generators import Pools
+        from hybridkv.tasks.tokenizer import TaskTokenizer
+
+        self.length = length
+        self.pools = Pools(TaskTokenizer.load(model_dir), seed=POOL_SEED, prose_split="train")
+
+    def __getitem__(self, i: int) -> tuple[str, list[int]]:
+        from hybridkv.tasks.generators import make_sample
+
+        task = DOC_TASKS[i % len(DOC_TASKS)]
+        s = make_sample(task, DOC_SEED + i, self.pools, self.length)
+        return task, s.prompt + s.completion
+
+
+def build_labels(model, model_dir: str | Path, out_dir: Path, cfg: MemoryTrainConfig, echo=print) -> list[Path]:
+    """Label files for the training and validation documents, reusing those already in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    docs, paths = None, []
+    total = cfg.docs + cfg.val_docs
+    for i in range(total):
+        path = out_dir / f"doc{i:05d}-{cfg.length}.safetensors"
+        paths.append(path)
+        if path.exists():
+            continue
+        docs = docs or Documents(model_dir, cfg.length)
+        task, ids = docs[i]
+        t0 = time.perf_counter()
+        save_labels(label_sequence(model, ids, meta={"model": Path(model_dir).name, "source": f"{task} seed {DOC_SEED + i}"}),
+                    path)
+        echo(f"labelled document {i + 1}/{total} ({task}, {len(ids)} tokens) in {time.perf_counter() - t0:.1f}s")
+    return paths
+
+
+def query_positions(labels: DocumentLabels, stride: int, tail: int = 128) -> list[int]:
+    s = labels.input_ids.numel()
+    pos = set(range(stride - 1, s, stride)) | set(range(max(0, s - tail), s))
+    return sorted(t for t in pos if labels.visible(t) > 0)
+
+
+class _Docs:
+    def __init__(self, paths: list[Path], device):
+        self.labels = [load_labels(p) for p in paths]
+        self.device = device
+        self._keys = [{layer: d.keys[layer].to(device).float() for layer in d.layers} for d in self.labels]
+
+    def keys(self, i: int) -> dict[int, torch.Tensor]:
+        return self._keys[i]
+
+
+def _loss_for(mi: MemoryIndexer, d: DocumentLabels, keys: dict, positions: list[int], cfg: MemoryTrainConfig,
+              gen: random.Random, device) -> torch.Tensor | None:
+    pos_t = torch.tensor(positions, device=device)
+    n = keys[mi.config.layers[0]].shape[0]
+    targets = [window_targets(d, t, cfg.vote) for t in positions]
+    rows, cols, ys = [], [], []
+    with torch.no_grad():
+        score = torch.stack([mi.layer_logits(L, d.x[L][pos_t.cpu()].to(device), pos_t, keys[L]) for L in mi.config.layers]).amax(0)
+    for r, (t, tg) in enumerate(zip(positions, targets)):
+        vis = d.visible(t)
+        if tg.numel() == 0:
+            continue
+        if tg.numel() > cfg.max_positives:
+            tg = tg[torch.randperm(tg.numel(), generator=torch.Generator().manual_seed(gen.randrange(1 << 30)))
+                    [:cfg.max_positives]]
+        is_pos = torch.zeros(vis, dtype=torch.bool)
+        is_pos[tg] = True
+        others = torch.nonzero(~is_pos).flatten()
+        if others.numel():
+            k = min(others.numel(), cfg.neg_ratio * tg.numel())
+            uniform = others[torch.randperm(others.numel(), generator=torch.Generator().manual_seed(gen.randrange(1 << 30)))[:k]]
+            s = score[r, :vis].cpu().masked_fill(is_pos, -math.inf)
+            hard = s.topk(min(tg.numel(), others.numel())).indices
+            neg = torch.unique(torch.cat([uniform, hard]))
+        else:
+            neg = others
+        c = torch.cat([tg, neg])
+        rows.append(torch.full((c.numel(),), r))
+        cols.append(c)
+        ys.append(torch.cat([torch.ones(tg.numel()), torch.zeros(neg.numel())]))
+    if not rows:
+        return None
+    rows, cols, ys = torch.cat(rows).to(device), torch.cat(cols).to(device), torch.cat(ys).to(device)
+    loss = 0.0
+    for L in mi.config.layers:
+        logits = mi.layer_logits(L, d.x[L][pos_t.cpu()].to(device), pos_t, keys[L])[rows, cols]
+        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(logits, ys)
+    return loss / len(mi.config.layers)
+
+
+@torch.no_grad()
+def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int = 64) -> dict:
+    """score_fn(doc index, positions tensor) -> probabilities [T, N]. Micro F1 at 0.5 and recall
+    under the flashmemory policy, with the resident share; recency at the same budget beside it."""
+    policy, newest = FlashMemory(cfg.budget), FlashMemory(cfg.budget, tail_share=1.0)
+    tp = fp = fn = 0
+    hit = total = res = vis_sum = rec_hit = 0
+    for i, d in enumerate(docs.labels):
+        positions = query_positions(d, cfg.stride)
+        step = max(1, len(positions) // max_positions)
+        positions = positions[::step][:max_positions] + [p for p in positions[-4:]]
+        probs = score_fn(i, torch.tensor(positions)).cpu()
+        for r, t in enumerate(positions):
+            vis = d.visible(t)
+            tg = torch.zeros(vis, dtype=torch.bool)
+            tg[window_targets(d, t, cfg.vote)] = True
+            pred = probs[r, :vis] > 0.5
+            tp += int((pred & tg).sum())
+            fp += int((pred & ~tg).sum())
+            fn += int((~pred & tg).sum())
+            keep = policy.chunks(probs[r], vis, cfg.block_chunks)
+            recency = newest.chunks(torch.zeros(vis), vis, cfg.block_chunks)
+            hit += int((keep & tg).sum())
+            rec_hit += int((recency & tg).sum())
+            total += int(tg.sum())
+            res += int(keep.sum())
+            vis_sum += vis
+    f1 = 2 * tp / max(1, 2 * tp + fp + fn)
+    return {"f1": round(f1, 4), "precision": round(tp / max(1, tp + fp), 4), "recall_at_0.5": round(tp / max(1, tp + fn), 4),
+            "policy_recall": round(hit / max(1, total), 4), "recency_recall": round(rec_hit / max(1, total), 4),
+            "resident_share": round(res / max(1, vis_sum), 4)}
+
+
+def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrainConfig, label_dir: str | Path,
+                         device: str = "cpu", layers: list[int] | None = None, echo=print) -> dict:
+    """Label (or reuse labels), train, validate, save. Returns the report (also written beside the
+    weights as `memory_indexer.json`)."""
+    from hybridkv.train.export import float_model
+
+    torch.manual_seed(cfg.seed)
+    model = float_model(model_dir).to(device).eval()
+    paths = build_labels(model, model_dir, Path(label_dir), cfg, echo)
+    train_docs, val_docs = _Docs(paths[:cfg.docs], device), _Docs(paths[cfg.docs:], device)
+    if not train_docs.labels or not val_docs.labels:
+        raise TrainingError("train-memory-indexer needs at least one training and one validation document")
+    mi = MemoryIndexer.from_native(model, layers).to(device)
+    native = {L: model.layers[L].attn for L in mi.config.layers}
+
+    def mi_probs(docs: _Docs):
+        def f(i, pos):
+            d = docs.labels[i]
+            return mi.probabilities({L: d.x[L][pos].to(device) for L in mi.config.layers}, pos.to(device), docs.keys(i))
+        return f
+
+    def native_probs(docs: _Docs):
+        from hybridkv.ops.hadamard import rope_hadamard_fp4
+        from hybridkv.ops.indexer_topk.reference import index_scores
+        from hybridkv.ops.rope import rope_freqs
+
+        def f(i, pos):
+            d, out = docs.labels[i], []
+            for L, attn in native.items():
+                x = d.x[L][pos].to(device).float()
+                qr = attn.q_norm(attn.wq_a(x))
+                q = rope_hadamard_fp4(attn.indexer.wq_b(qr).unflatten(-1, (attn.indexer.n_heads, attn.indexer.head_dim)),
+                                      rope_freqs(pos.to(device), attn.inv_freq))
+                out.append(index_scores(q, attn.indexer.head_weights(x), docs.keys(i)[L]).sigmoid())
+            return torch.stack(out).amax(0)
+        return f
+
+    def oracle(docs: _Docs):
+        def f(i, pos):
+            d = docs.labels[i]
+            n = d.keys[d.layers[0]].shape[0]
+            p = torch.zeros(len(pos), n)
+            for r, t in enumerate(pos.tolist()):
+                p[r, window_targets(d, t, cfg.vote)] = 1.0
+            return p
+        return f
+
+    report = {"config": {k: v for k, v in cfg.__dict__.items() if k != "extra"}, "layers": mi.config.layers,
+              "heads": mi.config.heads, "rank": mi.config.rank}
+    report["native"] = validate(native_probs(val_docs), val_docs, cfg)
+    report["oracle"] = validate(oracle(val_docs), val_docs, cfg)
+    report["init"] = validate(mi_probs(val_docs), val_docs, cfg)
+    echo(f"native indexer: {report['native']}\noracle labels:  {report['oracle']}\nwarm start:     {report['init']}")
+    opt = torch.optim.AdamW(mi.parameters(), lr=cfg.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    gen = random.Random(cfg.seed)
+    samples = [(i, query_positions(d, cfg.stride)) for i, d in enumerate(train_docs.labels)]
+    t0, losses = time.perf_counter(), []
+    for step in range(cfg.steps):
+        i, positions = samples[gen.randrange(len(samples))]
+        pick = sorted(gen.sample(positions, min(cfg.batch_positions, len(positions))))
+        loss = _loss_for(mi, train_docs.labels[i], train_docs.keys(i), pick, cfg, gen, device)
+        if loss is None:
+            continue
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mi.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % max(1, cfg.steps // 10) == 0:
+            echo(f"step {step + 1}/{cfg.steps}  loss {sum(losses[-20:]) / len(losses[-20:]):.4f}  "
+                 f"{time.perf_counter() - t0:.0f}s")
+    report["trained"] = validate(mi_probs(val_docs), val_docs, cfg)
+    report["train_seconds"] = round(time.perf_counter() - t0, 1)
+    report["final_loss"] = round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)
+    echo(f"trained:        {report['trained']}")
+    out = Path(out)
+    path = mi.save(out)
+    path.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    report["path"] = str(path)
+    return report

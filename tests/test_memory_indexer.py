@@ -1,0 +1,109 @@
+"""FlashMemory's memory indexer: warm start from the native indexer, its file, the serving policy's
+resident blocks, and `hybridkv train-memory-indexer` end to end on the shipped model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridkv.errors import ConfigError
+from hybridkv.memory.indexer import MemoryIndexer
+from hybridkv.memory.policies import FlashMemory, parse_policy
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
+
+
+@pytest.fixture(scope="module")
+def model():
+    from hybridkv.train.export import float_model
+    return float_model(SHIPPED)
+
+
+def test_the_warm_start_scores_like_the_native_indexer(model):
+    """Twice the heads and rank, the new ones silent: the logits are the native indexer's up to its
+    FP4 query round trip (which the memory indexer does not make)."""
+    from hybridkv.ops.indexer_topk.reference import index_scores
+    from hybridkv.train.forward import TrainOptions, train_forward
+
+    mi = MemoryIndexer.from_native(model)
+    assert mi.config.layers == [1, 3, 5] and mi.config.heads == 8 and mi.config.rank == 256
+    ids = torch.randint(2, 4096, (1, 600), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cap = train_forward(model, ids, TrainOptions(dense_indexer=False, qat_indexer=True, kl_queries=1,
+                                                     capture_indexer=True)).aux.captured
+        t = torch.arange(400, 600)
+        for layer in mi.config.layers:
+            c = cap[layer]
+            native = index_scores(c["q"][t], c["w"][t], c["keys"][0])
+            ours = mi.layer_logits(layer, c["x"][t], t, c["keys"][0])
+            assert float((ours - native).norm() / native.norm()) < 0.1, layer
+            assert float(torch.corrcoef(torch.stack([ours.flatten(), native.flatten()]))[0, 1]) > 0.99, layer
+    with pytest.raises(ConfigError, match="not CSA layers"):
+        MemoryIndexer.from_native(model, layers=[0, 1])
+
+
+def test_the_weights_file_round_trips_and_a_wrong_file_is_refused(model, tmp_path):
+    from safetensors.torch import save_file
+
+    mi = MemoryIndexer.from_native(model, layers=[3], heads=6, rank=160)
+    path = mi.save(tmp_path)
+    assert path.name == "memory_indexer.safetensors"
+    again = MemoryIndexer.load(tmp_path)
+    x, keys = torch.randn(5, 256), torch.randn(40, 64)
+    assert torch.equal(again.layer_logits(3, x, torch.arange(5), keys), mi.layer_logits(3, x, torch.arange(5), keys))
+    assert again.config == mi.config
+    save_file({"inv_freq": torch.zeros(2)}, str(tmp_path / "x.safetensors"), metadata={"format": "other"})
+    with pytest.raises(ConfigError, match="not a memory indexer"):
+        MemoryIndexer.load(tmp_path / "x.safetensors")
+    with pytest.raises(ConfigError, match="cannot read a memory indexer"):
+        MemoryIndexer.load(tmp_path / "missing.safetensors")
+
+
+def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget():
+    policy = FlashMemory(0.3)
+    visible = 42                      # 10 complete blocks of 4 chunks, block 10 being filled
+    probs = torch.zeros(visible)
+    probs[4:7] = 0.9                  # block 1: three chunks above 0.5
+    probs[20:22] = 0.8                # block 5: two
+    probs[24] = 0.7                   # block 6: one, and a low-mass block 7 below
+    probs[28:32] = 0.4
+    keep = policy.chunks(probs, visible, 4)
+    blocks = sorted({i // 4 for i in torch.nonzero(keep).flatten().tolist()})
+    # budget 3 blocks of 10: the newest (a third of the budget) and the two densest; the filling block always
+    assert blocks == [1, 5, 9, 10]
+    assert keep.numel() == visible and int(keep.sum()) == 3 * 4 + 2
+    # ties in the count go to the larger summed probability: block 7 (4 × 0.4) over block 3 (empty)
+    tie = FlashMemory(0.5, tail_share=0.2)
+    blocks = sorted({i // 4 for i in torch.nonzero(tie.chunks(probs, visible, 4)).flatten().tolist()})
+    assert blocks == [1, 5, 6, 7, 9, 10]
+    # a context shorter than one block keeps everything
+    assert policy.chunks(torch.zeros(3), 3, 4).all()
+    assert str(parse_policy("flashmemory")) == "flashmemory-0.15" and parse_policy("flashmemory-0.1").budget == 0.1
+    with pytest.raises(ConfigError, match="resident share"):
+        parse_policy("flashmemory-1.5")
+
+
+def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp_path):
+    from hybridkv.cli import main
+
+    out = tmp_path / "mi"
+    out.mkdir()
+    argv = ["train-memory-indexer", str(SHIPPED), "--out", str(out), "--labels", str(tmp_path / "labels"),
+            "--docs", "3", "--val-docs", "1", "--length", "2048", "--steps", "40", "--batch-positions", "16"]
+    assert main(argv) == 0
+    report = json.loads((out / "memory_indexer.json").read_text())
+    for k in ("native", "oracle", "init", "trained"):
+        assert {"f1", "policy_recall", "recency_recall", "resident_share"} <= set(report[k]), k
+    assert report["oracle"]["f1"] == 1.0
+    assert report["trained"]["f1"] > report["init"]["f1"]        # the warm start is uncalibrated at 0.5
+    assert len(list((tmp_path / "labels").glob("*.safetensors"))) == 4
+    assert MemoryIndexer.load(out).config.layers == [1, 3, 5]
+    # the labels are reused: a second run labels nothing
+    import io
+    import contextlib
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([*argv, "--steps", "1"]) == 0
+    assert "labelled document" not in err.getvalue()
+    assert main(["train-memory-indexer", str(tmp_path), "--docs", "1"]) == 2      # no model there
