@@ -107,3 +107,19 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
         assert main([*argv, "--steps", "1"]) == 0
     assert "labelled document" not in err.getvalue()
     assert main(["train-memory-indexer", str(tmp_path), "--docs", "1"]) == 2      # no model there
+
+
+def test_the_shipped_model_serves_flashmemory_with_its_own_memory_indexer():
+    """`--memory-policy flashmemory` on models/tiny-v4 finds memory_indexer.safetensors beside it."""
+    from hybridkv.engine import LLM, SamplingParams
+    from hybridkv.tasks.generators import Pools, make_sample
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+
+    tok = TaskTokenizer.load(SHIPPED)
+    s = make_sample("passkey", 11, Pools(tok, seed=4), 2048)
+    llm = LLM(SHIPPED, memory_policy="flashmemory", num_blocks=40, max_num_seqs=1, max_model_len=2200)
+    assert llm.engine.memory.scorer is not None and llm.engine.memory.scorer.config.layers == [1, 3, 5]
+    out = llm.generate([s.prompt], SamplingParams(max_tokens=8, stop_token_ids=[tok.eos_id]))[0]
+    assert llm.engine.stats.pages_evicted > 0        # 16 blocks: the policy kept 2 complete ones
+    assert tok.decode(out.output_ids).strip().rstrip(".") == s.answers[0]
+    llm.close()
