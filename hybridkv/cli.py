@@ -219,7 +219,7 @@ def cmd_train_memory_indexer(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hybridkv.errors import TrainingError
-    from hybridkv.memory.training import MemoryTrainConfig, train_memory_indexer
+    from hybridkv.train.memory_training import MemoryTrainConfig, train_memory_indexer
 
     model_dir = Path(a.model_dir)
     if not (model_dir / "tokenizer.json").is_file():

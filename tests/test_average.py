@@ -12,13 +12,15 @@ from safetensors.torch import load_file, save_file
 
 from hybridkv.train.average import average_models
 from hybridkv.train.export import float_model
+from hybridkv.weights import checkpoint_files
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's weights: the shards its index names (not files beside them, e.g. a memory indexer)."""
     out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
+    for f in sorted(set(checkpoint_files(model_dir).values())):
         out.update(load_file(f))
     return out
 
@@ -30,7 +32,7 @@ def _copy(dst: Path) -> Path:
 
 def _edit(model_dir: Path, name: str, fn) -> None:
     """Rewrite one stored tensor of model_dir in place."""
-    for f in model_dir.glob("*.safetensors"):
+    for f in sorted(set(checkpoint_files(model_dir).values())):
         t = load_file(f)
         if name in t:
             t[name] = fn(t[name])

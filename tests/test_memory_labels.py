@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridkv.errors import TrainingError
-from hybridkv.memory.labels import (DocumentLabels, label_sequence, layer_picks, load_labels, save_labels,
+from hybridkv.train.memory_labels import (DocumentLabels, label_sequence, layer_picks, load_labels, save_labels,
                                     votes_from_capture, window_targets)
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"

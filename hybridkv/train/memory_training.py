@@ -2,7 +2,7 @@
 
 Data: long documents from the task generators (the needle families over generated filler and over
 the training half of the real prose; seeds far from the evaluation's), each followed by its
-reference completion (what the model decodes when it is right), labelled by `labels.label_sequence`
+reference completion (what the model decodes when it is right), labelled by `memory_labels.label_sequence`
 and cached as label files. Documents are split into a training and a validation part.
 
 A training sample is one (document, query position t) with at least one window target: the
@@ -14,7 +14,7 @@ the document's last 128 (where the question and the answer are).
 
 Validation, on held-out documents at every `stride`-th position: micro F1 of (prob > 0.5) against
 the window targets (max over target layers), and recall under the serving policy
-(`policies.FlashMemory`): the share of window targets in the blocks a recall would make resident,
+(`hybridkv.memory.policies.FlashMemory`): the share of window targets in the blocks a recall would make resident,
 next to the resident share of the visible chunks. The same policy is scored with the native indexer's
 own logits (probability = sigmoid of the logit; a reference, uncalibrated), with recency at the
 same budget, and with the labels themselves (the oracle).
@@ -34,7 +34,7 @@ import torch
 from hybridkv.errors import TrainingError
 from hybridkv.memory.indexer import MemoryIndexer
 from hybridkv.memory.policies import FlashMemory
-from hybridkv.memory.labels import DocumentLabels, label_sequence, load_labels, save_labels, window_targets
+from hybridkv.train.memory_labels import DocumentLabels, label_sequence, load_labels, save_labels, window_targets
 
 DOC_TASKS = ("passkey", "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
              "niah_multiquery", "passkey_realtext", "niah_single_1_realtext", "niah_multikey_1_realtext")
