@@ -18,7 +18,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenize import release
 from hybridkv.engine.graphs import DecodeGraphs
-from hybridkv.engine.sampling import Sampled, SamplingParams, sample, scored
+from hybridkv.engine.sampling import Sampled, SamplingParams, sample, sample_rows, scored
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
 from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
@@ -194,7 +194,7 @@ class EngineCore:
         if self.speculative:
             return self._speculative_step(chunks)
         logits = self._forward(chunks)
-        events: list[Event] = []
+        emitting: list[Sequence] = []
         for c in chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING:
@@ -203,7 +203,12 @@ class EngineCore:
             self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
             self._publish_snapshots(seq)
             if c.wants_logits:
-                events.append(self._emit(seq, logits[seq.request_id]))
+                emitting.append(seq)
+        events: list[Event] = []
+        if emitting:      # every request's token in one sampling pass (one wait for the device)
+            rows = [logits[seq.request_id] for seq in emitting]
+            drawn = sample_rows(torch.stack(rows), [seq.params for seq in emitting], [seq.generator for seq in emitting])
+            events = [self._emit(seq, row, s) for seq, row, s in zip(emitting, rows, drawn)]
         self.stats.steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
         return events
@@ -422,8 +427,8 @@ class EngineCore:
             seq.rolling_snapshot = (boundary, snap)
         seq.new_snapshots = []
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
-        event, reason = self._add_token(seq, logits, sample(logits, seq.params, seq.generator))
+    def _emit(self, seq: Sequence, logits: torch.Tensor, s: Sampled) -> Event:
+        event, reason = self._add_token(seq, logits, s)
         if reason:
             self._finish(seq, reason)
         return event

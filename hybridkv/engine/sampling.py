@@ -1,5 +1,8 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds, top-N
-logprobs. Everything runs on float32 logits of the rows that end a request's known tokens."""
+logprobs. Everything runs on float32 logits of the rows that end a request's known tokens.
+
+`sample_rows` samples a whole step's rows with one transfer to the host (a decode step of 64
+requests would otherwise wait for the device twice per request); `sample` is one row of it."""
 
 from __future__ import annotations
 
@@ -75,9 +78,47 @@ def scored(logits: torch.Tensor, token: int, params: SamplingParams) -> Sampled:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
     """One token from float32 logits [vocab]."""
+    return sample_rows(logits[None], [params], [generator])[0]
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[Sampled]:
+    """A token from each row of logits [B, vocab] under that row's parameters and generator, with
+    its logprob (under the unprocessed logits) and the top-N logprobs the row asks for. Greedy rows
+    take one argmax together; a sampled row draws from its own generator, as alone. The results
+    reach the host in one transfer."""
     logits = logits.float()
-    if params.temperature == 0:
-        token = int(torch.argmax(logits))
+    rows = logits.shape[0]
+    if rows == 0:
+        return []
+    tokens = torch.argmax(logits, -1)
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            tokens[i] = torch.multinomial(filtered_probs(logits[i], p), 1, generator=generators[i])[0]
+    logprobs = torch.log_softmax(logits, -1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top_n = max(p.logprobs or 0 for p in params)
+    if top_n:
+        top_v, top_i = torch.topk(logprobs, top_n, -1)
+        tokens_h, chosen_h, top_v, top_i = _to_host(tokens, chosen, top_v, top_i)
     else:
-        token = int(torch.multinomial(filtered_probs(logits, params), 1, generator=generator))
-    return scored(logits, token, params)
+        tokens_h, chosen_h = _to_host(tokens, chosen)
+    out = []
+    for i, p in enumerate(params):
+        top = list(zip(top_i[i][:p.logprobs], top_v[i][:p.logprobs])) if p.logprobs else None
+        out.append(Sampled(tokens_h[i], chosen_h[i], top))
+    return out
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """Each tensor as nested lists, in one copy from the device (a single synchronisation)."""
+    if tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
+    out, at = [], 0
+    for t in tensors:
+        part = flat[at:at + t.numel()]
+        at += t.numel()
+        vals = part.long() if not t.is_floating_point() else part.float()
+        out.append(vals.view(t.shape).tolist())
+    return out
