@@ -13,11 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.mhc import mhc_post, mhc_pre
+from hybridkv.ops.mhc import fn_in_kernels, mhc_post, mhc_pre, mhc_pre_fn, raw_mixes
 from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """flat(x) · fnᵀ · rsqrt(mean(flat(x)²) + eps) in float32."""
+    if fn_in_kernels(x, fn):      # decode: one pass over x as stored, no float32 copy of it
+        raw, ss = raw_mixes(x.flatten(1), fn)
+        return raw * torch.rsqrt(ss / (x.shape[1] * x.shape[2]) + norm_eps).unsqueeze(-1)
     flat = x.flatten(1).float()
     return F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
 
@@ -43,6 +47,8 @@ def identity_pre(x: torch.Tensor) -> torch.Tensor:
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
            norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hc, dim] -> (sub-block input [T, dim], post [T, hc], comb [T, hc, hc])."""
+    if fn_in_kernels(x, fn):
+        return mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps)
     return mhc_pre(x, F.linear(x.flatten(1).float(), fn), scale, base, iters, eps, norm_eps)
 
 

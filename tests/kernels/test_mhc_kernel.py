@@ -1,18 +1,27 @@
 """The mHC kernels against the reference mixing and Sinkhorn."""
 
+import pytest
 import torch
 
 from helpers import rel_rms
 from hybridkv.ops.mhc import reference
 
 
-def test_pre_and_post(device):
-    from hybridkv.ops.mhc import triton as kernels
-    g = torch.Generator().manual_seed(0)
-    t, hc, dim = 3, 4, 96
+def _inputs(t, hc, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, hc, dim, generator=g)
     fn = torch.randn(24, hc * dim, generator=g) * 0.05
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g) * 0.1
+    return x, fn, scale, base, torch.randn(t, dim, generator=g)
+
+
+# (3, 96): one program per token; (2, 1000): rows split into column chunks, the last one ragged
+@pytest.mark.parametrize("t,dim", [(3, 96), (2, 1000)])
+def test_pre_and_post(device, t, dim):
+    from hybridkv.ops.mhc import triton as kernels
+    hc = 4
+    x, fn, scale, base, f = _inputs(t, hc, dim)
+    assert (kernels.column_split(t, dim)[2] > 1) == (dim == 1000)
     mixes = x.flatten(1) @ fn.T
     y_ref, post_ref, comb_ref = reference.mhc_pre(x, mixes, scale, base, 20, 1e-6, 1e-6)
     dv = lambda a: a.to(device)  # noqa: E731
@@ -20,6 +29,65 @@ def test_pre_and_post(device):
     assert rel_rms(y_ref, y.cpu()) <= 1e-3 and rel_rms(post_ref, post.cpu()) <= 1e-3
     assert rel_rms(comb_ref, comb.cpu()) <= 1e-3
     assert torch.allclose(comb.cpu().sum(-2), torch.ones(t, hc), atol=1e-4)
-    f = torch.randn(t, dim, generator=g)
     out = kernels.mhc_post(dv(f), dv(x), post, comb).cpu()
     assert rel_rms(reference.mhc_post(f, x, post_ref, comb_ref), out) <= 1e-3
+
+
+def test_a_token_mixes_the_same_alone_and_in_a_large_batch(device):
+    """Split into column chunks (one token) or not (140 tokens), a token's outputs are bit-identical:
+    the split changes which program computes a column, not the order of any sum."""
+    from hybridkv.ops.mhc import triton as kernels
+    hc, dim = 4, 1000
+    x, fn, scale, base, f = [a.to(device) for a in _inputs(140, hc, dim, seed=1)]
+    assert kernels.column_split(1, dim)[2] > 1 and kernels.column_split(140, dim)[2] == 1
+    mixes = x.flatten(1) @ fn.T
+    many = kernels.mhc_pre(x, mixes, scale, base, 20, 1e-6, 1e-6)
+    one = kernels.mhc_pre(x[7:8], mixes[7:8], scale, base, 20, 1e-6, 1e-6)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b[7:8])
+    post, comb = many[1], many[2]
+    assert torch.equal(kernels.mhc_post(f[7:8], x[7:8], post[7:8], comb[7:8]),
+                       kernels.mhc_post(f, x, post, comb)[7:8])
+
+
+# (3, 96): 384 flat columns, two mix chunks, the last ragged; (11, 1000): tokens past one program's 8
+@pytest.mark.parametrize("t,dim,dtype", [(3, 96, torch.float32), (11, 1000, torch.bfloat16)])
+def test_pre_with_the_mixes_from_fn(device, t, dim, dtype):
+    """`mhc_pre_fn`: the raw mixes and the sum of squares as per-chunk partial sums, added by the
+    pre kernel, against the reference with the GEMM's mixes; `raw_mixes` against the GEMM."""
+    from hybridkv.ops.mhc import triton as kernels
+    hc = 4
+    x, fn, scale, base, _ = _inputs(t, hc, dim, seed=2)
+    x = x.to(dtype)
+    flat = x.flatten(1).double()
+    mixes = (flat @ fn.double().T).float()
+    y_ref, post_ref, comb_ref = reference.mhc_pre(x, mixes, scale, base, 20, 1e-6, 1e-6)
+    dv = lambda a: a.to(device)  # noqa: E731
+    y, post, comb = kernels.mhc_pre_fn(dv(x), dv(fn), dv(scale), dv(base), 20, 1e-6, 1e-6)
+    tol = 1e-3 if dtype == torch.float32 else 8e-3        # y is rounded to bf16
+    assert rel_rms(y_ref.float(), y.cpu().float()) <= tol
+    assert rel_rms(post_ref, post.cpu()) <= 1e-4 and rel_rms(comb_ref, comb.cpu()) <= 1e-4
+    raw, ss = kernels.raw_mixes(dv(x.flatten(1)), dv(fn))
+    assert rel_rms(mixes, raw.cpu()) <= 1e-5
+    assert torch.allclose(ss.cpu().double(), flat.square().sum(-1), rtol=1e-5)
+
+
+def test_the_model_takes_the_fn_path_at_decode_sizes_only(device, monkeypatch):
+    """`hc_pre` and the head's mixes: the kernels' mixes for a few tokens, the GEMM's beyond
+    `MAX_PARTIAL_TOKENS` and in deterministic mode; the results agree."""
+    from hybridkv.model.mhc import _mixes, hc_pre
+    from hybridkv.ops import mhc as ops
+    from hybridkv.ops.backend import deterministic
+    from hybridkv.ops.mhc import triton as kernels
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    hc, dim = 4, 64
+    x, fn, scale, base, _ = [a.to(device) for a in _inputs(kernels.MAX_PARTIAL_TOKENS + 1, hc, dim, seed=3)]
+    assert ops.fn_in_kernels(x[:-1], fn) and not ops.fn_in_kernels(x, fn)
+    with deterministic():
+        assert not ops.fn_in_kernels(x[:-1], fn)
+    few = hc_pre(x[:5], fn, scale, base, 20, 1e-6, 1e-6)
+    many = hc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
+    for a, b in zip(few, many):
+        assert rel_rms(b[:5].cpu().float(), a.cpu().float()) <= 1e-5
+    head_fn = fn[:hc]
+    assert rel_rms(_mixes(x, head_fn, 1e-6)[:5].cpu(), _mixes(x[:5], head_fn, 1e-6).cpu()) <= 1e-5

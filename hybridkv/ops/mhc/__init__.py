@@ -1,12 +1,14 @@
 """mHC mixing around each sub-block: `mhc_pre` (normalised mixes → σ gates and Sinkhorn → the
 sub-block input) and `mhc_post` (write-back through post gates and the doubly stochastic
-combination). One Triton kernel each on CUDA, the plain-torch reference elsewhere."""
+combination). One Triton kernel each on CUDA, the plain-torch reference elsewhere. At decode
+sizes the raw mixes flat(x) · fnᵀ are computed by the kernels too (`fn_in_kernels`): `mhc_pre_fn`
+and `raw_mixes`."""
 
 from __future__ import annotations
 
 import torch
 
-from hybridkv.ops.backend import use_triton
+from hybridkv.ops.backend import is_deterministic, use_triton
 from hybridkv.ops.mhc import reference
 
 
@@ -30,3 +32,29 @@ def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
         from hybridkv.ops.mhc import triton as kernels
         return kernels.mhc_post(f, residual, post, comb)
     return reference.mhc_post(f, residual, post, comb)
+
+
+def fn_in_kernels(x: torch.Tensor, fn: torch.Tensor) -> bool:
+    """Whether the mixes of x [T, hc, dim] with fn come from the kernels (`mhc_pre_fn`, `raw_mixes`):
+    the Triton path, at most `MAX_PARTIAL_TOKENS` tokens (decode; prefill's mixes are one GEMM), a
+    float32 fn, no gradient wanted, not deterministic mode (whose GEMMs keep one path whatever the
+    batch)."""
+    if not _ok(x) or is_deterministic() or fn.dtype != torch.float32 or (
+            torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad)):
+        return False
+    from hybridkv.ops.mhc import triton as kernels
+    return x.shape[0] <= kernels.MAX_PARTIAL_TOKENS
+
+
+def mhc_pre_fn(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
+               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mhc_pre` with the raw mixes computed from fn [(2+hc)·hc, hc·dim] in the kernels (where
+    `fn_in_kernels`): two launches that read the stream row twice."""
+    from hybridkv.ops.mhc import triton as kernels
+    return kernels.mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps)
+
+
+def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x2 · fnᵀ, Σ x2² per row) in float32 for x2 [T, K] (where `fn_in_kernels`)."""
+    from hybridkv.ops.mhc import triton as kernels
+    return kernels.raw_mixes(x2, fn)

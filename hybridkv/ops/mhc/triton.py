@@ -1,8 +1,14 @@
-"""Triton kernels for mHC: one program per token.
+"""Triton kernels for mHC: a program per token and column chunk.
 
-`pre_kernel`: sum of squares of the hc·dim stream row, the mixes' normalisation, the σ / 2σ gates,
-the row softmax and the Sinkhorn iterations on the hc×hc combination, then y = Σ_j pre_j x_j.
-`post_kernel`: x'_k = post_k · f + Σ_j comb[j, k] x_j in one pass over the row.
+`pre_kernel`: the mixes' normalisation (the sum of squares of the hc·dim stream row), the σ / 2σ
+gates, the row softmax and the Sinkhorn iterations on the hc×hc combination, then y = Σ_j pre_j x_j
+over its columns (the chunk-0 program stores post and comb). The raw mixes come either computed
+(`mixes_raw`, a GEMM the caller ran) or as `mix_partials_kernel`'s per-chunk partial sums, which
+the program adds up itself (decode: the mixes and the sum of squares in one launch that reads each
+stream row once, instead of a GEMM of a float32 copy and a pass per program over the row).
+`post_kernel`: x'_k = post_k · f + Σ_j comb[j, k] x_j over its columns. With few tokens (decode)
+the row's columns are split over programs so that the step's mHC is not a handful of SMs streaming
+a whole row each; every chunk's program repeats the (small, L2-resident) Sinkhorn, identically.
 """
 
 from __future__ import annotations
@@ -11,67 +17,167 @@ import torch
 import triton
 import triton.language as tl
 
+MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` program
+MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program (its fn chunk is loaded once)
+MAX_PARTIAL_TOKENS = 64     # more tokens (prefill): the mixes come from a GEMM
+
 
 @triton.jit
-def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, iters, eps, norm_eps,
-               HC: tl.constexpr, BLOCK: tl.constexpr):
+def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: tl.constexpr, TB: tl.constexpr):
+    """For TB tokens and one chunk of CH flat columns: PART[t, ch, m] = Σ_c fn[m, c] · x[t, c] for
+    m < M, and PART[t, ch, M] = Σ_c x[t, c]², in float32 (x read as stored)."""
+    ch = tl.program_id(0)
+    t0 = tl.program_id(1) * TB
+    c = ch * CH + tl.arange(0, CH)
+    c_ok = c < K
+    m = tl.arange(0, MP)
+    w = tl.load(FN + m[:, None] * K + c[None, :], mask=(m < M)[:, None] & c_ok[None, :], other=0.0)
+    for i in range(TB):
+        t = t0 + i
+        if t < T:
+            v = tl.load(X + t.to(tl.int64) * sx_t + c, mask=c_ok, other=0.0).to(tl.float32)
+            part = tl.sum(w * v[None, :], 1)
+            part = tl.where(m == M, tl.sum(v * v, 0), part)
+            tl.store(PART + (t.to(tl.int64) * NCH + ch) * MP + m, part, mask=m <= M)
+
+
+@triton.jit
+def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters, eps, norm_eps,
+               HC: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, MP: tl.constexpr,
+               NCHP: tl.constexpr):
+    """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials_kernel`'s [T, NCH, MP]."""
     t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * CHUNK
     j = tl.arange(0, HC)
-    xrow = X + t * sx_t
-    ss = tl.zeros([HC, BLOCK], tl.float32)
-    for c0 in range(0, DIM, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
-        ss += v * v
-    rs = tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) / (HC * DIM) + norm_eps)
-    mix = MIX + t * (2 + HC) * HC
-    pre = tl.sigmoid(tl.load(mix + j) * rs * tl.load(SCALE) + tl.load(BASE + j)) + eps
-    post = 2 * tl.sigmoid(tl.load(mix + HC + j) * rs * tl.load(SCALE + 1) + tl.load(BASE + HC + j))
     k2 = j[:, None] * HC + j[None, :]
-    cm = tl.load(mix + 2 * HC + k2) * rs * tl.load(SCALE + 2) + tl.load(BASE + 2 * HC + k2)
+    xrow = X + t * sx_t
+    if PARTIALS:
+        # the chunks' partial sums added in one fixed order (whatever the batch)
+        M: tl.constexpr = (2 + HC) * HC
+        q = tl.arange(0, NCHP)
+        q_ok = q < NCH
+        part = MIX + t * NCH * MP + q * MP
+        ss_total = tl.sum(tl.load(part + M, mask=q_ok, other=0.0), 0)
+        pre_raw = tl.sum(tl.load(part[:, None] + j[None, :], mask=q_ok[:, None], other=0.0), 0)
+        post_raw = tl.sum(tl.load(part[:, None] + HC + j[None, :], mask=q_ok[:, None], other=0.0), 0)
+        comb_raw = tl.sum(tl.load(part[:, None, None] + 2 * HC + k2[None, :, :], mask=q_ok[:, None, None],
+                                  other=0.0), 0)
+    else:
+        ss = tl.zeros([HC, BLOCK], tl.float32)
+        for c0 in range(0, DIM, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
+            ss += v * v
+        ss_total = tl.sum(tl.sum(ss, 1), 0)
+        mix = MIX + t * (2 + HC) * HC
+        pre_raw = tl.load(mix + j)
+        post_raw = tl.load(mix + HC + j)
+        comb_raw = tl.load(mix + 2 * HC + k2)
+    rs = tl.rsqrt(ss_total / (HC * DIM) + norm_eps)
+    pre = tl.sigmoid(pre_raw * rs * tl.load(SCALE) + tl.load(BASE + j)) + eps
+    post = 2 * tl.sigmoid(post_raw * rs * tl.load(SCALE + 1) + tl.load(BASE + HC + j))
+    cm = comb_raw * rs * tl.load(SCALE + 2) + tl.load(BASE + 2 * HC + k2)
     cm = tl.exp(cm - tl.max(cm, 1)[:, None])
     cm = cm / tl.sum(cm, 1)[:, None] + eps
     cm = cm / (tl.sum(cm, 0)[None, :] + eps)
     for _ in range(1, iters):
         cm = cm / (tl.sum(cm, 1)[:, None] + eps)
         cm = cm / (tl.sum(cm, 0)[None, :] + eps)
-    tl.store(POST + t * HC + j, post)
-    tl.store(COMB + t * HC * HC + k2, cm)
-    for c0 in range(0, DIM, BLOCK):
+    if first == 0:
+        tl.store(POST + t * HC + j, post)
+        tl.store(COMB + t * HC * HC + k2, cm)
+    last = tl.minimum(first + CHUNK, DIM)
+    for c0 in range(first, last, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
-        v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < last)[None, :], other=0.0).to(tl.float32)
         y = tl.sum(pre[:, None] * v, 0)
-        tl.store(Y + t * DIM + c, y.to(Y.dtype.element_ty), mask=c < DIM)
+        tl.store(Y + t * DIM + c, y.to(Y.dtype.element_ty), mask=c < last)
 
 
 @triton.jit
-def post_kernel(F, R, POST, COMB, OUT, DIM, HC: tl.constexpr, BLOCK: tl.constexpr):
+def post_kernel(F, R, POST, COMB, OUT, DIM, CHUNK, HC: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * CHUNK
+    last = tl.minimum(first + CHUNK, DIM)
     j = tl.arange(0, HC)
     post = tl.load(POST + t * HC + j)
     cm = tl.load(COMB + t * HC * HC + j[:, None] * HC + j[None, :])          # [j, k]
-    for c0 in range(0, DIM, BLOCK):
+    for c0 in range(first, last, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
-        cmask = (c < DIM)[None, :]
-        f = tl.load(F + t * DIM + c, mask=c < DIM, other=0.0).to(tl.float32)
+        cmask = (c < last)[None, :]
+        f = tl.load(F + t * DIM + c, mask=c < last, other=0.0).to(tl.float32)
         acc = post[:, None] * f[None, :]
         for jj in tl.static_range(HC):
-            xj = tl.load(R + t * HC * DIM + jj * DIM + c, mask=c < DIM, other=0.0).to(tl.float32)
+            xj = tl.load(R + t * HC * DIM + jj * DIM + c, mask=c < last, other=0.0).to(tl.float32)
             wj = tl.sum(tl.where(j[:, None] == jj, cm, 0.0), 0)                 # comb[jj, :]
             acc += wj[:, None] * xj[None, :]
         tl.store(OUT + t * HC * DIM + j[:, None] * DIM + c[None, :], acc.to(OUT.dtype.element_ty), mask=cmask)
 
 
+NUM_SMS_GUESS = 132     # H200; only sizes the column split
+SPLIT_BLOCK = 256       # columns per step when a row is split over programs
+
+
+def column_split(t: int, dim: int) -> tuple[int, int, int]:
+    """(BLOCK, CHUNK, number of chunks) for t tokens of dim columns: one program per token once the
+    tokens alone cover every SM twice, else each row cut into chunks of whole BLOCKs. BLOCK depends
+    on dim alone, so that the sum of squares adds in the same order whatever the batch."""
+    block = min(SPLIT_BLOCK, triton.next_power_of_2(dim))
+    blocks = triton.cdiv(dim, block)
+    chunks = max(1, min(blocks, (2 * NUM_SMS_GUESS) // max(t, 1)))
+    chunk = triton.cdiv(blocks, chunks) * block
+    return block, chunk, triton.cdiv(dim, chunk)
+
+
+def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """x2 [T, K] (rows contiguous, any float dtype), fn [M, K] float32 -> [T, chunks, MP] float32:
+    per chunk of `MIX_CHUNK` columns the M partial mixes, then the partial sum of squares at M."""
+    t, k = x2.shape
+    m = fn.shape[0]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    fn = fn.float().contiguous()
+    mp = triton.next_power_of_2(m + 1)
+    nch = triton.cdiv(k, MIX_CHUNK)
+    part = torch.empty(t, nch, mp, dtype=torch.float32, device=x2.device)
+    if t:
+        mix_partials_kernel[(nch, triton.cdiv(t, MIX_TOKENS))](x2, x2.stride(0), fn, part, t, k, nch, m, CH=MIX_CHUNK,
+                                                               MP=mp, TB=MIX_TOKENS, num_warps=4)
+    return part
+
+
+def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x2 · fnᵀ [T, M], Σ x2² [T]) in float32 from `mix_partials` (chunks added in order)."""
+    part = mix_partials(x2, fn)
+    m = fn.shape[0]
+    total = part[:, :, : m + 1].sum(1)
+    return total[:, :m], total[:, m]
+
+
 def mhc_pre(x, mixes_raw, scale, base, iters, eps, norm_eps):
+    """`reference.mhc_pre`; mixes_raw None: the mixes come from fn (see `mhc_pre_fn`)."""
+    return _pre(x, mixes_raw, False, scale, base, iters, eps, norm_eps)
+
+
+def mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps):
+    """`reference.mhc_pre` with the raw mixes flat(x) · fnᵀ computed here: two launches
+    (`mix_partials_kernel`, then `pre_kernel` adding its partial sums)."""
+    return _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps)
+
+
+def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
     t, hc, dim = x.shape
     x = x.contiguous()
     y = torch.empty(t, dim, dtype=x.dtype, device=x.device)
     post = torch.empty(t, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=x.device)
     if t:
-        pre_kernel[(t,)](x, x.stride(0), mixes_raw.float().contiguous(), scale.float().contiguous(),
-                         base.float().contiguous(), y, post, comb, dim, iters, eps, norm_eps, HC=hc,
-                         BLOCK=min(1024, triton.next_power_of_2(dim)), num_warps=4)
+        block, chunk, chunks = column_split(t, dim)
+        nch, mp = (mixes.shape[1], mixes.shape[2]) if partials else (1, 1)
+        mixes = mixes if partials else mixes.float().contiguous()
+        pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
+                                post, comb, dim, chunk, nch, iters, eps, norm_eps, HC=hc, BLOCK=block,
+                                PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch), num_warps=4)
     return y, post, comb
 
 
@@ -79,6 +185,7 @@ def mhc_post(f, residual, post, comb):
     t, hc, dim = residual.shape
     out = torch.empty(t, hc, dim, dtype=f.dtype, device=f.device)
     if t:
-        post_kernel[(t,)](f.contiguous(), residual.contiguous(), post.float().contiguous(), comb.float().contiguous(),
-                          out, dim, HC=hc, BLOCK=min(1024, triton.next_power_of_2(dim)), num_warps=4)
+        block, chunk, chunks = column_split(t, dim)
+        post_kernel[(t, chunks)](f.contiguous(), residual.contiguous(), post.float().contiguous(),
+                                 comb.float().contiguous(), out, dim, chunk, HC=hc, BLOCK=block, num_warps=4)
     return out
