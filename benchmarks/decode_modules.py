@@ -37,6 +37,23 @@ def steps(eng, n: int) -> None:
     torch.cuda.synchronize()
 
 
+def replay_ms(eng, n: int = 20) -> float | None:
+    """Elapsed device time of the last captured decode graph replayed n times back to back (it
+    rewrites the same step's cache rows with the same values), per replay."""
+    captured = [g.graph for g in eng.graphs.graphs.values() if g.graph is not None] if eng.graphs else []
+    if not captured:
+        return None
+    graph = captured[-1]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def annotate(model) -> list:
     """A profiler range named after each module (indices folded: layers.#.attn) around its forward."""
     handles = []
@@ -111,6 +128,10 @@ def main() -> int:
     busy = sum(e.self_device_time_total for e in ka) / 1e3 / a.steps
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; command: python3 benchmarks/decode_modules.py "
           f"{' '.join(sys.argv[1:])}\n\nB={a.batch}, context {ctx:,}: {busy:.3f} ms device per graph-replayed step\n")
+    replay = replay_ms(eng)
+    if replay is not None:
+        print(f"graph replay back to back: {replay:.3f} ms a step between events; the {replay - busy:.3f} ms "
+              f"beyond the kernels' own time are the gaps between launches\n")
     print("| kernel | device ms / step | launches / step |\n|---|---|---|")
     for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"| {e.key[:90]} | {e.self_device_time_total / 1e3 / a.steps:.3f} | {e.count / a.steps:.1f} |")

@@ -6,7 +6,7 @@ dense-copy path runs) and the prefill path through torch's block-scaled matmul
 (`hybridkv.ops.qgemm.scaled`, its activation quantisation included); then the routed experts (256 × 2048, top-6) as the two
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected.
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
-fastest (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
+fastest (`--experts-used N` routes the tokens among N experts, several rows each) (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
 time of CUDA-graph replays (the decode step runs as a graph).
 
     python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--bandwidth 4.13e12]
@@ -130,7 +130,10 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     for t in a.tokens:
         x = torch.randn(t, dim, device=dev, generator=g).to(torch.bfloat16 if cuda else torch.float32)
-        ids = torch.rand(t, e_n, device=dev, generator=g).argsort(-1)[:, :topk]
+        # each token's top-k among the first `--experts-used` experts (all: uniform routing; fewer:
+        # the shared experts of a random checkpoint's correlated routing, several rows each)
+        used = min(a.experts_used or e_n, e_n)
+        ids = torch.rand(t, used, device=dev, generator=g).argsort(-1)[:, :topk]
         weights = torch.rand(t, topk, device=dev, generator=g)
         ms = bench(lambda: grouped_moe.routed_experts_fp4(x, weights, ids, tables, 10.0, x.dtype), cuda)
         sel = int(ids.unique().numel())
@@ -165,12 +168,16 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
                             for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
+                "row tiles": [dict(BM=bm, BN=bn, BK=bk, num_warps=warps, ROWS=True)
+                              for bm, bn, bk, warps in itertools.product([2, 4, 8], [16, 32], [128, 256], [4])],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                           for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
                                                                          [1] if unpiped else [3])],
             }
             for name, fn in (("up", up), ("down", down)):
                 for family, configs in families.items():
+                    if family not in a.families.split(","):
+                        continue
                     best = []
                     for cfg in configs:
                         try:
@@ -188,6 +195,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
+    ap.add_argument("--experts-used", type=int, default=0,
+                    help="grouped FP4: route among this many experts only (0: all 256)")
+    ap.add_argument("--families", default="one-row,row tiles,tiles", help="the sweep's kernel families")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--separate-experts", action="store_true",
                     help="grouped FP4: each expert its own tensors (address tables) instead of stacked buffers")

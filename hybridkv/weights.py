@@ -144,6 +144,9 @@ def load_state(model: torch.nn.Module, model_dir: str | Path, narrow_float: bool
     with _Reader(files) as reader:
         if narrow_float:
             _narrow_float_weights(model, reader)
+        stack = getattr(model, "stack_projections", None)
+        if stack is not None:   # buffers shared by the weights one GEMM reads; filled by the copy below
+            stack()
         expected = model.state_dict()
         missing = [n for n in expected if n not in files]
         unexpected = [n for n in files if n not in expected]

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridkv.errors import CheckpointError, ConfigError
 from hybridkv.model import ContiguousKV, ForwardBatch
-from hybridkv.weights import load_model, save_checkpoint
+from hybridkv.weights import checkpoint_files, load_model, save_checkpoint
 
 
 def _copy(fixtures, tmp_path, name="v4-tiny"):
@@ -126,3 +127,35 @@ def test_index_naming_missing_shard(fixtures, tmp_path):
     victim.unlink()
     with pytest.raises(CheckpointError, match=f"lists shard {victim.name}, which does not exist"):
         load_model(tmp_path)
+
+
+def test_attention_projections_load_into_one_stacked_buffer():
+    """Loading (bf16, the release's dtypes) puts each V4 attention layer's per-token float projections
+    (compressor kv/gate, indexer compressor kv/gate, indexer head weights) in one buffer, in order,
+    and every one of them holds exactly its checkpoint tensor."""
+    from safetensors import safe_open
+
+    from hybridkv.model.attention import Attention
+    from hybridkv.model.linear import stacked_weight
+    model_dir = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
+    model, cfg = load_model(model_dir, dtype=torch.bfloat16)
+    files = checkpoint_files(model_dir)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stacked = 0
+    for attn in (m for m in model.modules() if isinstance(m, Attention)):
+        proj = attn.token_projections()
+        if not proj:
+            continue
+        # all of them, or (this model's compressors are float32, its indexer head weights bf16) all
+        # but the indexer's head weights
+        group = attn.stacked_projections
+        assert group in (proj, proj[:-1]) and len({lin.weight.dtype for lin in group}) == 1
+        w = stacked_weight(group)
+        assert w is not None and w.shape[0] == sum(p.out_features for p in group)
+        stacked += 1
+        for lin in proj:
+            name = names[id(lin.weight)]
+            with safe_open(files[name], "pt") as f:
+                assert torch.equal(lin.weight, f.get_tensor(name).to(lin.weight.dtype)), name
+    # every compressed layer of the blocks and of the MTP layers
+    assert stacked == sum(1 for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if cfg.layer_ratio(i))

@@ -31,7 +31,7 @@ from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK, ModelConfig
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
-from hybridkv.model.linear import Linear, pair_storage, paired_forward
+from hybridkv.model.linear import Linear, pair_storage, paired_forward, stack_storage, stacked_forward
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
@@ -88,6 +88,7 @@ class Attention(nn.Module):
                 self.compressor = Compressor(c, layer_id, self.head_dim, False, dtype)
             if self.mode == "csa":
                 self.indexer = Indexer(c, layer_id, fmt, dtype)
+        self.stacked_projections: list[Linear] = []    # see stack_projections
         self.kv_pow2 = c.kv_pow2_scales
         self.indexer_topk = c.index_topk
         self.rope_key = ("compressed" if self.ratio else "window", c.qk_rope_head_dim)
@@ -163,17 +164,45 @@ class Attention(nn.Module):
         """Per-token inputs of the compressed path, computed once for the flat batch; the score rows
         of the compressors in `fused` without their position bias (their decode kernel adds it)."""
         rows: dict[str, torch.Tensor] = {}
+        proj = self.stacked_projections
+        got = dict(zip(proj, stacked_forward(proj, x))) if proj and compress else {}
+        pair = lambda c: (got[c.wkv], got[c.wgate]) if c.wkv in got else None  # noqa: E731
         if self.compressor is not None and compress:
-            rows["comp_kv"], score = self.compressor.project(x, batch.positions, ape="kv" not in fused)
+            rows["comp_kv"], score = self.compressor.project(x, batch.positions, ape="kv" not in fused,
+                                                             projected=pair(self.compressor))
             if score is not None:
                 rows["comp_score"] = score
         if self.indexer is not None:
             rows["idx_q"] = self.indexer.queries(qr, freqs)
-            rows["idx_w"] = self.indexer.head_weights(x)
             if not self.v41:
-                rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(x, batch.positions,
-                                                                                    ape="index" not in fused)
+                rows["idx_w"] = self.indexer.head_weights(x, got.get(self.indexer.weights_proj))
+                rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(
+                    x, batch.positions, ape="index" not in fused, projected=pair(self.indexer.compressor))
+            else:
+                rows["idx_w"] = self.indexer.head_weights(x)
         return rows
+
+    def token_projections(self) -> list[Linear]:
+        """V4's float linears that read the attention input of every token, in their stacked order:
+        the compressor's kv and gate, then the indexer's compressor's kv and gate and its head weights
+        (CSA). Empty for V4.1 and for window-only layers."""
+        if self.v41 or self.compressor is None:
+            return []
+        out = [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            out += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
+        return out
+
+    def stack_projections(self) -> bool:
+        """Put `token_projections` in one buffer (`stack_storage`) so that the GPU reads them with
+        one GEMM; before the weights are loaded, after their dtypes are final. The indexer's head
+        weights join only when they share the compressors' dtype. Returns whether any were stacked."""
+        proj = self.token_projections()
+        for group in (proj, proj[:-1]):
+            if stack_storage(group):
+                self.stacked_projections = group
+                return True
+        return False
 
     def _window_fused(self, dkv: DecodeKV) -> bool:
         """Whether a decode group's window rows go through `write_window_fp8` (round trip, pack and

@@ -54,17 +54,21 @@ class Compressor(nn.Module):
         """True when every token is its own entry (V4.1 ratio 1): no pending-block state."""
         return self.wgate is None
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor,
-                ape: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, ape: bool = True,
+                projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token rows: (kv [T, coff·d], score (+ ape) [T, coff·d]) in float32 for the state; for a
         stateless compressor (latent entries [T, d], None). ape=False leaves the position bias to
-        the caller (a fused decode kernel adds it)."""
+        the caller (a fused decode kernel adds it). `projected`: (wkv(x), wgate(x)) already computed
+        (by one GEMM over the layer's stacked projections)."""
         if self.stateless:
             return self.norm(self.wkv(x)), None
-        score = self.wgate(x)          # float32 weights (or bf16-stored ones): float32 products
+        if projected is not None:
+            kv, score = projected
+        else:
+            kv, score = self.wkv(x), self.wgate(x)  # float32 weights (or bf16-stored ones): float32 products
         if self.ape is not None and ape:
             score = score + self.ape[positions % self.ratio]
-        return self.wkv(x), score
+        return kv, score
 
     def update(self, state: CompressorState | None, kv: torch.Tensor, score: torch.Tensor | None, start_pos: int,
                inv_freq: torch.Tensor, write=None) -> tuple[int, torch.Tensor | None]:

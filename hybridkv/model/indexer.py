@@ -37,8 +37,9 @@ class Indexer(nn.Module):
         """[T, heads, head_dim]: RoPE on the last dims of each head, Hadamard, FP4 round trip."""
         return rope_hadamard_fp4(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
 
-    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weights_proj(x) * self.weight_scale
+    def head_weights(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-head weights [T, heads]; `projected`: weights_proj(x) already computed."""
+        return (self.weights_proj(x) if projected is None else projected) * self.weight_scale
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Top-k entry ids [T, k] (−1 = unused) among entries visible to each query."""

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.ops.backend import is_deterministic
-from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear
+from hybridkv.ops.backend import is_deterministic, use_triton
+from hybridkv.ops.qgemm import fp8_kernel_ok, packed_fp8_linear, widened_rows_ok
 from hybridkv.ops.quant import act_quant_sim, dequant_fp4_weight, dequant_fp8_weight
 
 FORMATS = ("float", "fp8", "fp4")
@@ -31,11 +31,16 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     the arithmetic (a float32 weight the checkpoint holds in bf16: the head, the compressors'
     projections). On CUDA with x in the weight's dtype that is one GEMM with a float32 output:
     bf16 × bf16 products are exact in float32, so it computes what widening both operands would,
-    without a float32 copy of the weight at every step. Elsewhere (and in deterministic mode, whose
-    GEMMs are batch-invariant) both are widened."""
-    if (x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+    without a float32 copy of the weight at every step; at decode sizes it is one Triton launch
+    (`hybridkv.ops.qgemm.float_rows`, which also takes a float32 weight with a narrower input).
+    Elsewhere (and in deterministic mode, whose GEMMs are batch-invariant) both are widened."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if widened_rows_ok(x2, weight):    # few rows (decode): one launch, split over K
+        from hybridkv.ops.qgemm.float_rows import rows_linear
+        y = rows_linear(x2, weight).view(*x.shape[:-1], -1)
+    elif (x.is_cuda and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
             and not is_deterministic() and not torch.is_grad_enabled()):
-        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
     else:
         y = F.linear(x.to(torch.float32), weight.to(torch.float32))
     return y if y.dtype == out_dtype else y.to(out_dtype)
@@ -140,3 +145,57 @@ def paired_forward(first: Linear, second: Linear, x: torch.Tensor) -> tuple[torc
         return first(x), second(x)
     both = packed_fp8_linear(x, *pair, first.compute_dtype)
     return both[..., : first.out_features], both[..., first.out_features:]
+
+
+def stack_storage(linears: list["Linear"]) -> bool:
+    """Give float linears of one input one buffer for their weights, each one's rows right after the
+    previous one's, so that one GEMM reads them all (`stacked_forward`): the compressors' and the
+    indexer's projections of an attention layer. Their values are not kept: call it before the
+    weights are loaded. Only for two or more "float" linears of one weight dtype, width and device;
+    returns whether they were stacked."""
+    if len(linears) < 2 or any(lin is None or lin.fmt != "float" for lin in linears):
+        return False
+    w0 = linears[0].weight
+    if any(lin.weight.dtype != w0.dtype or lin.in_features != linears[0].in_features
+           or lin.weight.device != w0.device for lin in linears):
+        return False
+    buf = torch.empty(sum(lin.out_features for lin in linears), linears[0].in_features, dtype=w0.dtype,
+                      device=w0.device)
+    at = 0
+    for lin in linears:
+        lin.weight = nn.Parameter(buf[at:at + lin.out_features], requires_grad=lin.weight.requires_grad)
+        at += lin.out_features
+    return True
+
+
+def stacked_weight(linears: list["Linear"]) -> torch.Tensor | None:
+    """The [ΣN, K] view over linears that `stack_storage` stacked (and that still lie that way), else None."""
+    ws = [lin.weight for lin in linears]
+    first = ws[0]
+    if not all(w.is_contiguous() for w in ws):
+        return None
+    at = first.data_ptr()
+    for w in ws:
+        if w.dtype != first.dtype or w.shape[1:] != first.shape[1:] or w.data_ptr() != at or \
+                w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += w.nbytes
+    return first.as_strided((sum(w.shape[0] for w in ws), first.shape[1]), first.stride())
+
+
+def stacked_forward(linears: list["Linear"], x: torch.Tensor) -> list[torch.Tensor]:
+    """[lin(x) for lin in linears]; on the GPU one GEMM with float32 products over the stacked
+    weight (`stack_storage`), each output a column slice of its result in the linear's compute
+    dtype. Elsewhere (the CPU's exact path, deterministic mode, training, unstacked weights) each
+    linear runs alone."""
+    w = stacked_weight(linears)
+    if (w is None or not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16) or is_deterministic()
+            or torch.is_grad_enabled()):
+        return [lin(x) for lin in linears]
+    y = widened_linear(x, w, torch.float32)
+    out, at = [], 0
+    for lin in linears:
+        part = y[..., at:at + lin.out_features]
+        out.append(part if lin.compute_dtype == torch.float32 else part.to(lin.compute_dtype))
+        at += lin.out_features
+    return out

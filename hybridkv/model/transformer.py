@@ -16,6 +16,7 @@ from torch import nn
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model import ced
+from hybridkv.model.attention import Attention
 from hybridkv.model.block import Block
 from hybridkv.model.linear import Linear, widened_linear
 from hybridkv.model.csa2 import CrossLayerShare
@@ -81,6 +82,11 @@ class Transformer(nn.Module):
         _add_hc_head(self, c.hc_mult, c.hidden_size)
         self.mtp = nn.ModuleList(MTPBlock(c, c.num_hidden_layers + i, fmt, expert_fmt, dtype)
                                  for i in range(c.num_nextn_predict_layers))
+
+    def stack_projections(self) -> int:
+        """Stack every attention layer's per-token float projections in one buffer per layer
+        (`Attention.stack_projections`), before the weights are loaded. Returns how many layers."""
+        return sum(m.stack_projections() for m in self.modules() if isinstance(m, Attention))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
                 after_layer: Callable | None = None) -> torch.Tensor:

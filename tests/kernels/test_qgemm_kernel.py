@@ -129,12 +129,14 @@ def test_grouped_fp4_deeper_k_steps_give_the_same_product(device, bk):
         kernels.grouped_fp4(x, None, tiles, tables, n, torch.float32, config=dict(BM=16, BN=64, BK=384))
 
 
-@pytest.mark.parametrize("bn,bk,layout", [(16, 128, "stacked"), (32, 256, "table"), (64, 512, "stacked")])
-def test_one_row_decode_kernel_matches_torch(device, bn, bk, layout):
-    """The decode kernel (one sorted row per program, codes widened by bit placement) against
-    torch in float64: every E2M1 code (the subnormal 0.5 too) and both signs, rows gathered from
-    their tokens, three experts with one, two and three rows, a column count no tile divides; with
-    w3 the clamped SwiGLU times the routing weight."""
+@pytest.mark.parametrize("bm,bn,bk,layout", [(1, 16, 128, "stacked"), (1, 32, 256, "table"), (1, 64, 512, "stacked"),
+                                              (2, 16, 128, "table"), (4, 32, 128, "stacked"), (4, 16, 256, "stacked")])
+def test_cuda_core_decode_kernels_match_torch(device, bm, bn, bk, layout):
+    """The decode kernels on the CUDA cores (BM 1: one sorted row per program; BM > 1: a tile of up
+    to BM rows of one expert, each code widened once for all of them) against torch in float64:
+    every E2M1 code (the subnormal 0.5 too) and both signs, rows gathered from their tokens, experts
+    with two, three and three rows (ragged tiles), a column count no tile divides; with w3 the
+    clamped SwiGLU times the routing weight."""
     from hybridkv.ops.quant import dequant_fp4_weight
     g = torch.Generator().manual_seed(bn + bk)
     e_n, n, k = 3, 80, 512
@@ -143,7 +145,7 @@ def test_one_row_decode_kernel_matches_torch(device, bn, bk, layout):
     x = reference.act_quant_sim(torch.randn(4, k, generator=g) * 4, 128)
     ids = torch.tensor([[0, 2], [1, 2], [2, 1], [0, 0]])
     sort = grouped_moe.sort_by_expert(ids, e_n)
-    tiles = grouped_moe.expert_tiles(sort, 1)
+    tiles = grouped_moe.expert_tiles(sort, bm)
     route = torch.rand(ids.numel(), generator=g)
     w, s, x, route = w.to(device), s.to(device), x.to(device), route.to(device)
     tiles = tuple(t.to(device) for t in tiles)
@@ -153,7 +155,7 @@ def test_one_row_decode_kernel_matches_torch(device, bn, bk, layout):
                  torch.tensor([s[j, e].data_ptr() for e in range(e_n)], device=device)) for j in range(2)]
     else:
         proj = [(w[j], s[j]) for j in range(2)]
-    cfg = dict(BM=1, BN=bn, BK=bk, num_warps=4)
+    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=4, ROWS=True)
     got = kernels.grouped_fp4(x, token, tiles, proj[0], n, torch.float32, config=cfg)
     dense = [[dequant_fp4_weight(w[j, e].view(torch.int8), s[j, e].view(torch.float8_e8m0fnu), 32, torch.float64)
               for e in range(e_n)] for j in range(2)]
@@ -285,3 +287,48 @@ def test_split_k_decode_adds_the_splits_in_order_in_the_gemm(device, dtype, quan
         got = kernels.fp8_linear(x, q, s, dtype, config=cfg, quantise_in=quantise_in)
         assert got.dtype == dtype and torch.equal(got, want)
     assert not kernels._arrivals(x.device, 1).any()
+
+
+@pytest.mark.parametrize("rows,n,k,wdtype", [(1, 200, 640, torch.bfloat16), (5, 64, 1000, torch.bfloat16),
+                                             (40, 96, 512, torch.bfloat16), (2, 24, 1536, torch.float32)])
+def test_float_rows_gemm_matches_the_widened_product(device, rows, n, k, wdtype):
+    """Few rows times a bf16 (or float32) weight with a float32 result, K split over programs and
+    added by the last one: equal to float32 products of the widened operands (ragged N and K)."""
+    from hybridkv.ops.qgemm import float_rows
+    g = torch.Generator().manual_seed(rows + n + k)
+    x = (torch.randn(rows, k, generator=g) * 2).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(wdtype)
+    cfg = float_rows.rows_config(rows, n, k, w.element_size())
+    assert cfg["SPLIT_K"] > 1
+    got = float_rows.rows_linear(x.to(device), w.to(device)).cpu()
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    again = float_rows.rows_linear(x.to(device), w.to(device)).cpu()
+    assert torch.equal(got, again)                 # split order fixed: run to run identical
+
+
+def test_stacked_projections_equal_each_linear_alone(device, monkeypatch):
+    """Float linears of one input stacked in one buffer (`stack_storage`): one float32-product GEMM
+    over all of them gives each linear's own output, in its compute dtype, to float32 round-off."""
+    from hybridkv.model.linear import stack_storage, stacked_forward, stacked_weight
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    g = torch.Generator().manual_seed(3)
+    with torch.device(device):
+        lins = [Linear(640, 96, "float", torch.float32), Linear(640, 96, "float", torch.float32),
+                Linear(640, 16, "float", torch.bfloat16)]
+    for lin in lins:                       # the release's bf16 storage, as loading narrows it
+        lin.weight = torch.nn.Parameter(lin.weight.detach().to(torch.bfloat16), requires_grad=False)
+    assert stack_storage(lins)
+    with torch.no_grad():
+        for lin in lins:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.05)
+    assert stacked_weight(lins) is not None
+    x = torch.randn(3, 640, generator=g).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        got = stacked_forward(lins, x)
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+        want = [lin(x) for lin in lins]
+    for a, b, lin in zip(got, want, lins):
+        assert a.dtype == b.dtype == lin.compute_dtype and a.shape == b.shape
+        assert rel_rms(b.float(), a.float()) < (1e-5 if a.dtype == torch.float32 else 4e-3)

@@ -250,7 +250,10 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
     if b == 0:
         return
     d = state_kv.shape[-1] // (2 if overlap else 1)
-    kv, score = kv.float().contiguous(), score.float().contiguous()
+    kv, score = kv.float(), score.float()
+    # the rows may be column slices of one stacked projection: rows of one stride, columns contiguous
+    if kv.stride(-1) != 1 or score.stride(-1) != 1 or kv.stride(0) != score.stride(0):
+        kv, score = kv.contiguous(), score.contiguous()
     if not (state_kv.is_contiguous() and state_score.is_contiguous() and state_kv.dtype == torch.float32):
         raise ValueError("compress_decode: the compressor state must be contiguous float32")
     mode = INDEX_PACKED if kind == "index" else MAIN_PACKED

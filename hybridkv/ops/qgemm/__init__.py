@@ -40,6 +40,21 @@ def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return kernels.fp8_linear(x, weight, scale, out_dtype)
 
 
+def widened_rows_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `float_rows.rows_linear` computes x2 · weightᵀ with a float32 result: the Triton path
+    (`use_triton`), at most `float_rows.MAX_ROWS` rows, a weight of at most `MAX_WEIGHT_BYTES` with
+    contiguous rows, half-precision or float32 operands, no gradient wanted, not deterministic mode
+    (whose GEMMs are batch-invariant; this split depends on the rows)."""
+    if x2.dim() != 2 or is_deterministic() or not use_triton(x2) or torch.is_grad_enabled() and (
+            x2.requires_grad or weight.requires_grad):
+        return False
+    from hybridkv.ops.qgemm import float_rows
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    return (x2.shape[0] <= float_rows.MAX_ROWS and weight.nbytes <= float_rows.MAX_WEIGHT_BYTES
+            and x2.dtype in floats and weight.dtype in floats and weight.stride(-1) == 1
+            and x2.device == weight.device)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                out_dtype: torch.dtype) -> torch.Tensor:
     """act_quant_sim(x) @ dequant(weight, scale)ᵀ -> [..., N] of out_dtype (see `reference`)."""

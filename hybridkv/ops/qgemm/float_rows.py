@@ -1,0 +1,107 @@
+"""Few-row GEMMs with a float32 result over weights read as they are stored (bf16, fp16 or float32):
+the decode path of the widened linears (the compressors' and the indexer's projections, several
+stacked in one weight, see `hybridkv.model.linear.stack_storage`) and of mHC's mixes (the bf16
+stream times the float32 `hc_*_fn`).
+
+One launch: [BM, BN] tiles, the K loop split over programs so that a few rows still spread over
+every SM, and the last of a tile's programs to arrive adds the partial sums in split order (the
+protocol of `triton.fp8_gemm_kernel`). bf16 × bf16 runs on the tensor cores (its products are exact
+in float32); a float32 weight (or input) through IEEE float32 dots, the precision of torch's float32
+GEMM. What differs from torch is the order of the float32 additions only. Larger inputs (prefill)
+stay with torch's GEMMs (`widened_rows_ok`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _gpu_fence, _interpreting
+
+MAX_ROWS = 64              # more rows: torch's GEMM
+MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their byte time in cuBLAS
+
+
+@triton.jit
+def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                     IEEE: tl.constexpr, FENCE: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BN)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok, n_ok = rm < M, rn < N
+    n_kb = tl.cdiv(K, BK)
+    per = tl.cdiv(n_kb, SPLIT_K)
+    kb0 = pid_k * per
+    kb1 = tl.minimum(kb0 + per, n_kb)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k = kb * BK + rk
+        k_ok = k < K
+        x = tl.load(X + rm.to(tl.int64)[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(W + rn.to(tl.int64)[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    ok = m_ok[:, None] & n_ok[None, :]
+    out = Y + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=ok)
+    else:
+        at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(P + pid_k.to(tl.int64) * M * N + at, acc, mask=ok)
+        _gpu_fence(FENCE)
+        tl.debug_barrier()
+        if tl.atomic_add(CNT + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            _gpu_fence(FENCE)
+            total = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT_K):      # in split order
+                total += tl.load(P + tl.full([], j, tl.int64) * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out, total, mask=ok)
+            tl.atomic_xchg(CNT + pid, 0)
+
+
+def rows_config(m: int, n: int, k: int, weight_bytes: int) -> dict:
+    """Tiles for [m ≤ 64, k] × [n, k]ᵀ: 16–64-row tiles, 64 columns (32 for a float32 weight, whose
+    128-deep block is twice the bytes), K split until the tiles cover every SM twice."""
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = 32 if weight_bytes == 4 else 64
+    bk = 128
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    n_kb = triton.cdiv(k, bk)
+    split = 1
+    while split * 2 <= n_kb // 2 and tiles * split < 2 * NUM_SMS_GUESS:
+        split *= 2
+    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
+def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x2 [M, K] · weight [N, K]ᵀ -> float32 [M, N] with float32 products and sums (both operands'
+    rows contiguous)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("rows_linear: the weight's rows must be contiguous")
+    cfg = dict(config or rows_config(m, n, k, weight.element_size()))
+    split = cfg.pop("SPLIT_K")
+    y = torch.empty(m, n, dtype=torch.float32, device=x2.device)
+    if m == 0:
+        return y
+    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
+    counters = _arrivals(x2.device, tiles) if split > 1 else y
+    # bf16 × bf16 on the tensor cores; the interpreter's bf16 dots are not usable, and a float32
+    # operand must not be rounded to tf32
+    ieee = _interpreting() or x2.dtype == torch.float32 or weight.dtype == torch.float32 or x2.dtype != weight.dtype
+    rows_gemm_kernel[(tiles, split)](x2, weight, y, partials, counters, m, n, k, x2.stride(0), weight.stride(0),
+                                     y.stride(0), SPLIT_K=split, IEEE=ieee, FENCE=not _interpreting(), **cfg)
+    return y
