@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.errors import RequestError
+from hybridkv.ops.sampling import greedy_rows
 
 
 @dataclass
@@ -91,6 +92,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     rows = logits.shape[0]
     if rows == 0:
         return []
+    if all(p.temperature == 0 and not p.logprobs for p in params):     # the common decode step
+        tokens_h, chosen_h = _to_host(*greedy_rows(logits))
+        return [Sampled(t, lp, None) for t, lp in zip(tokens_h, chosen_h)]
     tokens = torch.argmax(logits, -1)
     for i, p in enumerate(params):
         if p.temperature != 0:
