@@ -168,8 +168,6 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
                             for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
-                "row tiles": [dict(BM=bm, BN=bn, BK=bk, num_warps=warps, ROWS=True)
-                              for bm, bn, bk, warps in itertools.product([2, 4, 8], [16, 32], [128, 256], [4])],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                           for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
                                                                          [1] if unpiped else [3])],
@@ -197,7 +195,7 @@ def main() -> int:
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--experts-used", type=int, default=0,
                     help="grouped FP4: route among this many experts only (0: all 256)")
-    ap.add_argument("--families", default="one-row,row tiles,tiles", help="the sweep's kernel families")
+    ap.add_argument("--families", default="one-row,tiles", help="the sweep's kernel families")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--separate-experts", action="store_true",
                     help="grouped FP4: each expert its own tensors (address tables) instead of stacked buffers")

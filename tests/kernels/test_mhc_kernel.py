@@ -91,3 +91,15 @@ def test_the_model_takes_the_fn_path_at_decode_sizes_only(device, monkeypatch):
         assert rel_rms(b[:5].cpu().float(), a.cpu().float()) <= 1e-5
     head_fn = fn[:hc]
     assert rel_rms(_mixes(x, head_fn, 1e-6)[:5].cpu(), _mixes(x[:5], head_fn, 1e-6).cpu()) <= 1e-5
+
+
+def test_a_tokens_mix_partials_do_not_depend_on_the_batch(device):
+    """One token alone (a program per token) and in a batch of 40 (eight tokens a program): the
+    same partial sums, bit for bit."""
+    from hybridkv.ops.mhc import triton as kernels
+    x, fn, *_ = _inputs(40, 4, 200, seed=4)
+    x2, fn = x.flatten(1).to(device), fn.to(device)
+    assert 40 > kernels.MIX_ONE_TOKEN
+    m = fn.shape[0] + 1                    # the mixes and the sum of squares (the rest is padding)
+    many = kernels.mix_partials(x2, fn)[..., :m]
+    assert torch.equal(kernels.mix_partials(x2[13:14], fn)[..., :m], many[13:14])

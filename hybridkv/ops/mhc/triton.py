@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` program
-MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program (its fn chunk is loaded once)
+MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program beyond MIX_ONE_TOKEN tokens
+MIX_ONE_TOKEN = 16          # up to here a program per token and chunk (the fn chunk re-read from L2)
 MAX_PARTIAL_TOKENS = 64     # more tokens (prefill): the mixes come from a GEMM
 
 
@@ -141,8 +142,10 @@ def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     nch = triton.cdiv(k, MIX_CHUNK)
     part = torch.empty(t, nch, mp, dtype=torch.float32, device=x2.device)
     if t:
-        mix_partials_kernel[(nch, triton.cdiv(t, MIX_TOKENS))](x2, x2.stride(0), fn, part, t, k, nch, m, CH=MIX_CHUNK,
-                                                               MP=mp, TB=MIX_TOKENS, num_warps=4)
+        # a token's partials do not depend on how many tokens share its program
+        tb = 1 if t <= MIX_ONE_TOKEN else MIX_TOKENS
+        mix_partials_kernel[(nch, triton.cdiv(t, tb))](x2, x2.stride(0), fn, part, t, k, nch, m, CH=MIX_CHUNK, MP=mp,
+                                                       TB=tb, num_warps=4)
     return part
 
 

@@ -8,12 +8,7 @@ activation; the e8m0 scale (times 2^126) multiplies each word's partial sum. Eac
 the next K block before it computes this one. Rows that share an expert are adjacent programs of
 the grid, so their second read of the weight comes from L2.
 
-With a few rows per expert (a decode batch whose tokens share experts) one program takes a tile
-of up to BM rows of one expert (`grouped_fp4_tile_rows_kernel`): each code is widened once, times
-its word's scale (exact: a power of two), and multiplies every row's activation, so the weight's
-decoding is shared by the tile's rows instead of repeated per row.
-
-Same contract as `triton.grouped_fp4` (whose tile table, built with BM rows per tile, they read):
+Same contract as `triton.grouped_fp4` (whose tile table, built with one row per tile, it reads):
 activations already through their FP8 round trip, products exact in float32, only the order of
 the float32 additions differs from the tensor-core kernel.
 """
@@ -120,69 +115,6 @@ def grouped_fp4_rows_kernel(X, ROWS, TILE_E, TILE_S, WP1, SP1, WP3, SP3, ROUTE, 
     tl.store(Y + r.to(tl.int64) * N + rn, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _block_dot_tile(acc, words, scale, xrows, r_ok, c, kb, BK: tl.constexpr):
-    """acc [BM, BN, BK/8] + each code times its word's scale (exact) times each row's activation."""
-    for j in tl.static_range(8):
-        x = tl.load(xrows[:, None] + kb * BK + c[None, :] * 8 + j, mask=r_ok[:, None], other=0.0).to(tl.float32)
-        w = _e2m1_plane(words, j) * scale
-        acc += w[None, :, :] * x[:, None, :]
-    return acc
-
-
-@triton.jit
-def grouped_fp4_tile_rows_kernel(X, ROWS, TILE_E, TILE_S, TILE_T, WP1, SP1, WP3, SP3, ROUTE, Y, N, K, w_words,
-                                 s_stride, ew_stride, es_stride, stride_x, limit,
-                                 GATHER: tl.constexpr, SWIGLU: tl.constexpr, TABLE: tl.constexpr,
-                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(TILE_E + pid_m)
-    if e < 0:
-        return
-    start, end = tl.load(TILE_S + pid_m), tl.load(TILE_T + pid_m)
-    r = start + tl.arange(0, BM)
-    r_ok = r < end
-    src = tl.load(ROWS + r, mask=r_ok, other=0) if GATHER else r
-    xrows = X + src.to(tl.int64) * stride_x
-    rn = pid_n * BN + tl.arange(0, BN)
-    n_ok = rn < N
-    c = tl.arange(0, BK // 8)
-    n_kb = K // BK
-    w1 = _expert_base(WP1, e, ew_stride, TABLE).to(tl.pointer_type(tl.int32))
-    s1 = _expert_base(SP1, e, es_stride, TABLE)
-    w3, s3 = w1, s1
-    if SWIGLU:
-        w3 = _expert_base(WP3, e, ew_stride, TABLE).to(tl.pointer_type(tl.int32))
-        s3 = _expert_base(SP3, e, es_stride, TABLE)
-    acc1 = tl.zeros((BM, BN, BK // 8), dtype=tl.float32)
-    acc3 = tl.zeros((BM, BN, BK // 8), dtype=tl.float32)
-    words1, scale1 = _load_block(w1, s1, rn, n_ok, c, 0, True, w_words, s_stride, BN, BK)
-    words3, scale3 = words1, scale1
-    if SWIGLU:
-        words3, scale3 = _load_block(w3, s3, rn, n_ok, c, 0, True, w_words, s_stride, BN, BK)
-    for kb in range(0, n_kb):
-        live = kb + 1 < n_kb
-        next1, nscale1 = _load_block(w1, s1, rn, n_ok, c, kb + 1, live, w_words, s_stride, BN, BK)
-        if SWIGLU:
-            next3, nscale3 = _load_block(w3, s3, rn, n_ok, c, kb + 1, live, w_words, s_stride, BN, BK)
-            acc3 = _block_dot_tile(acc3, words3, scale3, xrows, r_ok, c, kb, BK)
-            words3, scale3 = next3, nscale3
-        acc1 = _block_dot_tile(acc1, words1, scale1, xrows, r_ok, c, kb, BK)
-        words1, scale1 = next1, nscale1
-    if SWIGLU:
-        gate = tl.sum(acc1, 2).to(Y.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc3, 2).to(Y.dtype.element_ty).to(tl.float32)
-        if limit > 0:
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            gate = tl.minimum(gate, limit)
-        route = tl.load(ROUTE + r, mask=r_ok, other=0.0)
-        out = route[:, None] * (gate * tl.sigmoid(gate) * up)
-    else:
-        out = tl.sum(acc1, 2)
-    tl.store(Y + r.to(tl.int64)[:, None] * N + rn[None, :], out.to(Y.dtype.element_ty),
-             mask=r_ok[:, None] & n_ok[None, :])
-
-
 def row_block_k(k: int, want: int = 256) -> int:
     """The deepest power-of-two K block (≤ want, ≥ 128) dividing k."""
     bk = want
@@ -195,26 +127,20 @@ def grouped_fp4_rows(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[to
                      w1: tuple[torch.Tensor, torch.Tensor], n: int, out_dtype: torch.dtype, y: torch.Tensor,
                      w3: tuple[torch.Tensor, torch.Tensor] | None, route: torch.Tensor | None, limit: float,
                      strides: tuple[int, int], table: bool, config: dict) -> torch.Tensor:
-    """The launch behind `triton.grouped_fp4` for the CUDA-core kernels (config with ROWS true; the
-    caller checked the layout): BM 1, one row per program; BM > 1 (a power of two), a tile of up to
-    BM rows of one expert per program. config: BN (weight rows per program), BK (inputs per loop
-    step, a power of two ≥ 128 dividing K; the deepest up to 256 when absent, 128 for tiles), num_warps."""
+    """The launch behind `triton.grouped_fp4` for one-row tiles (config BM 1; the caller checked the
+    layout). config: BN (weight rows per program), BK (inputs per loop step, a power of two ≥ 128
+    dividing K; the deepest up to 256 when absent), num_warps."""
     k = x.shape[-1]
     cfg = dict(config)
-    bm = cfg.pop("BM")
-    cfg.pop("ROWS", None)
+    cfg.pop("BM")
     cfg.pop("num_stages", None)
-    bk = cfg.pop("BK", None) or row_block_k(k, 256 if bm == 1 else 128)
+    bk = cfg.pop("BK", None) or row_block_k(k)
     if bk < 128 or bk & (bk - 1) or k % bk:
         raise ValueError(f"grouped FP4 rows: BK {bk} must be a power of two ≥ 128 dividing K = {k}")
     swiglu = w3 is not None
     grid = (tiles[0].shape[0], triton.cdiv(n, cfg["BN"]))
-    args = (x, rows if rows is not None else tiles[0], tiles[0], tiles[1])
-    rest = (w1[0], w1[1], *(w3 if swiglu else w1), route if swiglu else x, y, n, k, k // WORD, k // FP4_BLOCK,
-            strides[0], strides[1], x.stride(0), float(limit))
-    flags = dict(GATHER=rows is not None, SWIGLU=swiglu, TABLE=table, BK=bk, **cfg)
-    if bm == 1:
-        grouped_fp4_rows_kernel[grid](*args, *rest, **flags)
-    else:
-        grouped_fp4_tile_rows_kernel[grid](*args, tiles[2], *rest, BM=bm, **flags)
+    grouped_fp4_rows_kernel[grid](
+        x, rows if rows is not None else tiles[0], tiles[0], tiles[1], w1[0], w1[1], *(w3 if swiglu else w1),
+        route if swiglu else x, y, n, k, k // WORD, k // FP4_BLOCK, strides[0], strides[1], x.stride(0), float(limit),
+        GATHER=rows is not None, SWIGLU=swiglu, TABLE=table, BK=bk, **cfg)
     return y

@@ -39,8 +39,6 @@ from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
-ROW_TILE_PAIRS = 512    # decode pairs up to here, above one row per two experts: CUDA-core row tiles
-ROW_TILE_BM = 4         # rows of one expert per such tile
 DECODE_ROWS = 64       # at most this many rows: the decode tiles (and, on CUDA, this GEMM rather than torch's)
 
 
@@ -441,9 +439,7 @@ def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool =
     to 512 pairs, 64-row tiles beyond. A config may also set BK, the inputs one loop iteration
     multiplies (a multiple of 128 dividing K; 128 for the tiles, up to 256 for one row, when absent)."""
     if pairs <= (experts // 2 if experts else 64):
-        return dict(BM=1, BN=32 if gated else 64, num_warps=4, ROWS=True)
-    if pairs <= ROW_TILE_PAIRS:
-        return dict(BM=ROW_TILE_BM, BN=32, BK=128, num_warps=4, ROWS=True)
+        return dict(BM=1, BN=32 if gated else 64, num_warps=4)
     if pairs <= 512:
         return dict(BM=16, BN=64, num_warps=4, num_stages=3)
     return dict(BM=64, BN=128, num_warps=8, num_stages=3)
@@ -483,7 +479,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     ew, es = (0, 0) if table else (w1[0].stride(0), w1[1].stride(0))
     if swiglu and not table and (w3[0].stride(0), w3[1].stride(0)) != (ew, es):
         raise ValueError("grouped FP4: w1 and w3 stacks must have the same strides")
-    if cfg.get("ROWS") or cfg["BM"] == 1:
+    if cfg["BM"] == 1:
         cfg["BK"] = rows_bk
         return grouped_fp4_rows(x, rows, tiles, w1, n, out_dtype, y, w3, route, limit, (ew, es), table, cfg)
     mode = fp4_dot_mode(x.device, table) if fp4_dot is None else fp4_dot
