@@ -102,3 +102,16 @@ for limit in (0.0, 10.0):
 fp8_w = (torch.zeros(512, 1024, dtype=torch.float8_e4m3fn), torch.zeros(4, 8, dtype=torch.float8_e8m0fnu))
 for rows in (1, 40, 200):      # split K (in-kernel quantisation and partial sums), one-pass decode, prefill
     attempt(f"fp8_linear rows={rows}", lambda: qk.fp8_linear(torch.zeros(rows, 1024).bfloat16(), *fp8_w, torch.bfloat16))
+from hybridkv.ops.mhc import triton as mhc_kernels  # noqa: E402
+from hybridkv.ops.qgemm import float_rows  # noqa: E402
+from hybridkv.ops.sampling import triton as sampling_kernels  # noqa: E402
+
+for wdtype in (torch.bfloat16, torch.float32):   # stacked projections (tensor cores), float32 weights (IEEE)
+    attempt(f"rows_linear weight={wdtype}", lambda: float_rows.rows_linear(torch.zeros(2, 4096).bfloat16(),
+                                                                         torch.zeros(200, 4096, dtype=wdtype)))
+hc_x = torch.zeros(2, 4, 4096).bfloat16()
+attempt("mhc_pre_fn", lambda: mhc_kernels.mhc_pre_fn(hc_x, torch.zeros(24, 4 * 4096), torch.ones(3), torch.zeros(24),
+                                                   20, 1e-6, 1e-6))
+attempt("mix_partials tokens=40", lambda: mhc_kernels.mix_partials(torch.zeros(40, 4 * 4096).bfloat16(),
+                                                                   torch.zeros(4, 4 * 4096)))
+attempt("greedy_rows", lambda: sampling_kernels.greedy_rows(torch.zeros(2, 129280)))

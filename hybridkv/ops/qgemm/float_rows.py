@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _gpu_fence, _interpreting
+from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _interpreting, _split_k_arrive, _split_k_total
 
 MAX_ROWS = 64              # more rows: torch's GEMM
 MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their byte time in cuBLAS
@@ -56,16 +56,8 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
         tl.store(out, acc, mask=ok)
     else:
         at = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(P + pid_k.to(tl.int64) * M * N + at, acc, mask=ok)
-        _gpu_fence(FENCE)
-        tl.debug_barrier()
-        if tl.atomic_add(CNT + pid, 1, sem="acq_rel") == SPLIT_K - 1:
-            _gpu_fence(FENCE)
-            total = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT_K):      # in split order
-                total += tl.load(P + tl.full([], j, tl.int64) * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out, total, mask=ok)
-            tl.atomic_xchg(CNT + pid, 0)
+        if _split_k_arrive(P, CNT, pid, pid_k, at, acc, ok, M, N, SPLIT_K, FENCE):
+            tl.store(out, _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, FENCE), mask=ok)
 
 
 def rows_config(m: int, n: int, k: int, weight_bytes: int) -> dict:

@@ -110,6 +110,28 @@ def _gpu_fence(NEEDED: tl.constexpr):
 
 
 @triton.jit
+def _split_k_arrive(P, CNT, tile, pid_k, at, acc, ok, M, N, SPLIT_K: tl.constexpr, FENCE: tl.constexpr):
+    """Store this program's share of a split-K tile into P [SPLIT_K, M, N] (`at`: the tile's offsets
+    in one [M, N] plane) and count its arrival in CNT[tile]; whether it arrived last."""
+    tl.store(P + pid_k.to(tl.int64) * M * N + at, acc, mask=ok)
+    _gpu_fence(FENCE)
+    tl.debug_barrier()
+    return tl.atomic_add(CNT + tile, 1, sem="acq_rel") == SPLIT_K - 1
+
+
+@triton.jit
+def _split_k_total(P, CNT, tile, at, ok, M, N, SPLIT_K: tl.constexpr, FENCE: tl.constexpr):
+    """In the last program to arrive: the tile's shares added in split order (whatever order the
+    programs ran in), and CNT[tile] reset to zero for the next launch."""
+    _gpu_fence(FENCE)
+    total = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
+    for j in tl.static_range(1, SPLIT_K):
+        total += tl.load(P + tl.full([], j, tl.int64) * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+    tl.atomic_xchg(CNT + tile, 0)
+    return total
+
+
+@triton.jit
 def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, xs_row, xs_blk, stride_ym, ws_stride,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, NATIVE: tl.constexpr, QUANT_IN: tl.constexpr,
@@ -159,18 +181,11 @@ def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, x
     if SPLIT_K == 1:
         tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=ok)
     else:
-        tl.store(P + pid_k.to(tl.int64) * M * N + at, acc, mask=ok)
-        _gpu_fence(NATIVE)
-        tl.debug_barrier()
-        if tl.atomic_add(CNT + pid, 1, sem="acq_rel") == SPLIT_K - 1:
-            _gpu_fence(NATIVE)
-            total = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT_K):      # in split order
-                total += tl.load(P + tl.full([], j, tl.int64) * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+        if _split_k_arrive(P, CNT, pid, pid_k, at, acc, ok, M, N, SPLIT_K, NATIVE):
+            total = _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, NATIVE)
             if OUT_BF16:   # round to nearest by hand: the interpreter's own cast truncates
                 total = _bf16_round(total)
             tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], total.to(Y.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(CNT + pid, 0)
 
 
 def fp8_config(m: int, n: int, k: int) -> dict:
