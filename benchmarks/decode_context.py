@@ -56,6 +56,23 @@ def timed_steps(engine, steps: int, device: str) -> list[float]:
     return out
 
 
+def replay_ms(eng, n: int = 20) -> float | None:
+    """Elapsed device time of the last captured decode graph replayed n times back to back (it
+    rewrites the same step's cache rows with the same values), per replay."""
+    captured = [g.graph for g in eng.graphs.graphs.values() if g.graph is not None] if eng.graphs else []
+    if not captured:
+        return None
+    graph = captured[-1]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def profiled_steps(engine, steps: int, device: str, top: int) -> tuple[float, str]:
     """Device time per step and the top operators by device time (CUDA only)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

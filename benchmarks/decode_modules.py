@@ -29,29 +29,13 @@ sys.path.insert(0, str(ROOT))
 
 from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.engine import LLM, SamplingParams  # noqa: E402
+from decode_context import replay_ms  # noqa: E402  (this folder is on sys.path)
 
 
 def steps(eng, n: int) -> None:
     for _ in range(n):
         eng.step()
     torch.cuda.synchronize()
-
-
-def replay_ms(eng, n: int = 20) -> float | None:
-    """Elapsed device time of the last captured decode graph replayed n times back to back (it
-    rewrites the same step's cache rows with the same values), per replay."""
-    captured = [g.graph for g in eng.graphs.graphs.values() if g.graph is not None] if eng.graphs else []
-    if not captured:
-        return None
-    graph = captured[-1]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def annotate(model) -> list:

@@ -7,8 +7,9 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
 
 - decode at each batch × context (and 1M at B=1 with --million): wall ms per step (median, host
   clock around a synchronised step), device ms per step (kernel time under torch.profiler), tokens/s,
-  and the least bytes the step must read: the non-expert weights of the blocks and the head, the
-  routed experts the step's tokens selected (counted in an extra eager step with hooks on the
+  the elapsed device time of the last step's graph replayed back to back between device events
+  (`replay ms`: its kernels and the gaps between them), and the least bytes the step must read:
+  the non-expert weights of the blocks and the head, the routed experts the step's tokens selected (counted in an extra eager step with hooks on the
   gates), the KV the attention kernels must read (each layer's window, a CSA layer's top-k entries
   and every indexer key, an HCA layer's entries). `bytes ms` = those bytes ÷ --bandwidth (the
   H200's measured copy rate, 4.13 TB/s), `ratio` = device ms ÷ bytes ms.
@@ -50,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from hybridkv.cache.layout import entry_bytes  # noqa: E402
 from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
-from decode_context import timed_steps  # noqa: E402  (this folder is on sys.path)
+from decode_context import replay_ms, timed_steps  # noqa: E402  (this folder is on sys.path)
 
 GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
 # operator families of a step's kernels, first match wins (kernel names: Triton's function names,
@@ -248,6 +249,7 @@ def worker(a) -> None:
         timed_steps(eng, WARM_STEPS, a.device)
         wall = statistics.median(timed_steps(eng, a.steps, a.device))
         busy, _, top, fams = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
+        replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
         counter = ExpertCounter(model)
         timed_steps(eng, 1, a.device)
@@ -257,7 +259,7 @@ def worker(a) -> None:
         bytes_ms = must / a.bandwidth * 1e3
         dev = busy / a.steps if busy is not None else None
         emit(dict(kind="decode", path=a.path, batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
-                  device_ms=dev, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
+                  device_ms=dev, replay_ms=replay, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
                   ratio=dev / bytes_ms if dev is not None else None,
                   wall_over_device=1e3 * wall / dev if dev else None, top=top,
                   families={k: v / a.steps for k, v in fams.items()}))
@@ -413,13 +415,13 @@ def report(rows: list[dict], a) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke: not a result)"
     print(f"\n# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch {torch.__version__}; "
           f"command: python benchmarks/engine_gpu.py {' '.join(sys.argv[1:])}")
-    print("\n| path | batch | context | tok/s | wall ms | device ms | wall/device | must read | bytes ms | "
+    print("\n| path | batch | context | tok/s | wall ms | device ms | replay ms | wall/device | must read | bytes ms | "
           "device/bytes | experts |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["kind"] == "decode":
             print(f"| {r['path']} | {r['batch']} | {r['context']:,} | {r['tok_s']:.1f} | {r['wall_ms']:.2f} | "
-                  f"{fmt(r['device_ms'])} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
+                  f"{fmt(r['device_ms'])} | {fmt(r.get('replay_ms'))} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
                   f"{fmt(r['bytes_ms'], '.3f')} | {fmt(r['ratio'])} | {fmt(r['experts_selected'], 'd')} |")
     print("\nDevice ms of one decode step by operator family:\n")
     for r in rows:
