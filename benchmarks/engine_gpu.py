@@ -9,10 +9,11 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   clock around a synchronised step), device ms per step (kernel time under torch.profiler), tokens/s,
   the elapsed device time of the last step's graph replayed back to back between device events
   (`replay ms`: its kernels and the gaps between them), and the least bytes the step must read:
-  the non-expert weights of the blocks and the head, the routed experts the step's tokens selected (counted in an extra eager step with hooks on the
-  gates), the KV the attention kernels must read (each layer's window, a CSA layer's top-k entries
-  and every indexer key, an HCA layer's entries). `bytes ms` = those bytes ÷ --bandwidth (the
-  H200's measured copy rate, 4.13 TB/s), `ratio` = device ms ÷ bytes ms.
+  the non-expert weights of the blocks and the head, the routed experts the step's tokens selected
+  (counted in an extra eager step with hooks on the gates), the KV the attention kernels must read
+  (each layer's window, a CSA layer's top-k entries and every indexer key, an HCA layer's
+  entries). `bytes ms` = those bytes ÷ --bandwidth (the H200's measured copy rate, 4.13 TB/s),
+  `ratio` = device ms ÷ bytes ms.
 - GPU memory after loading and the peak over the run, next to the checkpoint's bytes and the KV
   pool's.
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
