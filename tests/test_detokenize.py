@@ -27,3 +27,48 @@ def test_release(case):
 def test_partial_stop_is_the_longest_prefix_suffix():
     assert partial_stop("abcab", ["abc"]) == 2 and partial_stop("abcab", ["bx", "cabd"]) == 3
     assert partial_stop("abc", ["abc"]) == 0          # a whole stop string is a cut, not a prefix
+
+
+@pytest.mark.parametrize("model_dir", ["models/tiny-v4", "tests/fixtures/tokenizer-tiny"])
+def test_output_text_equals_decoding_every_token(model_dir):
+    """`OutputText` against a decode of the whole output at every step, on the shipped tokenizers:
+    characters of 2, 3 and 4 bytes split across tokens, special tokens, random ids (bytes no UTF-8
+    reader accepts), and the step that drops its stop token. It decodes a bounded tail only."""
+    import random
+    from pathlib import Path
+
+    from hybridkv.engine.detokenize import OutputText
+    from hybridkv.engine.tokenizer import Tokenizer
+    root = Path(__file__).resolve().parents[1]
+    tok = Tokenizer.from_model_dir(root / model_dir) if model_dir.startswith("models") else \
+        Tokenizer(root / model_dir / "tokenizer.json")
+    assert tok.decodes_by_concatenation
+    rng = random.Random(0)
+    text = "naïve café — 日本語のテキスト 🙂🚀 and plain words, " * 3
+    ids = tok.encode(text)
+    vocab = tok._tok.get_vocab_size(with_added_tokens=True)
+    for _ in range(40):                                    # random ids spliced in, specials included
+        ids.insert(rng.randrange(len(ids)), rng.randrange(vocab))
+    out, longest = OutputText(), 0
+    for n in range(1, len(ids) + 1):
+        assert out.decode(tok, ids[:n]) == tok.decode(ids[:n]), n
+        longest = max(longest, n - out.anchor)
+        if n % 17 == 0:                                    # a stop token's step: the ids without it
+            assert out.decode(tok, ids[:n - 1]) == tok.decode(ids[:n - 1]), n
+    assert longest < 20
+
+
+def test_output_text_decodes_everything_for_other_decoders():
+    from hybridkv.engine.detokenize import OutputText
+
+    class Plain:
+        decodes_by_concatenation = False
+        calls: list[int] = []
+
+        def decode(self, ids):
+            self.calls.append(len(ids))
+            return "".join(map(str, ids))
+
+    tok, out = Plain(), OutputText()
+    assert [out.decode(tok, list(range(n))) for n in (1, 2, 3)] == ["0", "01", "012"]
+    assert tok.calls == [1, 2, 3] and out.anchor == 0

@@ -455,7 +455,8 @@ class EngineCore:
         if self.tokenizer is not None:
             # the token that stops the request is not text
             ids = seq.output_ids[:-1] if reason == "stop" else seq.output_ids
-            delta, stopped = release(self.tokenizer.decode(ids), seq.text, seq.params.stop, reason is not None)
+            delta, stopped = release(seq.decoded.decode(self.tokenizer, ids), seq.text, seq.params.stop,
+                                     reason is not None)
             seq.text += delta
             reason = "stop" if stopped else reason
         return Event(seq.request_id, s.token_id, delta, reason is not None, reason, len(seq.output_ids) - 1), reason

@@ -7,11 +7,16 @@ Released text is final, never taken back:
 - text that could be the beginning of a stop string is held back until it cannot be;
 - a stop string ends the text before it (the stop string itself is never released);
 - the token that stops a request (EOS, a stop token id) adds no text.
+
+`OutputText` keeps a request's decoded text without decoding every output token at every step
+(that grew with the output: 1.3 ms a step for 4,000 tokens of the shipped tokenizer on one CPU
+core, for each request of the batch).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 
 def partial_stop(text: str, stops: list[str]) -> int:
@@ -48,3 +53,24 @@ def release(decoded: str, released: str, stops: list[str], final: bool) -> tuple
     if stops:
         end -= partial_stop(decoded[:end], stops)
     return decoded[base:max(base, end)], False
+
+
+@dataclass
+class OutputText:
+    """decode(ids) of a request's growing output ids, in time that does not grow with the output:
+    the text of the ids before `anchor` is kept, and only those after it are decoded. Exact for
+    tokenizers whose decode is the UTF-8 reading of their tokens' bytes laid end to end (byte-level
+    BPE, `Tokenizer.decodes_by_concatenation`): the anchor moves only past text that ends in a whole
+    character (no trailing U+FFFD), where that reading splits. Other tokenizers decode it all."""
+    anchor: int = 0
+    text: str = ""
+
+    def decode(self, tokenizer, ids: list[int]) -> str:
+        """decode(ids); ids extends (or equals, or drops the last of) the ids of the previous call."""
+        if not tokenizer.decodes_by_concatenation or len(ids) < self.anchor:
+            return tokenizer.decode(ids)
+        tail = tokenizer.decode(ids[self.anchor:])
+        full = self.text + tail
+        if tail and not tail.endswith("\ufffd"):
+            self.anchor, self.text = len(ids), full
+        return full

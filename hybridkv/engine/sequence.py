@@ -10,6 +10,7 @@ import torch
 
 from hybridkv.cache.paged import SeqCache
 from hybridkv.cache.prefix import Snapshot
+from hybridkv.engine.detokenize import OutputText
 from hybridkv.engine.sampling import SamplingParams
 
 
@@ -37,6 +38,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""                                 # released so far (engine/detokenize.py); final once finished
+    decoded: OutputText = field(default_factory=OutputText)   # the output's decode, kept incrementally
     finish_reason: str | None = None
     error: str | None = None
     first_token_time: float | None = None

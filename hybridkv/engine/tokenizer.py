@@ -76,6 +76,12 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    @cached_property
+    def decodes_by_concatenation(self) -> bool:
+        """Whether decode(a + b) == decode(a) + decode(b) wherever decode(a) ends in a whole
+        character: a byte-level decoder (each token's bytes, laid end to end, read as UTF-8)."""
+        return type(self._tok.decoder).__name__ == "ByteLevel"
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
