@@ -102,7 +102,9 @@ def main() -> int:
     eng, model = llm.engine, llm.engine.model
     g = torch.Generator().manual_seed(0)
     seqs = [eng.add_request(torch.randint(2, model.config.vocab_size, (ctx,), generator=g).tolist(),
-                            SamplingParams(max_tokens=2 * a.steps + 16, ignore_eos=True)) for _ in range(a.batch)]
+                            # early requests decode while the rest prefill: room for that too
+                            SamplingParams(max_tokens=2 * a.steps + 16 + -(-a.batch * ctx // 8192) + 1,
+                                           ignore_eos=True)) for _ in range(a.batch)]
     while any(s.first_token_time is None for s in seqs):
         eng.step()
     steps(eng, 4)

@@ -186,13 +186,20 @@ def workload(a) -> tuple[list[tuple[int, int]], list[int]]:
     return cells, prefills
 
 
+def decode_budget(a, b: int, ctx: int) -> int:
+    """Tokens each request of a (batch, context) cell may generate: the measured steps, and the
+    steps in which a request whose prompt is done decodes while the rest of the batch prefills
+    (a step schedules decode first). With fewer, early requests end during the measurement and the
+    batch shrinks under it."""
+    return WARM_STEPS + 2 * a.steps + 8 + -(-b * ctx // a.chunk) + 1
+
+
 def worker(a) -> None:
     from hybridkv.engine import LLM, SamplingParams
     cuda = a.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     cells, prefills = workload(a)
-    longest = max([b * (c + 256) for b, c in cells] + [p + 256 for p in prefills])
-    budget = WARM_STEPS + 2 * a.steps + 8
+    longest = max([b * (c + decode_budget(a, b, c)) for b, c in cells] + [p + 256 for p in prefills])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -243,6 +250,7 @@ def worker(a) -> None:
         emit(dict(kind="prefill", path=a.path, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy, gemm_ms=gemm,
                   linear_tflops=flops_tok * n / (gemm * 1e-3) / 1e12 if gemm else None, top=top))
     for b, ctx in cells:
+        budget = decode_budget(a, b, ctx)
         ctx = min(ctx, eng.max_model_len - budget)
         seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
         while any(s.first_token_time is None for s in seqs):
@@ -251,6 +259,9 @@ def worker(a) -> None:
         wall = statistics.median(timed_steps(eng, a.steps, a.device))
         busy, _, top, fams = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
         replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
+        ended = sum(s.finish_reason is not None for s in seqs)
+        if ended:
+            raise RuntimeError(f"B={b} x {ctx:,}: {ended} requests ended during the measurement (decode_budget)")
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
         counter = ExpertCounter(model)
         timed_steps(eng, 1, a.device)
