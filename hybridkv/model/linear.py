@@ -123,17 +123,29 @@ def pair_storage(first: Linear, second: Linear) -> bool:
     return True
 
 
+def _end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view [ΣN, ...] over tensors that lie one right after another in one storage (each
+    contiguous, of one dtype and row shape), else None."""
+    first = tensors[0]
+    at = first.data_ptr()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or t.data_ptr() != at
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        at += t.nbytes
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
+
+
 def paired_weights(first: Linear, second: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The [N1 + N2, ...] weight and scale views over two linears that `pair_storage` paired (and
     that still lie that way: moving a module moves each parameter alone), else None."""
     out = []
     for attr in ("weight", "scale"):
         a, b = getattr(first, attr, None), getattr(second, attr, None)
-        if (a is None or b is None or a.dtype != b.dtype or a.shape[1:] != b.shape[1:] or not a.is_contiguous()
-                or not b.is_contiguous() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-                or b.data_ptr() != a.data_ptr() + a.nbytes):
+        view = None if a is None or b is None else _end_to_end([a, b])
+        if view is None:
             return None
-        out.append(a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride()))
+        out.append(view)
     return out[0], out[1]
 
 
@@ -170,17 +182,7 @@ def stack_storage(linears: list["Linear"]) -> bool:
 
 def stacked_weight(linears: list["Linear"]) -> torch.Tensor | None:
     """The [ΣN, K] view over linears that `stack_storage` stacked (and that still lie that way), else None."""
-    ws = [lin.weight for lin in linears]
-    first = ws[0]
-    if not all(w.is_contiguous() for w in ws):
-        return None
-    at = first.data_ptr()
-    for w in ws:
-        if w.dtype != first.dtype or w.shape[1:] != first.shape[1:] or w.data_ptr() != at or \
-                w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return None
-        at += w.nbytes
-    return first.as_strided((sum(w.shape[0] for w in ws), first.shape[1]), first.stride())
+    return _end_to_end([lin.weight for lin in linears])
 
 
 def stacked_forward(linears: list["Linear"], x: torch.Tensor) -> list[torch.Tensor]:

@@ -158,7 +158,7 @@ def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def mhc_pre(x, mixes_raw, scale, base, iters, eps, norm_eps):
-    """`reference.mhc_pre`; mixes_raw None: the mixes come from fn (see `mhc_pre_fn`)."""
+    """`reference.mhc_pre` with the raw mixes [T, (2+hc)·hc] given (prefill: one GEMM)."""
     return _pre(x, mixes_raw, False, scale, base, iters, eps, norm_eps)
 
 

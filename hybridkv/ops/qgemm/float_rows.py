@@ -1,7 +1,7 @@
 """Few-row GEMMs with a float32 result over weights read as they are stored (bf16, fp16 or float32):
 the decode path of the widened linears (the compressors' and the indexer's projections, several
-stacked in one weight, see `hybridkv.model.linear.stack_storage`) and of mHC's mixes (the bf16
-stream times the float32 `hc_*_fn`).
+stacked in one weight, see `hybridkv.model.linear.stack_storage`; float32-stored ones times a bf16
+input).
 
 One launch: [BM, BN] tiles, the K loop split over programs so that a few rows still spread over
 every SM, and the last of a tile's programs to arrive adds the partial sums in split order (the
