@@ -57,8 +57,8 @@ def timed_steps(engine, steps: int, device: str) -> list[float]:
 
 
 def replay_ms(eng, n: int = 20) -> float | None:
-    """Elapsed device time of the last captured decode graph replayed n times back to back (it
-    rewrites the same step's cache rows with the same values), per replay."""
+    """Elapsed device time of the most recently replayed decode graph (the last step's) replayed n
+    times back to back (it rewrites the same step's cache rows with the same values), per replay."""
     captured = [g.graph for g in eng.graphs.graphs.values() if g.graph is not None] if eng.graphs else []
     if not captured:
         return None
