@@ -4,7 +4,9 @@ bounds the step is the work of turning each packed code into an operand (Triton'
 the tile kernel, widens codes to bf16 and stages them through shared memory for the MMA). Here the
 weight is read as 32-bit words of eight E2M1 codes, and each code becomes a float32 by moving its
 bits into place (two shifts, two masks: the value times 2^-126, exactly), then one FMA with the
-activation; the e8m0 scale (times 2^126) multiplies each word's partial sum. Each program loads
+activation, which is read times 2^100 so that the products stay normal float32 numbers (an
+activation below about 2^-20 would otherwise make subnormal products; |x| < 2^28 keeps it finite);
+the e8m0 scale (times 2^26) multiplies each word's partial sum. Each program loads
 the next K block before it computes this one. Rows that share an expert are adjacent programs of
 the grid, so their second read of the weight comes from L2.
 
@@ -48,7 +50,7 @@ def _load_block(w, sc, rn, n_ok, c, kb, live, w_words, s_stride, BN: tl.constexp
     g = tl.arange(0, BK // 32)
     s = tl.load(sc + rn.to(tl.int64)[:, None] * s_stride + kb * (BK // 32) + g[None, :], mask=ok, other=127)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
-    scale = _e8m0(s) * 8.507059173023462e37           # 2^126 undoes the bit placement's 2^-126
+    scale = _e8m0(s) * 67108864.0          # 2^26: with the activations' 2^100, undoes the placement's 2^-126
     return words.to(tl.uint32, bitcast=True), scale
 
 
@@ -57,7 +59,7 @@ def _block_dot(acc, words, scale, xrow, c, kb, BK: tl.constexpr):
     """acc [BN, BK/8] + each word's eight codes × their activations, times the word's scale."""
     part = tl.zeros(words.shape, dtype=tl.float32)
     for j in tl.static_range(8):
-        x = tl.load(xrow + kb * BK + c * 8 + j).to(tl.float32)                  # [BK/8], shared by the rows
+        x = tl.load(xrow + kb * BK + c * 8 + j).to(tl.float32) * 1.2676506002282294e30   # [BK/8] · 2^100, shared by the rows
         part += _e2m1_plane(words, j) * x[None, :]
     return acc + part * scale
 
