@@ -128,7 +128,7 @@ def test_serve_runs_the_tier_flags(fixtures, tmp_path):
 def test_serve_runs_a_memory_policy(fixtures):
     server = _serve(fixtures, "--memory-policy", "recency-256", "--max-model-len", "2048")
     engine = server.engine
-    assert str(engine.memory) == "recency-256" and engine.ec.enable_prefix_caching is False
+    assert str(engine.memory) == "recency-256" and engine.ec.enable_prefix_caching is True
     assert server.driver is not None and engine.max_model_len == 2048
     _run_one(engine, 640)
     assert engine.stats.pages_evicted > 0       # CSA KV left the device, as under eval
@@ -136,19 +136,17 @@ def test_serve_runs_a_memory_policy(fixtures):
 
 def test_serve_refuses_what_a_policy_cannot_do(fixtures, capsys):
     args = ["serve", str(fixtures / "v4-tiny"), "--tokenizer", TOKENIZER, "--num-blocks", "16"]
-    assert main([*args, "--memory-policy", "recency-256", "--enable-prefix-caching"]) == 2
-    assert "prefix caching cannot be combined" in capsys.readouterr().err
     assert main([*args, "--memory-policy", "full,oracle-8"]) == 2
     assert "hybridkv eval" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("policy", ["full", "recency-256"])
 def test_the_callers_config_is_never_changed(fixtures, policy):
-    """The engine resolves enable_prefix_caching (None: on unless the policy offloads) in its own copy."""
+    """The engine resolves enable_prefix_caching (None: on) in its own copy."""
     ec = EngineConfig(num_blocks=16, max_num_seqs=2, memory_policy=policy, tiers={"dram_bytes": 0})
     before = copy.deepcopy(ec)
     llm = LLM(fixtures / "v4-tiny", engine_config=ec)
-    assert llm.engine.ec is not ec and llm.engine.ec.enable_prefix_caching is (policy == "full")
+    assert llm.engine.ec is not ec and llm.engine.ec.enable_prefix_caching is True
     llm.generate([[2 + i % 300 for i in range(40)]], SamplingParams(max_tokens=2))
     assert ec == before and ec.enable_prefix_caching is None
     second = LLM(fixtures / "v4-tiny", engine_config=ec, max_num_seqs=3)    # a keyword over the config

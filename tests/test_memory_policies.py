@@ -85,9 +85,29 @@ def test_oracle_uses_prompt_end_attention(fixtures):
     assert seq.device_kv_bytes["CSA main"] == 3 * llm.engine.store.page_bytes()  # top 2 + newest
 
 
-def test_prefix_caching_conflict_is_explicit(fixtures):
-    with pytest.raises(ConfigError, match="prefix caching cannot be combined"):
-        LLM(fixtures / "v4-tiny", num_blocks=8, memory_policy="recency-512", enable_prefix_caching=True)
+@pytest.mark.parametrize("policy", ["recency-512", "flashmemory-0.3"])
+def test_a_prefix_hit_under_an_offloading_policy_equals_the_request_computed_whole(fixtures, policy,
+                                                                                   warm_start_indexer):
+    """A second request over the same prompt takes its blocks from the prefix cache: their CSA
+    entries come from host memory (the device pages loaded from there), and the policy then keeps
+    its share; outputs and logits equal the first request's and a run without prefix caching."""
+    ids = prompt(900, seed=5)
+    kw = {"memory_indexer": str(warm_start_indexer)} if policy.startswith("flashmemory") else {}
+    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy=policy, **kw)
+    assert llm.engine.ec.enable_prefix_caching
+    llm.engine.record_logits = True
+    seqs = []
+    for _ in range(2):
+        seqs.append(llm.engine.add_request(ids, SamplingParams(max_tokens=10, ignore_eos=True, seed=3)))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    first, second = seqs
+    assert second.num_cached_tokens >= 768 and first.num_cached_tokens == 0
+    llm.engine.store.pool.check()
+    _, plain = run(fixtures, policy, ids, max_tokens=10, enable_prefix_caching=False, **kw)
+    assert first.output_ids == second.output_ids == plain.output_ids
+    for a, b in zip(second.step_logits, plain.step_logits):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
 
 
 @pytest.fixture(scope="module")

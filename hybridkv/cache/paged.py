@@ -212,11 +212,21 @@ class PagedKVStore:
 
     # ----- residency of CSA main entries (offload mode) -----
     def attach_pages(self, seq: SeqCache) -> None:
-        """Give every block without a page entry one: new blocks start resident."""
+        """Give every block without a page entry one: new blocks start resident. A block a prefix hit
+        provides (before `frozen_until`) already holds its entries in host memory: its page is loaded
+        from there (the hit restored the host pool; the memory policy then decides what stays)."""
         if not self.offload:
             return
         while len(seq.pages) < len(seq.block_table):
-            seq.pages.append(self.page_pool.allocate())  # raises OutOfBlocks when the page pool is full
+            b = len(seq.pages)
+            page = self.page_pool.allocate()  # raises OutOfBlocks when the page pool is full
+            if b * self.block_tokens < seq.frozen_until:
+                self._load_page(page, seq.block_table[b])
+            seq.pages.append(page)
+
+    def _load_page(self, page: int, block: int) -> None:
+        for layer_id, pages in self.pages.items():
+            pages[page].copy_(self.entries[layer_id]["kv"][block], non_blocking=True)
 
     def set_resident(self, seq: SeqCache, keep: set[int]) -> tuple[int, int]:
         """Make exactly the blocks in `keep` resident: evict the others' pages, load the missing ones
@@ -230,9 +240,7 @@ class PagedKVStore:
         for b in sorted(keep):
             if b < len(seq.pages) and seq.pages[b] < 0:
                 page = self.page_pool.allocate()
-                block = seq.block_table[b]
-                for layer_id, pages in self.pages.items():
-                    pages[page].copy_(self.entries[layer_id]["kv"][block], non_blocking=True)
+                self._load_page(page, seq.block_table[b])
                 seq.pages[b] = page
                 loaded += 1
         return loaded, evicted

@@ -53,7 +53,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
-    enable_prefix_caching: bool | None = None   # default: on, unless the memory policy offloads
+    enable_prefix_caching: bool | None = None   # default: on (with an offloading memory policy too)
     max_model_len: int | None = None     # longest request (default: max_position_embeddings)
     memory_policy: str = "full"          # full | recency-N | random-p | oracle-K | flashmemory[-B] (CSA KV kept on the device)
     memory_indexer: str | None = None    # flashmemory: its weights (default: MODEL_DIR/memory_indexer.safetensors)
@@ -131,8 +131,8 @@ class EngineConfig:
                             "max_position_embeddings)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching,
-                       help="reuse the KV of earlier requests' prefixes (default: on, unless the memory policy "
-                            "offloads)")
+                       help="reuse the KV of earlier requests' prefixes (default: on; with an offloading memory "
+                            "policy a hit restores the host copy and the policy chooses what it keeps on the device)")
         g.add_argument("--window-policy", default=d.window_policy,
                        help="the window state kept for prefix hits: full | checkpoint(N) | zero (default: %(default)s)")
         g.add_argument("--ced-prefill", action=argparse.BooleanOptionalAction, default=d.ced_prefill,

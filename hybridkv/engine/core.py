@@ -78,11 +78,8 @@ class EngineCore:
         if self.memory.offloads and self.v41:
             raise ConfigError(f"memory policy {self.memory} moves CSA main entries off the device; V4.1 checkpoints "
                               f"have none (shared global KV): use 'full'")
-        if self.memory.offloads and self.ec.enable_prefix_caching:
-            raise ConfigError(f"memory policy {self.memory} keeps part of each request's KV off the device; "
-                              f"prefix caching cannot be combined with it (leave enable_prefix_caching unset)")
         if self.ec.enable_prefix_caching is None:
-            self.ec = replace(self.ec, enable_prefix_caching=not self.memory.offloads)
+            self.ec = replace(self.ec, enable_prefix_caching=True)
         self._query_x: dict[int, torch.Tensor] = {}     # flashmemory: target layer -> this forward's attention input
         self._query_rows: dict[str, int] = {}           # request id -> its last row in this forward
         if self.memory.needs_query:
