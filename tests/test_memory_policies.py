@@ -175,6 +175,51 @@ def test_a_recalled_page_holds_the_host_copys_bytes(fixtures):
         llm.engine.step()
 
 
+class _CopiesInFlight:
+    """Stands in for the copy stream's event: the copies report arrival at the fourth query."""
+
+    def __init__(self):
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        return self.queries >= 4
+
+
+def test_a_recall_takes_over_only_when_its_pages_have_arrived(fixtures, monkeypatch):
+    """While a recall's copies are in flight, the blocks resident before stay readable and the
+    recalled ones are not read; the decode steps meanwhile go on (each asks once whether they have
+    arrived); at the first step that finds them arrived the new resident set takes over, and the
+    recalled page holds the host copy's bytes."""
+    from hybridkv.cache.paged import PagedKVStore
+    copy = PagedKVStore._copy_pages
+    monkeypatch.setattr(PagedKVStore, "_copy_pages",
+                        lambda self, seq, loads: copy(self, seq, loads) or (_CopiesInFlight() if loads else None))
+    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy="recency-128")
+    seq = llm.engine.add_request(prompt(900, seed=4), SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.step()                                   # the prefill; recency keeps the newest blocks
+    store, cache, stats = llm.engine.store, seq.cache, llm.engine.stats
+    old = list(cache.pages)
+    assert old[0] < 0 and cache.recall is None
+    keep = {0, len(cache.block_table) - 1}
+    assert store.start_recall(cache, keep) == 1
+    used, loaded, evicted = store.page_pool.num_used, stats.pages_loaded, stats.pages_evicted
+    for _ in range(2):                                  # in flight: the old set is what is read
+        assert store.settle_recall(cache) is None and cache.pages == old
+        llm.engine.step()
+    assert cache.recall is None                         # the second step found the pages arrived
+    gone = sum(p >= 0 for p in old) - 1
+    assert (stats.pages_loaded, stats.pages_evicted) == (loaded + 1, evicted + gone)
+    assert [b for b, p in enumerate(cache.pages) if p >= 0] == sorted(keep)
+    assert store.page_pool.num_used == used - gone
+    for layer, pages in store.pages.items():
+        assert torch.equal(pages[cache.pages[0]], store.entries[layer]["kv"][cache.block_table[0]])
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    store.pool.check()
+    assert store.page_pool.num_used == 0
+
+
 def test_flashmemory_without_an_indexer_or_with_another_models_is_refused(fixtures, tmp_path):
     from hybridkv.memory.indexer import MemoryIndexer
     from hybridkv.train.export import float_model

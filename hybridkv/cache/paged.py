@@ -100,6 +100,18 @@ class _Codec:
 
 
 @dataclass
+class Recall:
+    """A residency change in flight (offload mode): pages being filled from host memory on the copy
+    stream for the blocks in `loads`; when they have arrived the blocks named in `keep` (of the
+    first `blocks` blocks; later ones were added since and stay) become the resident set."""
+    keep: set[int]
+    blocks: int
+    loads: dict[int, int]                   # block index -> the page being filled
+    arrived: "torch.cuda.Event | None"      # None: the copies are complete (CPU, or nothing to load)
+    evicted: int = 0                        # pages evicted before the copies (too few free pages)
+
+
+@dataclass
 class SeqCache:
     """A request's place in the store: its slot, its block table, and what it may not overwrite."""
 
@@ -108,6 +120,7 @@ class SeqCache:
     window_start: int = 0      # earliest position whose window row is valid (bounded replay starts later)
     frozen_until: int = 0      # entries complete before this position come from the prefix cache
     pages: list[int] = field(default_factory=list)  # offload mode: device page of each block's CSA main entries, -1 = host only
+    recall: Recall | None = None                     # offload mode: a residency change whose pages are still in flight
 
 
 class PagedKVStore:
@@ -142,6 +155,17 @@ class PagedKVStore:
         self.host = torch.device("cpu")
         self.page_pool = BlockPool(resident_pages) if self.offload else None
         self.pages: dict[int, torch.Tensor] = {}    # CSA layer -> device pages [pages, entries/block, E]
+        self._copy_stream = None
+        csa = [i for i in range(self.num_layers) if config.layer_kind(i) == "csa"] if self.offload else []
+        if csa:
+            # one block's CSA main entries of every CSA layer lie together, in host memory and in a
+            # device page, so that a recall moves a page in one copy
+            kv, per = self.codec["kv"], self.block_tokens // config.layer_ratio(csa[0])
+            self._host_csa = torch.zeros(num_blocks, len(csa), per, kv.width, dtype=kv.storage_dtype,
+                                         pin_memory=self.device.type == "cuda")
+            self._page_csa = torch.zeros(resident_pages, len(csa), per, kv.width, dtype=kv.storage_dtype,
+                                         device=self.device)
+            csa_slot = {layer: i for i, layer in enumerate(csa)}
         self.entries: list[dict[str, torch.Tensor]] = []
         self.overlap: list[bool] = []
         self.states: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -153,12 +177,12 @@ class PagedKVStore:
             for kind in widths:
                 c = self.codec[kind]
                 offloaded = self.offload and config.layer_kind(layer_id) == "csa" and kind == "kv"
-                ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
-                                         device=self.host if offloaded else self.device,
-                                         pin_memory=offloaded and self.device.type == "cuda")
                 if offloaded:
-                    self.pages[layer_id] = torch.zeros(resident_pages, self.block_tokens // ratio, c.width,
-                                                       dtype=c.storage_dtype, device=self.device)
+                    ents[kind] = self._host_csa[:, csa_slot[layer_id]]
+                    self.pages[layer_id] = self._page_csa[:, csa_slot[layer_id]]
+                    continue
+                ents[kind] = torch.zeros(num_blocks, self.block_tokens // ratio, c.width, dtype=c.storage_dtype,
+                                         device=self.device)
             for kind, width in state_widths.items():
                 rows = width // self.codec[kind].dim * ratio      # overlapping compressors: 2 blocks
                 sts[kind] = (torch.zeros(max_slots, rows, width, dtype=torch.float32, device=self.device),
@@ -204,6 +228,11 @@ class PagedKVStore:
         # tail before its head (the head is what most later requests share)
         for b in reversed(seq.block_table):
             self.pool.release(b)
+        if seq.recall is not None:
+            self._arrive(seq.recall)          # its pages may be reused at once
+            for p in seq.recall.loads.values():
+                self.page_pool.release(p)
+            seq.recall = None
         for p in seq.pages:
             if p >= 0:
                 self.page_pool.release(p)
@@ -225,25 +254,78 @@ class PagedKVStore:
             seq.pages.append(page)
 
     def _load_page(self, page: int, block: int) -> None:
-        for layer_id, pages in self.pages.items():
-            pages[page].copy_(self.entries[layer_id]["kv"][block], non_blocking=True)
+        self._page_csa[page].copy_(self._host_csa[block], non_blocking=True)
 
     def set_resident(self, seq: SeqCache, keep: set[int]) -> tuple[int, int]:
-        """Make exactly the blocks in `keep` resident: evict the others' pages, load the missing ones
-        from host memory. Returns (pages loaded, pages evicted)."""
-        loaded = evicted = 0
-        for b, page in enumerate(seq.pages):
-            if page >= 0 and b not in keep:
-                self.page_pool.release(page)
+        """Make exactly the blocks in `keep` resident now (the recall below, waited for). Returns
+        (pages loaded, pages evicted)."""
+        self.start_recall(seq, keep)
+        return self.settle_recall(seq, wait=True)
+
+    def start_recall(self, seq: SeqCache, keep: set[int]) -> int:
+        """Begin making the blocks in `keep` the resident set: pages for those that have none are
+        filled from host memory on a copy stream of their own (on CUDA; at once elsewhere), ordered
+        after the work queued so far, so the copies overlap the decode steps queued after them. Until
+        `settle_recall` finds them arrived, the resident blocks stay as they are and the new ones are
+        not read. A recall still in flight is settled first. Returns the pages started. With too
+        few free pages for both sets at once the old set is evicted first and the copies waited for."""
+        if seq.recall is not None:
+            self.settle_recall(seq, wait=True)
+        want = [b for b in sorted(keep) if b < len(seq.pages) and seq.pages[b] < 0]
+        evicted = 0
+        if len(want) > self.page_pool.num_free:
+            for b, page in enumerate(seq.pages):
+                if page >= 0 and b not in keep:
+                    self.page_pool.release(page)
+                    seq.pages[b] = -1
+                    evicted += 1
+        loads = {b: self.page_pool.allocate() for b in want}
+        seq.recall = Recall(set(keep), len(seq.pages), loads, self._copy_pages(seq, loads), evicted)
+        return len(loads)
+
+    def _copy_pages(self, seq: SeqCache, loads: dict[int, int]) -> "torch.cuda.Event | None":
+        if not loads:
+            return None
+        if self.device.type != "cuda":
+            for b, page in loads.items():
+                self._load_page(page, seq.block_table[b])
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        # after everything queued so far: a page freed by an earlier eviction may still be read there
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            for b, page in loads.items():
+                self._load_page(page, seq.block_table[b])
+            arrived = torch.cuda.Event()
+            arrived.record(self._copy_stream)
+        return arrived
+
+    def _arrive(self, recall: Recall) -> None:
+        """Order the compute stream's later work after the recall's copies."""
+        if recall.arrived is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(recall.arrived)
+
+    def settle_recall(self, seq: SeqCache, wait: bool = False) -> tuple[int, int] | None:
+        """Finish the request's recall if its pages have arrived (or, with `wait`, once they have):
+        the loaded pages become readable and the blocks outside its resident set are evicted.
+        Returns (pages loaded, pages evicted), or None while the copies are still in flight (or no
+        recall is pending)."""
+        r = seq.recall
+        if r is None or (r.arrived is not None and not wait and not r.arrived.query()):
+            return None
+        self._arrive(r)
+        for b, page in r.loads.items():
+            seq.pages[b] = page
+        evicted = 0
+        for b in range(r.blocks):
+            if seq.pages[b] >= 0 and b not in r.keep:
+                self.page_pool.release(seq.pages[b])
                 seq.pages[b] = -1
                 evicted += 1
-        for b in sorted(keep):
-            if b < len(seq.pages) and seq.pages[b] < 0:
-                page = self.page_pool.allocate()
-                self._load_page(page, seq.block_table[b])
-                seq.pages[b] = page
-                loaded += 1
-        return loaded, evicted
+        seq.recall = None
+        return len(r.loads), evicted + r.evicted
 
     def resident_blocks(self, seq: SeqCache) -> list[int]:
         if not self.offload:

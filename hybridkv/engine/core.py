@@ -500,7 +500,10 @@ class EngineCore:
         return probs.float().cpu()
 
     def _after_token(self, seq: Sequence) -> None:
-        """Run the memory policy when the prefill has ended, then every `interval` decode steps."""
+        """Run the memory policy when the prefill has ended, then every `interval` decode steps: its
+        recall's pages are copied while the next steps decode, and the new resident set takes over
+        at the first step after they have arrived."""
+        self._count_recall(self.store.settle_recall(seq.cache))
         first = len(seq.output_ids) == 1
         steps = len(seq.output_ids) - 1
         if not first and steps % self.memory.interval:
@@ -519,9 +522,15 @@ class EngineCore:
             extra = {"chunk_probs": self._memory_scores(seq), "block_chunks": self.store.block_tokens // ratio}
         ctx = PolicyContext(seq.request_id, len(seq.cache.block_table), seq.num_computed, self.store.block_tokens,
                             steps, seq.params.seed or 0, mass, extra)
-        loaded, evicted = self.store.set_resident(seq.cache, self.memory.resident(ctx))
-        self.stats.pages_loaded += loaded
-        self.stats.pages_evicted += evicted
+        if seq.cache.recall is not None:        # the last recall's copies have not arrived yet
+            self._count_recall(self.store.settle_recall(seq.cache, wait=True))
+        self.store.start_recall(seq.cache, self.memory.resident(ctx))
+        self._count_recall(self.store.settle_recall(seq.cache))
+
+    def _count_recall(self, settled: tuple[int, int] | None) -> None:
+        if settled is not None:
+            self.stats.pages_loaded += settled[0]
+            self.stats.pages_evicted += settled[1]
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Why the request ends with this token, stop strings aside (`release` finds those)."""
