@@ -284,7 +284,7 @@ class PagedKVStore:
         return len(loads)
 
     def _copy_pages(self, seq: SeqCache, loads: dict[int, int]) -> "torch.cuda.Event | None":
-        if not loads:
+        if not loads or not self.pages:
             return None
         if self.device.type != "cuda":
             for b, page in loads.items():
