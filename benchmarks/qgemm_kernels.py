@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridkv.ops import grouped_moe  # noqa: E402
+from hybridkv.ops.qgemm import fp4_mma  # noqa: E402
 from hybridkv.ops.qgemm import reference  # noqa: E402
 from hybridkv.ops.qgemm import scaled  # noqa: E402
 from hybridkv.ops.qgemm import triton as kernels  # noqa: E402
@@ -143,22 +144,28 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         tok = sort.token.int()
         xq = fp8_round_trip(x, 128)
 
+        mma = fp4_mma.usable(x, (inter, dim), (dim, inter))
+
         def up(cfg=None, mode=None):
-            cfg = cfg or kernels.grouped_config(p, inter, e_n, gated=True)
+            cfg = cfg or kernels.grouped_config(p, inter, e_n, gated=True, mma=mma)
             return kernels.grouped_fp4(xq, tok, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w1, tables.s1), inter,
                                        x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg,
                                        fp4_dot=mode)
         h = up()
 
         def down(cfg=None, mode=None):
-            cfg = cfg or kernels.grouped_config(p, dim, e_n)
+            cfg = cfg or kernels.grouped_config(p, dim, e_n, mma=mma)
             return kernels.grouped_fp4(h, None, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w2, tables.s2), dim,
                                        x.dtype, config=cfg, fp4_dot=mode)
         t_up, t_down = bench(up, cuda), bench(down, cuda)
+        if mma:        # the same launches without the tensor-core decode kernel, in this run
+            before = (bench(lambda: up(kernels.grouped_config(p, inter, e_n, gated=True)), cuda),
+                      bench(lambda: down(kernels.grouped_config(p, dim, e_n)), cuda))
         by_mode = "".join(f" {bench(lambda m=m: up(mode=m), cuda):.4f} / {bench(lambda m=m: down(mode=m), cuda):.4f} |"
                           for m in a.fp4_dots)
         print(f"| {t} | {sel} | {ms:.4f} | {sel * per_expert / ms / 1e6:.0f} | "
-              f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |{by_mode}", flush=True)
+              f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |{by_mode}"
+              + (f" without the MMA kernel: {before[0]:.4f} / {before[1]:.4f}" if mma else ""), flush=True)
         if a.sweep and t in a.sweep_rows:
             # tl.dot_scaled over address tables (or where the device check found pipelining
             # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
@@ -168,6 +175,9 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
                             for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
+                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st)
+                        for mt, wk, st in itertools.product([1, 2], [1, 2, 4], [2, 3, 4]) if st * wk * mt <= 12]
+                if mma else [],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                           for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
                                                                          [1] if unpiped else [3])],
@@ -195,7 +205,7 @@ def main() -> int:
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--experts-used", type=int, default=0,
                     help="grouped FP4: route among this many experts only (0: all 256)")
-    ap.add_argument("--families", default="one-row,tiles", help="the sweep's kernel families")
+    ap.add_argument("--families", default="one-row,tiles,mma", help="the sweep's kernel families")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--separate-experts", action="store_true",
                     help="grouped FP4: each expert its own tensors (address tables) instead of stacked buffers")

@@ -332,3 +332,20 @@ def test_stacked_projections_equal_each_linear_alone(device, monkeypatch):
     for a, b, lin in zip(got, want, lins):
         assert a.dtype == b.dtype == lin.compute_dtype and a.shape == b.shape
         assert rel_rms(b.float(), a.float()) < (1e-5 if a.dtype == torch.float32 else 4e-3)
+
+
+def test_decode_sizes_choose_the_tensor_core_kernel_only_where_it_runs():
+    """`grouped_config` takes the MMA tiles (8 rows) only when asked (the caller checked
+    `fp4_mma.usable`: CUDA, sm_80+), up to the fused routing's pair limit; CPU tensors never ask;
+    the scale shift keeps 2^(s-1-S) a finite bf16; the tables know their largest scale byte."""
+    from hybridkv.ops.qgemm import fp4_mma
+    assert not fp4_mma.usable(torch.zeros(1, 256), (256,), (256,))
+    cfg = kernels.grouped_config(6, 2048, 256, gated=True, mma=True)
+    assert cfg["BM"] == fp4_mma.TILE_ROWS and cfg["MMA"]
+    assert kernels.grouped_config(6, 2048, 256, gated=True)["BM"] == 1
+    assert "MMA" not in kernels.grouped_config(kernels.MMA_MAX_PAIRS + 1, 2048, 256, mma=True)
+    assert fp4_mma.scale_shift(127) == 0 and fp4_mma.scale_shift(128) == 0 and fp4_mma.scale_shift(200) == 72
+    g = torch.Generator().manual_seed(0)
+    proj = [[(torch.randint(-128, 128, (64, 128), generator=g, dtype=torch.int8),
+              torch.full((64, 8), 2.0 ** (e - 3)).to(torch.float8_e8m0fnu)) for e in range(3)] for _ in range(3)]
+    assert grouped_moe.expert_tables(*proj).scale_max == 126     # the largest scale, 2^-1

@@ -37,6 +37,7 @@ class ExpertTables:
     dim: int
     inter: int
     key: tuple
+    scale_max: int = 127       # the largest e8m0 scale byte of any expert (`fp4_mma.scale_shift`)
 
     @property
     def stacked(self) -> bool:
@@ -95,7 +96,7 @@ def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[to
     if all(st is not None for st in stacks) and stacks[0][0].stride() == stacks[1][0].stride() \
             and stacks[0][1].stride() == stacks[1][1].stride():
         (a1, b1), (a3, b3), (a2, b2) = stacks
-        return ExpertTables(a1, b1, a3, b3, a2, b2, dim, inter, table_key([w1, w3, w2]))
+        return ExpertTables(a1, b1, a3, b3, a2, b2, dim, inter, table_key([w1, w3, w2]), _scale_max([b1, b3, b2]))
     for proj in (w1, w3, w2):
         for w, s in proj:
             if not (w.is_contiguous() and s.is_contiguous()):
@@ -105,7 +106,13 @@ def expert_tables(w1: list[tuple[torch.Tensor, torch.Tensor]], w3: list[tuple[to
                                  "reads them with wide loads)")
     cols = [[w for w, _ in p] for p in (w1, w3, w2)] + [[s for _, s in p] for p in (w1, w3, w2)]
     a = [_addresses(c, dev) for c in cols]
-    return ExpertTables(a[0], a[3], a[1], a[4], a[2], a[5], dim, inter, table_key([w1, w3, w2]))
+    return ExpertTables(a[0], a[3], a[1], a[4], a[2], a[5], dim, inter, table_key([w1, w3, w2]),
+                        _scale_max([s for p in (w1, w3, w2) for _, s in p]))
+
+
+def _scale_max(scales: list[torch.Tensor]) -> int:
+    """The largest e8m0 byte of these scale tensors (one host read)."""
+    return int(torch.stack([s.view(torch.uint8).max() for s in scales]).max())
 
 
 def cuda_kernel_enabled() -> bool:
@@ -133,10 +140,14 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     from hybridkv.ops.grouped_moe import triton as combine_kernels
     from hybridkv.ops.qgemm import triton as kernels
     from hybridkv.ops.quant.triton import fp8_round_trip
+    from hybridkv.ops.qgemm import fp4_mma
     n_experts = tables.w1.shape[0]
     p = ids.numel()
-    cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True)
-    cfg_down = kernels.grouped_config(p, tables.dim, n_experts)
+    mma = out_dtype in (torch.bfloat16, torch.float32) and fp4_mma.usable(x, (tables.inter, tables.dim),
+                                                                            (tables.dim, tables.inter))
+    cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True, mma=mma)
+    cfg_down = kernels.grouped_config(p, tables.dim, n_experts, mma=mma)
+    shift = fp4_mma.scale_shift(tables.scale_max)
     xq = fp8_round_trip(x.contiguous(), ACT_BLOCK)           # each token's input quantised once
     if p <= combine_kernels.MAX_FUSED_PAIRS and cfg_down["BM"] == cfg_up["BM"]:
         # decode: the sort, the tile table and the sorted rows' tokens and weights in one launch
@@ -149,9 +160,9 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         tiles = expert_tiles(sort, cfg_up["BM"])
         tiles_down = tiles if cfg_down["BM"] == cfg_up["BM"] else expert_tiles(sort, cfg_down["BM"])
     h = kernels.grouped_fp4(xq, token, tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
-                            w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up)
+                            w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up, shift=shift)
     out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles_down, (tables.w2, tables.s2), tables.dim,
-                              out_dtype, config=cfg_down)
+                              out_dtype, config=cfg_down, shift=shift)
     return combine_kernels.combine(out, inverse, ids, plus, result_dtype)
 
 

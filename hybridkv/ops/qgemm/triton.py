@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.qgemm import fp4_mma
 from hybridkv.ops.qgemm.fp4_rows import grouped_fp4_rows
 from hybridkv.ops.qgemm.layout import FP4_BLOCK, _e8m0, _expert_base
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
@@ -445,14 +446,21 @@ def _check_fp4_dot(device: torch.device) -> FP4Check:
     return FP4Check(stacked, by_table, piped, report)
 
 
-def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool = False) -> dict:
+MMA_MAX_PAIRS = 512        # the decode routing launch's limit (`grouped_moe.triton.MAX_FUSED_PAIRS`)
+
+
+def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool = False, mma: bool = False) -> dict:
     """Tiles of the grouped FP4 GEMM (`gated`: the w1/w3 launch with its SwiGLU). Decode, at most
     one row for every two experts (64 pairs when `experts` is not given): one row per program on
     the CUDA cores (`fp4_rows`, BM 1). Measured on the H200 at V4-Flash's width (256 experts ×
     2048, `benchmarks/qgemm_kernels.py --sweep`): 1.6× faster than the tensor-core tiles at 1 and
     8 tokens, 6 % slower at 64 tokens (about two rows per chosen expert). Otherwise 16-row tiles up
     to 512 pairs, 64-row tiles beyond. A config may also set BK, the inputs one loop iteration
-    multiplies (a multiple of 128 dividing K; 128 for the tiles, up to 256 for one row, when absent)."""
+    multiplies (a multiple of 128 dividing K; 128 for the tiles, up to 256 for one row, when absent).
+    `mma` (the caller checked `fp4_mma.usable`): up to `MMA_MAX_PAIRS` pairs run as tiles of at most
+    8 rows on the tensor cores with operands built in registers (`fp4_mma`)."""
+    if mma and pairs <= MMA_MAX_PAIRS:
+        return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **fp4_mma.DEFAULT_CONFIG)
     if pairs <= (experts // 2 if experts else 64):
         return dict(BM=1, BN=32 if gated else 64, num_warps=4)
     if pairs <= 512:
@@ -464,7 +472,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
                 w1: tuple[torch.Tensor, torch.Tensor], n: int, out_dtype: torch.dtype,
                 w3: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
                 limit: float = 0.0, config: dict | None = None, fp4_dot: int | None = None,
-                pipelined: bool | None = None) -> torch.Tensor:
+                pipelined: bool | None = None, shift: int = 0) -> torch.Tensor:
     """Sorted rows P (x[rows[i]] for row i, or x's own rows with rows None) × their experts' packed
     weights -> [P, n] of out_dtype. x holds the activations already through their FP8 round trip
     per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are.
@@ -473,7 +481,8 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     expert: the experts stacked (uint8 [E, N, K/2] and [E, N, K/32], any stride between experts),
     or int64 tables of each expert's weight and scale address. With w3 the SwiGLU of (w1, w3) times
     `route` [P] is returned. `pipelined` (default: what the device check found) lets the scaled-dot
-    K loop over stacked experts pipeline."""
+    K loop over stacked experts pipeline. `shift`: the MMA kernel's scale shift
+    (`fp4_mma.scale_shift` of the experts' largest scale byte)."""
     cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n, gated=w3 is not None))
     p = rows.shape[0] if rows is not None else x.shape[0]
     k = x.shape[-1]
@@ -494,6 +503,12 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     ew, es = (0, 0) if table else (w1[0].stride(0), w1[1].stride(0))
     if swiglu and not table and (w3[0].stride(0), w3[1].stride(0)) != (ew, es):
         raise ValueError("grouped FP4: w1 and w3 stacks must have the same strides")
+    if cfg.pop("MMA", False):
+        if cfg["BM"] > fp4_mma.TILE_ROWS:
+            raise ValueError(f"grouped FP4 MMA: tiles of {cfg['BM']} rows > {fp4_mma.TILE_ROWS}")
+        if max(ew, es) >= 2 ** 31:
+            raise ValueError("grouped FP4 MMA: experts more than 2 GiB apart in their stack")
+        return fp4_mma.grouped_fp4_mma(x, rows, tiles, w1, n, y, w3, route, limit, (ew, es), table, shift, cfg)
     if cfg["BM"] == 1:
         cfg["BK"] = rows_bk
         return grouped_fp4_rows(x, rows, tiles, w1, n, out_dtype, y, w3, route, limit, (ew, es), table, cfg)
