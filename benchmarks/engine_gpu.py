@@ -189,9 +189,9 @@ def workload(a) -> tuple[list[tuple[int, int]], list[int]]:
 def decode_budget(a, b: int, ctx: int) -> int:
     """Tokens each request of a (batch, context) cell may generate: the measured steps, and the
     steps in which a request whose prompt is done decodes while the rest of the batch prefills
-    (a step schedules decode first). With fewer, early requests end during the measurement and the
-    batch shrinks under it."""
-    return WARM_STEPS + 2 * a.steps + 8 + -(-b * ctx // a.chunk) + 1
+    (a step schedules decode first, and may prefill one request at a time: up to b · ⌈ctx / chunk⌉
+    steps). With fewer, early requests end during the measurement and the batch shrinks under it."""
+    return WARM_STEPS + 2 * a.steps + 8 + b * -(-ctx // a.chunk) + 1
 
 
 def worker(a) -> None:

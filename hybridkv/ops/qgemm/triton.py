@@ -16,8 +16,9 @@
   experts' parameters views of one buffer per projection), or through a table of per-expert
   addresses for experts that are separate tensors; Triton 3.6 pipelines only the former correctly.
   With `swiglu` the program runs w1 and w3 together and writes the clamped SwiGLU times the
-  routing weight, what w2 reads. At decode sizes (`grouped_config`: one-row tiles) the same call
-  runs `fp4_rows`' kernel instead: one sorted row per program on the CUDA cores.
+  routing weight, what w2 reads. At decode sizes the same call runs, on CUDA, `fp4_mma`'s kernel
+  (tiles of up to 8 rows on the tensor cores, operands built in registers, CUDA C++), and
+  elsewhere (the interpreter) `fp4_rows`' kernel: one sorted row per program on the CUDA cores.
 
 Under the interpreter (CPU tests) the MMAs run in fp32: the interpreter's bf16 and fp8 dots are not
 usable.
@@ -450,15 +451,16 @@ MMA_MAX_PAIRS = 512        # the decode routing launch's limit (`grouped_moe.tri
 
 
 def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool = False, mma: bool = False) -> dict:
-    """Tiles of the grouped FP4 GEMM (`gated`: the w1/w3 launch with its SwiGLU). Decode, at most
-    one row for every two experts (64 pairs when `experts` is not given): one row per program on
-    the CUDA cores (`fp4_rows`, BM 1). Measured on the H200 at V4-Flash's width (256 experts ×
-    2048, `benchmarks/qgemm_kernels.py --sweep`): 1.6× faster than the tensor-core tiles at 1 and
-    8 tokens, 6 % slower at 64 tokens (about two rows per chosen expert). Otherwise 16-row tiles up
-    to 512 pairs, 64-row tiles beyond. A config may also set BK, the inputs one loop iteration
+    """Tiles of the grouped FP4 GEMM (`gated`: the w1/w3 launch with its SwiGLU). Without `mma`:
+    decode, at most one row for every two experts (64 pairs when `experts` is not given), one row
+    per program on the CUDA cores (`fp4_rows`, BM 1; on the H200 at V4-Flash's width 1.6× faster
+    than the tensor-core tiles at 1 and 8 tokens); otherwise 16-row tiles up to 512 pairs, 64-row
+    tiles beyond. A config may also set BK, the inputs one loop iteration
     multiplies (a multiple of 128 dividing K; 128 for the tiles, up to 256 for one row, when absent).
     `mma` (the caller checked `fp4_mma.usable`): up to `MMA_MAX_PAIRS` pairs run as tiles of at most
-    8 rows on the tensor cores with operands built in registers (`fp4_mma`)."""
+    8 rows on the tensor cores with operands built in registers (`fp4_mma`; on the H200 2.3× / 2.0×
+    faster than the 16-row tiles at 64 tokens for w1-w3 / w2, 1.5× / 1.2× than one row at 8,
+    the same at 1: `benchmarks/qgemm_kernels.py --sweep --families mma`)."""
     if mma and pairs <= MMA_MAX_PAIRS:
         return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **fp4_mma.DEFAULT_CONFIG)
     if pairs <= (experts // 2 if experts else 64):
