@@ -188,10 +188,12 @@ def workload(a) -> tuple[list[tuple[int, int]], list[int]]:
 
 def decode_budget(a, b: int, ctx: int) -> int:
     """Tokens each request of a (batch, context) cell may generate: the measured steps, and the
-    steps in which a request whose prompt is done decodes while the rest of the batch prefills
-    (a step schedules decode first, and may prefill one request at a time: up to b · ⌈ctx / chunk⌉
-    steps). With fewer, early requests end during the measurement and the batch shrinks under it."""
-    return WARM_STEPS + 2 * a.steps + 8 + b * -(-ctx // a.chunk) + 1
+    steps in which a request whose prompt is done decodes while the rest of the batch prefills (a
+    step schedules decode first). Those were counted as ⌈b · ctx / chunk⌉, then b · ⌈ctx / chunk⌉,
+    and B=64 cells on the H200 still ended requests during the measurement (the prefill took about
+    four times the steps counted), so eight times the latter is allowed; the cell reports the
+    prefill's steps, and fails if a request ends or is preempted before it is measured."""
+    return WARM_STEPS + 2 * a.steps + 8 + 8 * b * -(-ctx // a.chunk) + 1
 
 
 def worker(a) -> None:
@@ -199,7 +201,7 @@ def worker(a) -> None:
     cuda = a.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     cells, prefills = workload(a)
-    longest = max([b * (c + decode_budget(a, b, c)) for b, c in cells] + [p + 256 for p in prefills])
+    longest = max([b * 128 * -(-(c + decode_budget(a, b, c)) // 128) for b, c in cells] + [p + 256 for p in prefills])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -253,15 +255,20 @@ def worker(a) -> None:
         budget = decode_budget(a, b, ctx)
         ctx = min(ctx, eng.max_model_len - budget)
         seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
+        prefill_steps, preempted = 0, eng.scheduler.num_preemptions
         while any(s.first_token_time is None for s in seqs):
             eng.step()
+            prefill_steps += 1
         timed_steps(eng, WARM_STEPS, a.device)
         wall = statistics.median(timed_steps(eng, a.steps, a.device))
         busy, _, top, fams = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
         replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
         ended = sum(s.finish_reason is not None for s in seqs)
-        if ended:
-            raise RuntimeError(f"B={b} x {ctx:,}: {ended} requests ended during the measurement (decode_budget)")
+        preempted = eng.scheduler.num_preemptions - preempted
+        if ended or preempted:
+            raise RuntimeError(f"B={b} x {ctx:,}: {ended} requests ended and {preempted} were preempted before the "
+                               f"measurement ended (decode_budget; the prefill took {prefill_steps} steps, outputs "
+                               f"{sorted(len(s.output_ids) for s in seqs)[-4:]} at most)")
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
         counter = ExpertCounter(model)
         timed_steps(eng, 1, a.device)
@@ -270,7 +277,8 @@ def worker(a) -> None:
         must = wb["non_expert"] + counter.total * wb["expert"] + b * kv_read_bytes(cfg, ctx, cfg.index_topk)
         bytes_ms = must / a.bandwidth * 1e3
         dev = busy / a.steps if busy is not None else None
-        emit(dict(kind="decode", path=a.path, batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
+        emit(dict(kind="decode", path=a.path, batch=b, context=ctx, prefill_steps=prefill_steps,
+                  wall_ms=1e3 * wall, tok_s=b / wall,
                   device_ms=dev, replay_ms=replay, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
                   ratio=dev / bytes_ms if dev is not None else None,
                   wall_over_device=1e3 * wall / dev if dev else None, top=top,
