@@ -390,8 +390,9 @@ def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[tor
     swiglu = w3 is not None
     flags = (1 if rows is not None else 0) | (2 if swiglu else 0) | (4 if table else 0)
     w3 = w3 if swiglu else w1
-    kern(grid=(tiles[0].shape[0], n // (16 * mt), 1), block=(32 * wk, 1, 1),
-         args=[x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0], w3[1],
-               route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]), int(x.stride(0)),
-               float(limit), int(shift), int(flags)])
+    with torch.cuda.device(x.device):       # the loader launches on the current device's stream
+        kern(grid=(tiles[0].shape[0], n // (16 * mt), 1), block=(32 * wk, 1, 1),
+             args=[x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0],
+                   w3[1], route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]),
+                   int(x.stride(0)), float(limit), int(shift), int(flags)])
     return y
