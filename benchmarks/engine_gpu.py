@@ -189,11 +189,18 @@ def workload(a) -> tuple[list[tuple[int, int]], list[int]]:
 def decode_budget(a, b: int, ctx: int) -> int:
     """Tokens each request of a (batch, context) cell may generate: the measured steps, and the
     steps in which a request whose prompt is done decodes while the rest of the batch prefills (a
-    step schedules decode first). Those were counted as ⌈b · ctx / chunk⌉, then b · ⌈ctx / chunk⌉,
-    and B=64 cells on the H200 still ended requests during the measurement (the prefill took about
-    four times the steps counted), so eight times the latter is allowed; the cell reports the
-    prefill's steps, and fails if a request ends or is preempted before it is measured."""
-    return WARM_STEPS + 2 * a.steps + 8 + 8 * b * -(-ctx // a.chunk) + 1
+    step schedules decode first; ⌈b · ctx / chunk⌉ of them). The pool holds every request's
+    blocks for that many tokens (`pool_blocks`): one sized from the batch's total tokens was a few
+    blocks short (each request rounds up to whole blocks), so B=64 cells preempted requests, whose
+    prompts were computed again while the others decoded to their end. A cell reports its prefill
+    steps and fails if a request ends or is preempted before it is measured."""
+    return WARM_STEPS + 2 * a.steps + 8 + -(-b * ctx // a.chunk) + 1
+
+
+def pool_blocks(a, cells: list[tuple[int, int]], prefills: list[int], block_tokens: int = 128) -> int:
+    """KV blocks for the largest cell: each request's prompt and decode budget in whole blocks."""
+    need = [b * -(-(c + decode_budget(a, b, c)) // block_tokens) for b, c in cells]
+    return max(need + [-(-(p + 256) // block_tokens) for p in prefills]) + 16
 
 
 def worker(a) -> None:
@@ -201,11 +208,10 @@ def worker(a) -> None:
     cuda = a.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     cells, prefills = workload(a)
-    longest = max([b * 128 * -(-(c + decode_budget(a, b, c)) // 128) for b, c in cells] + [p + 256 for p in prefills])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=longest // 128 + 16,
+    llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=pool_blocks(a, cells, prefills),
               max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
     eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
     loaded = torch.cuda.memory_allocated() - base if cuda else None
