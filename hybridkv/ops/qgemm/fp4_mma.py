@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -342,7 +343,13 @@ def usable(x: torch.Tensor, n_out: tuple[int, ...], k_in: tuple[int, ...]) -> bo
 
 @functools.lru_cache(maxsize=None)
 def _capable(index: int | None) -> bool:
-    return hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(index) >= (8, 0)
+    if torch.cuda.get_device_capability(index) < (8, 0):
+        return False
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        warnings.warn(f"torch {torch.__version__} has no NVRTC loader (torch.cuda._compile_kernel): the routed "
+                      "experts at decode run the slower Triton kernels", stacklevel=3)
+        return False
+    return True
 
 
 def scale_shift(max_scale_byte: int) -> int:
