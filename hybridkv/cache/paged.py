@@ -249,7 +249,7 @@ class PagedKVStore:
         while len(seq.pages) < len(seq.block_table):
             b = len(seq.pages)
             page = self.page_pool.allocate()  # raises OutOfBlocks when the page pool is full
-            if b * self.block_tokens < seq.frozen_until:
+            if self.pages and b * self.block_tokens < seq.frozen_until:
                 self._load_page(page, seq.block_table[b])
             seq.pages.append(page)
 
@@ -257,8 +257,9 @@ class PagedKVStore:
         self._page_csa[page].copy_(self._host_csa[block], non_blocking=True)
 
     def set_resident(self, seq: SeqCache, keep: set[int]) -> tuple[int, int]:
-        """Make exactly the blocks in `keep` resident now (the recall below, waited for). Returns
-        (pages loaded, pages evicted)."""
+        """Make exactly the blocks in `keep` resident now (the recall below, waited for; one still in
+        flight is settled first). Returns (pages loaded, pages evicted) of this recall."""
+        self.settle_recall(seq, wait=True)
         self.start_recall(seq, keep)
         return self.settle_recall(seq, wait=True)
 
@@ -267,10 +268,10 @@ class PagedKVStore:
         filled from host memory on a copy stream of their own (on CUDA; at once elsewhere), ordered
         after the work queued so far, so the copies overlap the decode steps queued after them. Until
         `settle_recall` finds them arrived, the resident blocks stay as they are and the new ones are
-        not read. A recall still in flight is settled first. Returns the pages started. With too
-        few free pages for both sets at once the old set is evicted first and the copies waited for."""
+        not read. The request's previous recall must be settled. Returns the pages started. With
+        too few free pages for both sets at once the old set is evicted before the copies."""
         if seq.recall is not None:
-            self.settle_recall(seq, wait=True)
+            raise RuntimeError("a recall is still in flight for this request: settle it first")
         want = [b for b in sorted(keep) if b < len(seq.pages) and seq.pages[b] < 0]
         evicted = 0
         if len(want) > self.page_pool.num_free:

@@ -83,16 +83,26 @@ __device__ __forceinline__ u32 scale_pair(u32 s, int shift) {
     return b | (b << 16);
 }
 
+#if YT < 2
+// v rounded to the 16-bit output dtype, as stored
+__device__ __forceinline__ unsigned short out_bits(float v) {
+    unsigned short h;
+#if YT == 0
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+    return h;
+}
+#endif
+
+// v rounded to the output dtype, back in float32
 __device__ __forceinline__ float round_out(float v) {
 #if YT == 0
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return __uint_as_float(((u32)h) << 16);
+    return __uint_as_float(((u32)out_bits(v)) << 16);
 #elif YT == 1
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
     float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(out_bits(v)));
     return f;
 #else
     return v;
@@ -100,14 +110,8 @@ __device__ __forceinline__ float round_out(float v) {
 }
 
 __device__ __forceinline__ void store_out(void* Y, long long i, float v) {
-#if YT == 0
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((unsigned short*)Y)[i] = h;
-#elif YT == 1
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((unsigned short*)Y)[i] = h;
+#if YT < 2
+    ((unsigned short*)Y)[i] = out_bits(v);
 #else
     ((float*)Y)[i] = v;
 #endif
