@@ -74,6 +74,7 @@ class _Reader:
         self.files = files
         self._stack = ExitStack()
         self._open: dict[Path, object] = {}
+        self.bytes_read = 0
 
     def __enter__(self) -> "_Reader":
         return self
@@ -94,8 +95,19 @@ class _Reader:
         s = self._handle(name).get_slice(name)
         return list(s.get_shape()), s.get_dtype()
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+    def tensor(self, name: str, slices: tuple[tuple[int, int, int], ...] = ()) -> torch.Tensor:
+        """The tensor, or only its (dim, start, stop) ranges (a rank's shard: only those bytes are
+        read); `bytes_read` counts what was read."""
+        if not slices:
+            t = self._handle(name).get_tensor(name)
+        else:
+            s = self._handle(name).get_slice(name)
+            index = [slice(None)] * len(s.get_shape())
+            for dim, start, stop in slices:
+                index[dim] = slice(start, stop)
+            t = s[tuple(index)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
 
 def _convert(name: str, t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -136,10 +148,19 @@ def _narrow_float_weights(model: torch.nn.Module, reader: "_Reader") -> list[str
     return narrowed
 
 
-def load_state(model: torch.nn.Module, model_dir: str | Path, narrow_float: bool = False) -> None:
+def _whole_model_names(model: torch.nn.Module) -> set[str]:
+    """The tensor names of the unsharded model of a shard's config (built on the meta device: no
+    memory): what a checkpoint may hold beyond this rank's part."""
+    with torch.device("meta"):
+        return set(type(model)(model.config, dtype=model.dtype).state_dict())
+
+
+def load_state(model: torch.nn.Module, model_dir: str | Path, narrow_float: bool = False) -> int:
     """Copy a checkpoint into `model`, after checking every tensor's presence, shape and dtype.
     `narrow_float` (inference): float32 weights stored in bf16 keep that dtype
-    (`narrowable_float_weights`)."""
+    (`narrowable_float_weights`). A sharded model (`hybridkv.distributed.sharding`) reads only its
+    slices, and its experts by their global index. Returns the bytes of tensor data read."""
+    from hybridkv.distributed.sharding import checkpoint_slices
     files = checkpoint_files(Path(model_dir))
     with _Reader(files) as reader:
         if narrow_float:
@@ -148,26 +169,37 @@ def load_state(model: torch.nn.Module, model_dir: str | Path, narrow_float: bool
         if stack is not None:   # buffers shared by the weights one GEMM reads; filled by the copy below
             stack()
         expected = model.state_dict()
-        missing = [n for n in expected if n not in files]
-        unexpected = [n for n in files if n not in expected]
+        where = checkpoint_slices(model)        # model name -> (checkpoint name, ranges held)
+        sharded = any(sl or ckpt != name for name, (ckpt, sl) in where.items())
+        missing = [where[n][0] for n in expected if where[n][0] not in files]
+        known = _whole_model_names(model) if sharded else expected
+        unexpected = [n for n in files if n not in known]
         problems = []
         if missing:
             problems.append(f"missing tensor(s): {_some(missing)}")
         if unexpected:
             problems.append(f"unexpected tensor(s) not used by this config: {_some(unexpected)}")
         for name, target in expected.items():
-            if name not in files:
+            ckpt, slices = where[name]
+            if ckpt not in files:
                 continue
-            shape, st_dtype = reader.meta(name)
+            shape, st_dtype = reader.meta(ckpt)
+            held = list(shape)
+            for dim, start, stop in slices:
+                held[dim] = stop - start if stop <= shape[dim] else -1
             want_shape = list(target.shape)
-            if shape != want_shape or st_dtype not in _accepted(target.dtype):
-                problems.append(f"tensor {name}: expected shape {want_shape} dtype {_describe(target.dtype)}, "
+            if held != want_shape or st_dtype not in _accepted(target.dtype):
+                what = f"expected shape {want_shape}" if not slices else \
+                    f"expected a shape whose ranges {[(d, a, b) for d, a, b in slices]} give {want_shape}"
+                problems.append(f"tensor {ckpt}: {what} dtype {_describe(target.dtype)}, "
                                 f"found shape {shape} dtype {st_dtype}")
         if problems:
             raise CheckpointError(f"checkpoint {model_dir} does not match the model config:\n  " + "\n  ".join(problems))
         with torch.no_grad():
             for name, target in expected.items():
-                target.copy_(_convert(name, reader.tensor(name), target))
+                ckpt, slices = where[name]
+                target.copy_(_convert(ckpt, reader.tensor(ckpt, slices), target))
+        return reader.bytes_read
 
 
 def _some(names: list[str], k: int = 8) -> str:
@@ -257,14 +289,18 @@ def checkpoint_identity(model_dir: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """(Transformer, ModelConfig) from a model directory."""
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               parallel=None):
+    """(Transformer, ModelConfig) from a model directory; with `parallel` (a
+    `hybridkv.distributed.Parallel`), this rank's shard, read from its slices only
+    (`model.bytes_loaded` says how many bytes were read)."""
+    from hybridkv.distributed.group import SINGLE
     from hybridkv.model import Transformer
 
     config = ModelConfig.from_json(Path(model_dir))
     dtype = dtype or torch.float32
     with torch.device(device):
-        model = Transformer(config, dtype=dtype)
+        model = Transformer(config, dtype=dtype, parallel=parallel or SINGLE)
     # a half-precision model is for inference: the release's bf16 float weights stay bf16
-    load_state(model, model_dir, narrow_float=dtype in (torch.bfloat16, torch.float16))
+    model.bytes_loaded = load_state(model, model_dir, narrow_float=dtype in (torch.bfloat16, torch.float16))
     return model.eval(), config

@@ -70,6 +70,14 @@ class EngineConfig:
     # decode rows of every request in one batched pass per layer; off: each runs as a one-token
     # segment (the path batched decode is tested and measured against)
     batched_decode: bool = True
+    # several processes (distributed/engine.py): the world size; attention heads and vocabulary split
+    # over it. Routed experts: whole experts per rank (expert_parallel_size = the world, the default)
+    # or every expert's width split (1).
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int | None = None
+    distributed_timeout: float = 120.0   # seconds a collective waits for the other ranks
+    # sum: partial sums added across ranks; ordered: bit-equal to one process (distributed/group.py)
+    parallel_reduce: str = "sum"
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, dict):
@@ -95,6 +103,19 @@ class EngineConfig:
         parse_policy(self.memory_policy)     # a ConfigError naming the policies, now rather than at the first request
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"unknown speculative method {self.speculative!r}; use {', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.expert_parallel_size not in (None, 1, self.tensor_parallel_size):
+            raise ConfigError(f"expert_parallel_size {self.expert_parallel_size!r}: with tensor_parallel_size "
+                              f"{self.tensor_parallel_size}, use {self.tensor_parallel_size} (whole experts per rank) "
+                              f"or 1 (every expert's width split over the ranks)")
+        if self.parallel_reduce not in ("sum", "ordered"):
+            raise ConfigError(f"parallel_reduce {self.parallel_reduce!r}: use 'sum' or 'ordered'")
+        if self.parallel_reduce == "ordered" and self.expert_parallel_size == 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("parallel_reduce 'ordered' needs whole experts per rank: leave expert_parallel_size "
+                              "at the world size")
+        if not self.distributed_timeout > 0:
+            raise ConfigError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
         if (not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
                 or self.num_speculative_tokens < 1):
             raise ConfigError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
@@ -167,6 +188,20 @@ class EngineConfig:
                        help="draft tokens per step with --speculative (default: %(default)s)")
         g.add_argument("--speculative-config", action=_SpeculativeConfig, default=argparse.SUPPRESS,
                        metavar="JSON", help="vLLM's spelling: '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
+        par = parser.add_argument_group("several processes")
+        par.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                         help="processes (one per GPU) the model is split over: attention heads, vocabulary and "
+                              "experts (default: %(default)s)")
+        par.add_argument("--expert-parallel-size", type=int, default=d.expert_parallel_size,
+                         help="routed experts: the world size (default) holds whole experts per rank; 1 splits "
+                              "every expert's width")
+        par.add_argument("--parallel-reduce", choices=("sum", "ordered"), default=d.parallel_reduce,
+                         help="sum: add the ranks' partial sums (fast; float round-off differs from one process); "
+                              "ordered: gather the parts and add them in one process's order, bit-equal to it "
+                              "(more traffic, output projections and shared expert whole on every rank)")
+        par.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
+                         help="seconds a collective waits for the other ranks before the engine stops with an "
+                              "error (default: %(default)s)")
         old = parser.add_argument_group("deprecated spellings")
         old.add_argument("--max-concurrency", dest="max_num_seqs", type=int, action=_Renamed, new="--max-num-seqs",
                          default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -108,6 +108,9 @@ class EngineCore:
         self.finished: dict[str, Sequence] | None = None
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
+        # called with each step's chunks before its forward (a sharded engine checks that every rank
+        # scheduled the same, distributed/engine.py)
+        self.schedule_check = None
         self.graphs = DecodeGraphs(model, self.store) if graphs else None
         self.drafter = (MTPDrafter(model, MTPCache(self.config, self.store.max_slots, model.dtype, self.device),
                                    self.device) if self.speculative else None)
@@ -186,6 +189,8 @@ class EngineCore:
     # ----- the step -----
     def step(self) -> list[Event]:
         chunks = self.scheduler.schedule()
+        if self.schedule_check is not None:
+            self.schedule_check(chunks)
         if not chunks:
             return []
         if self.speculative:

@@ -58,9 +58,14 @@ class LLM:
         """`dtype` "auto" (or None) computes in bfloat16 on CUDA and float32 elsewhere; the engine's
         options are `engine_config`, with `engine_options` (EngineConfig fields) over it."""
         self.model_dir = Path(model_dir)
-        self.model, self.config = load_model(self.model_dir, device=device, dtype=resolve_dtype(dtype, device))
-        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         ec = replace(engine_config, **engine_options) if engine_config is not None else EngineConfig(**engine_options)
+        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        if ec.tensor_parallel_size > 1:    # ranks 1.. in their own processes; this one is rank 0
+            from hybridkv.distributed import engine as sharded
+            self.engine, self.model = sharded.start(sharded.LaunchSpec.of(self.model_dir, device, dtype, ec))
+            self.config = self.model.config
+            return
+        self.model, self.config = load_model(self.model_dir, device=device, dtype=resolve_dtype(dtype, device))
         if ec.memory_indexer is None and parse_policy(ec.memory_policy).needs_query:
             ec = replace(ec, memory_indexer=str(self.model_dir / MEMORY_INDEXER_FILE))
         self.engine = EngineCore(self.model, self.tokenizer, checkpoint_identity(self.model_dir), ec)

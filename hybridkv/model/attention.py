@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK, ModelConfig
+from hybridkv.distributed.group import SINGLE, Parallel
+from hybridkv.distributed.sharding import attention_shard, record, record_linear
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
@@ -57,14 +59,19 @@ def layer_inv_freq(config: ModelConfig, ratio: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, dtype: torch.dtype,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         c = config
         self.layer_id, self.ratio = layer_id, c.layer_ratio(layer_id)
         self.v41 = c.family == "v4.1"
         self.mode = c.layer_kind(layer_id)
-        self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
-        self.window, self.eps, self.groups, self.o_rank = c.sliding_window, c.rms_norm_eps, c.o_groups, c.o_lora_rank
+        # several ranks: this rank's heads (distributed/sharding.py); the KV head is every rank's
+        self.parallel, self.shard = parallel, attention_shard(c, parallel, fmt)
+        h0, h1 = self.shard.heads
+        self.n_heads, self.head_dim, self.rope_dim = h1 - h0, c.head_dim, c.qk_rope_head_dim
+        self.window, self.eps, self.o_rank = c.sliding_window, c.rms_norm_eps, c.o_lora_rank
+        self.groups, self.all_groups = self.shard.groups, c.o_groups
         self.scale = self.head_dim**-0.5
         self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank, fmt, dtype, c.fp8_block)
@@ -73,8 +80,22 @@ class Attention(nn.Module):
         self.wkv = Linear(c.hidden_size, self.head_dim, fmt, dtype, c.fp8_block)
         pair_storage(self.wq_a, self.wkv)    # one buffer: one packed GEMM reads both (FP8 only)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.wo_a = Linear(self.n_heads * self.head_dim // self.groups, self.groups * self.o_rank, "float", dtype)
-        self.wo_b = Linear(self.groups * self.o_rank, c.hidden_size, fmt, dtype, c.fp8_block)
+        group_in = c.num_attention_heads * self.head_dim // c.o_groups     # wo_a's input per group
+        wo_a_in = group_in if self.shard.by_group else self.n_heads * self.head_dim
+        self.wo_a = Linear(wo_a_in, self.groups * self.o_rank, "float", dtype)
+        out_in = (self.groups if self.shard.by_group else c.o_groups) * self.o_rank
+        self.wo_b = Linear(out_in, c.hidden_size, fmt, dtype, c.fp8_block)
+        if not (parallel.single or parallel.ordered):
+            record(self, "attn_sink", (0, h0, h1))
+            record_linear(self.wq_b, 0, h0 * self.head_dim, h1 * self.head_dim)
+            if self.shard.by_group:
+                g0 = h0 * self.head_dim // group_in
+                record_linear(self.wo_a, 0, g0 * self.o_rank, (g0 + self.groups) * self.o_rank)
+                record_linear(self.wo_b, 1, g0 * self.o_rank, (g0 + self.groups) * self.o_rank)
+            else:   # rows of its group, columns of its heads within the group
+                g, col = self.shard.group, h0 * self.head_dim - self.shard.group * group_in
+                record(self.wo_a, "weight", (0, g * self.o_rank, (g + 1) * self.o_rank),
+                       (1, col, col + self.n_heads * self.head_dim))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | LatentIndexer | None = None
         if self.v41:
@@ -151,7 +172,15 @@ class Attention(nn.Module):
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
-        return self.wo_b(o.flatten(1))
+        if self.parallel.single or self.parallel.ordered:
+            return self.wo_b(o.flatten(1))
+        if self.shard.by_group:    # wo_b split by its input: the ranks' outputs add up
+            return self.parallel.all_reduce(self.wo_b(o.flatten(1)))
+        # heads split within groups: each rank's partial of its group's wo_a output, summed first
+        # (wo_b quantises its input, so the sum comes before it)
+        full = o.new_zeros(x.shape[0], self.all_groups, self.o_rank)
+        full[:, self.shard.group] = o[:, 0]
+        return self.wo_b(self.parallel.all_reduce(full).flatten(1))
 
     def compress_rows(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """The compressor's per-token rows of a V4.1 source layer ("kv", and "score" unless ratio 1)

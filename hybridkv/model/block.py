@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from hybridkv.config import ModelConfig
+from hybridkv.distributed.group import SINGLE, Parallel
 from hybridkv.model.attention import Attention
 from hybridkv.model.csa2 import CrossLayerShare
 from hybridkv.model.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
@@ -20,13 +21,14 @@ def _f32(*shape: int) -> nn.Parameter:
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         c = config
         self.layer_id = layer_id
         self.hc_iters, self.hc_eps, self.norm_eps = c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps
-        self.attn = Attention(c, layer_id, fmt, dtype)
-        self.ffn = MoE(c, layer_id, fmt, expert_fmt, dtype)
+        self.attn = Attention(c, layer_id, fmt, dtype, parallel)
+        self.ffn = MoE(c, layer_id, fmt, expert_fmt, dtype, parallel)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size

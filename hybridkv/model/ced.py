@@ -168,8 +168,9 @@ def token_weight_flops(block, runs_compressor: bool = True) -> int:
     n += sum(m.in_features * m.out_features for m in attn.modules() if isinstance(m, Linear) and id(m) not in skip)
     if attn.indexer is not None and hasattr(attn.indexer, "wk"):   # keys are derived per entry, from the latent
         n -= attn.indexer.wk.in_features * attn.indexer.wk.out_features
-    expert = sum(m.in_features * m.out_features for m in moe.shared_experts.modules() if isinstance(m, Linear))
-    n += expert * (1 + moe.gate.topk)
+    def size(e) -> int:   # (a rank's share of) one expert
+        return 0 if e is None else sum(m.in_features * m.out_features for m in e.modules() if isinstance(m, Linear))
+    n += size(moe.shared_experts) + size(moe.experts[0]) * moe.gate.topk
     return 2 * n
 
 

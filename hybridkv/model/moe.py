@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.config import ModelConfig
+from hybridkv.distributed.group import SINGLE, Parallel
+from hybridkv.distributed.sharding import expert_inter_part, expert_range, record_linear, shared_expert_part
 from hybridkv.model.linear import Linear, pair_storage, paired_forward
 from hybridkv.ops import grouped_moe
 from hybridkv.ops.backend import is_deterministic
@@ -111,18 +113,32 @@ def _warn_dense_experts() -> None:
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         c = config
         self.n_experts = c.n_routed_experts
+        self.parallel = parallel
         self.gate = Gate(c, layer_id)
+        # several ranks (distributed/sharding.py): experts [e0, e1) whole, or every expert's width [i0, i1)
+        e0, e1 = expert_range(c, parallel)
+        i0, i1 = expert_inter_part(c, parallel, expert_fmt)
+        self.expert_offset = e0
         self.experts = nn.ModuleList(
-            Expert(c.hidden_size, c.moe_intermediate_size, expert_fmt, dtype, c.fp8_block, c.swiglu_limit)
-            for _ in range(c.n_routed_experts))
+            Expert(c.hidden_size, i1 - i0, expert_fmt, dtype, c.fp8_block, c.swiglu_limit) for _ in range(e1 - e0))
+        if i1 - i0 < c.moe_intermediate_size:
+            for e in self.experts:
+                record_linear(e.w1, 0, i0, i1)
+                record_linear(e.w3, 0, i0, i1)
+                record_linear(e.w2, 1, i0, i1)
         if expert_fmt == "fp4":   # one buffer per projection: the grouped kernels read experts by offset
             grouped_moe.stack_expert_storage([[e.w1, e.w3, e.w2] for e in self.experts])
-        self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, fmt, dtype, c.fp8_block, c.swiglu_limit,
-                                     paired=True)
+        shared = shared_expert_part(c, parallel, fmt)
+        self.shared_experts = None if shared is None else Expert(
+            c.hidden_size, shared[1] - shared[0], fmt, dtype, c.fp8_block, c.swiglu_limit, paired=True)
+        if shared is not None and shared[1] - shared[0] < c.moe_intermediate_size:
+            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+                record_linear(getattr(self.shared_experts, name), dim, *shared)
         self._stacked: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
         self._tables: grouped_moe.ExpertTables | None = None
 
@@ -131,22 +147,61 @@ class MoE(nn.Module):
         captured into a CUDA graph), see `_routed_static`."""
         weights, ids = self.gate(x, input_ids)
         tables = self.expert_tables(x)
+        par = self.parallel
         if tables is not None:   # the shared expert's output added in the routed sum's last launch
             first = self.experts[0]
-            return grouped_moe.routed_experts_fp4(x, weights, ids, tables, first.limit, first.w1.compute_dtype,
-                                                  plus=self.shared_experts(x), result_dtype=x.dtype)
+            plus = self.shared_experts(x) if self.shared_experts is not None else None
+            y = grouped_moe.routed_experts_fp4(x, *self._local_routing(weights, ids), tables, first.limit,
+                                               first.w1.compute_dtype, plus=plus,
+                                               result_dtype=x.dtype if par.single else torch.float32)
+            return y if par.single else par.all_reduce(y).to(x.dtype)
+        if par.ordered and not static:
+            return self._routed_ordered(x, weights, ids)
         if static:
-            y = self._routed_static(x, weights, ids)
+            y = self._routed_static(x, *self._local_routing(weights, ids))
         else:
             y = torch.zeros_like(x, dtype=torch.float32)
             counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+            e0 = self.expert_offset
             for e, n in enumerate(counts):
-                if n == 0:
+                if n == 0 or not e0 <= e < e0 + len(self.experts):
                     continue
                 rows, slot = torch.where(ids == e)
-                y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()  # rows are unique per expert
+                y[rows] += self.experts[e - e0](x[rows], weights[rows, slot, None]).float()  # rows are unique per expert
+        if self.shared_experts is not None:
+            y += self.shared_experts(x).float()
+        return y.to(x.dtype) if par.single else par.all_reduce(y).to(x.dtype)
+
+    def _routed_ordered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel, bit-equal to one process: each (token, slot) pair's output from the rank
+        holding its expert (the same rows as one process gives that expert), summed across ranks
+        (each slot has one non-zero part, so exactly), then each token's slots added in expert order
+        from zero and the shared expert last: the per-expert loop's additions."""
+        t, k = ids.shape
+        slots = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
+        counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+        e0 = self.expert_offset
+        for e in range(e0, e0 + len(self.experts)):
+            if counts[e]:
+                rows, slot = torch.where(ids == e)
+                slots[rows, slot] = self.experts[e - e0](x[rows], weights[rows, slot, None]).float()
+        slots = self.parallel.all_reduce(slots)
+        order = ids.argsort(dim=1, stable=True)
+        y = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+        for j in range(k):
+            y += slots.gather(1, order[:, j, None, None].expand(t, 1, x.shape[-1])).squeeze(1)
         y += self.shared_experts(x).float()
         return y.to(x.dtype)
+
+    def _local_routing(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) over this rank's experts: ids made local, and the pairs of other ranks'
+        experts sent to local expert 0 with weight 0 (they add nothing; at decode they ride in that
+        expert's row tiles, whose weights are read anyway). The identity on a single rank."""
+        if len(self.experts) == self.n_experts:
+            return weights, ids
+        local = ids - self.expert_offset
+        mine = (local >= 0) & (local < len(self.experts))
+        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
 
     def _routed_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum without per-expert token lists. Few (token, expert) pairs: each
@@ -156,7 +211,7 @@ class MoE(nn.Module):
         routed weigh 0, and w2 sums over the experts inside its GEMM. Float32 [T, dim]."""
         w1, w3, w2 = self.stacked_weights()      # [E·inter, dim] ×2, [dim, E·inter]
         first = self.experts[0]
-        n, inter = self.n_experts, first.w1.out_features
+        n, inter = len(self.experts), first.w1.out_features
         xin = first.w1.prepare_input(x)          # w1 and w3 read the same (quantised) input
         t, k = ids.shape
         if 3 * t * k < n and not is_deterministic():
@@ -168,7 +223,8 @@ class MoE(nn.Module):
         else:
             gate = F.linear(xin, w1).float().view(t, n, inter)
             up = F.linear(xin, w3).float().view(t, n, inter)
-            route = torch.zeros(t, n, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights).unsqueeze(-1)
+            # (adds: under expert parallelism several zero-weight pairs share local expert 0)
+            route = torch.zeros(t, n, dtype=weights.dtype, device=x.device).scatter_add_(1, ids, weights).unsqueeze(-1)
         if first.limit > 0:
             up = up.clamp(-first.limit, first.limit)
             gate = gate.clamp(max=first.limit)

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from hybridkv.config import ModelConfig
+from hybridkv.distributed.group import SINGLE, Parallel
+from hybridkv.distributed.sharding import record, vocab_part
 from hybridkv.errors import ConfigError
 from hybridkv.model import ced
 from hybridkv.model.attention import Attention
@@ -22,6 +24,7 @@ from hybridkv.model.linear import Linear, widened_linear
 from hybridkv.model.csa2 import CrossLayerShare
 from hybridkv.model.mhc import hc_collapse, hc_head, identity_pre
 from hybridkv.model.norm import RMSNorm
+from hybridkv.model.vocab import VocabParallelEmbedding
 from hybridkv.model.state import ForwardBatch
 
 
@@ -33,8 +36,9 @@ def _add_hc_head(module: nn.Module, hc: int, dim: int) -> None:
 
 
 class MTPBlock(Block):
-    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype):
-        super().__init__(config, layer_id, fmt, expert_fmt, dtype)
+    def __init__(self, config: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, dtype: torch.dtype,
+                 parallel: Parallel = SINGLE):
+        super().__init__(config, layer_id, fmt, expert_fmt, dtype, parallel)
         d = config.hidden_size
         self.e_proj = Linear(d, d, fmt, dtype, config.fp8_block)
         self.h_proj = Linear(d, d, fmt, dtype, config.fp8_block)
@@ -59,7 +63,9 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, parallel: Parallel = SINGLE):
+        """`parallel`: this process's rank in a sharded model (distributed/sharding.py: its heads,
+        experts and vocabulary rows); the default is the whole model."""
         super().__init__()
         if config.family not in ("v4", "v4.1"):
             raise ConfigError(f"the {config.family} family cannot be instantiated by this model "
@@ -72,15 +78,20 @@ class Transformer(nn.Module):
         self.last_ced: ced.CedPlan | None = None   # the last forward's CED plan (None: every row ran)
         self.single_pass = c.family == "v4.1"
         fmt, expert_fmt = weight_formats(c)
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Block(c, i, fmt, expert_fmt, dtype) for i in range(c.num_hidden_layers))
+        self.parallel = parallel
+        self.embed = (nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype) if parallel.single
+                      else VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype, parallel))
+        self.layers = nn.ModuleList(Block(c, i, fmt, expert_fmt, dtype, parallel) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+        v0, v1, _ = vocab_part(c.vocab_size, parallel, head=True)
+        self.head = nn.Linear(c.hidden_size, v1 - v0, bias=False, dtype=torch.float32)
+        if v1 - v0 < c.vocab_size:
+            record(self.head, "weight", (0, v0, v1))
         if self.single_pass:  # no hc head; V4.1's draft layers (DSpark) are out of scope
             self.mtp = nn.ModuleList()
             return
         _add_hc_head(self, c.hc_mult, c.hidden_size)
-        self.mtp = nn.ModuleList(MTPBlock(c, c.num_hidden_layers + i, fmt, expert_fmt, dtype)
+        self.mtp = nn.ModuleList(MTPBlock(c, c.num_hidden_layers + i, fmt, expert_fmt, dtype, parallel)
                                  for i in range(c.num_nextn_predict_layers))
 
     def stack_projections(self) -> int:
@@ -136,10 +147,19 @@ class Transformer(nn.Module):
         """Rows of `forward`'s output -> float32 logits [N, vocab]. V4: stream rows [N, hc, dim],
         collapsed by the hc head of `owner` (the model itself, or an MTP block); V4.1: [N, dim]."""
         if self.single_pass:
-            return head_logits(self.norm(h), self.head.weight)
+            return self._vocab_logits(self.norm(h))
         m = owner if owner is not None else self
         x = hc_head(h, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, self.config.hc_eps, self.config.rms_norm_eps)
-        return head_logits(m.norm(x), self.head.weight)
+        return self._vocab_logits(m.norm(x))
+
+    def _vocab_logits(self, x: torch.Tensor) -> torch.Tensor:
+        y = head_logits(x, self.head.weight)
+        if y.shape[-1] == self.config.vocab_size:
+            return y
+        _, _, chunk = vocab_part(self.config.vocab_size, self.parallel, head=True)   # each rank's columns, gathered
+        if y.shape[-1] < chunk:
+            y = torch.nn.functional.pad(y, (0, chunk - y.shape[-1]))
+        return self.parallel.gather_columns(y, self.config.vocab_size)
 
     def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, depth: int = 0) -> torch.Tensor:
         """MTP block `depth` on stream rows h [T, hc, dim] and the ids of the following tokens

@@ -108,6 +108,10 @@ class TieredStore:
         self.tiers, self.identity, self.write_policy = tiers, identity, write_policy
         self._writer = _Writer(max_pending_bytes, pin)
         self._closed = False
+        # lockstep: each write is done before `put` returns, so that what a lookup finds depends on
+        # the engine's calls alone (the ranks of a sharded engine each keep their own tiers and must
+        # find the same hits at the same step)
+        self.lockstep = False
         weakref.finalize(self, self._writer.stop)
         atexit.register(_flush_at_exit, weakref.ref(self))
 
@@ -177,6 +181,8 @@ class TieredStore:
         """Queue a record for every tier (returns at once; the caller must not change its tensors)."""
         if not self._closed and self.holds(rec.kind):
             self._writer.submit(rec, self.tiers)
+            if self.lockstep:
+                self._writer.flush()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued writes are done (False if the timeout came first)."""
