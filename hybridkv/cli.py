@@ -70,6 +70,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from hybridkv.engine import LLM, EngineConfig, SamplingParams
     from hybridkv.errors import RequestError
 
+    if torchrun_worker(a):
+        return 0
     llm = LLM(a.model_dir, device=a.device, dtype=a.dtype, engine_config=EngineConfig.from_args(a))
     if a.prompt_ids is not None:
         prompt = [int(x) for x in a.prompt_ids.replace(",", " ").split()]
@@ -138,10 +140,24 @@ def server_from_args(a: argparse.Namespace):
                         default_thinking=a.thinking, host_memory_budget=a.host_memory_budget)
 
 
+def torchrun_worker(a: argparse.Namespace) -> bool:
+    """Under torchrun, ranks other than 0 build their shard and serve rank 0's commands until it
+    closes; returns True there (the command is done), False on rank 0 and outside torchrun."""
+    from hybridkv.distributed.group import torchrun_env
+    env = torchrun_env()
+    if env is None or env[0] == 0 or env[1] == 1:
+        return False
+    from hybridkv.distributed.engine import LaunchSpec, run_torchrun_worker
+    from hybridkv.engine import EngineConfig
+    return run_torchrun_worker(LaunchSpec.of(a.model_dir, a.device, a.dtype, EngineConfig.from_args(a)))
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from hybridkv.server import limits
     from hybridkv.server.serve import run
 
+    if torchrun_worker(a):
+        return 0
     listen = limits.from_args(a)
     server = server_from_args(a)
     dtype = str(server.engine.model.dtype).removeprefix("torch.")

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from hybridkv.distributed import group
-from hybridkv.distributed.group import Parallel, RankFailure
+from hybridkv.distributed.group import DistributedError, Parallel, RankFailure
 from hybridkv.errors import ConfigError, RequestError
 
 log = logging.getLogger("hybridkv.distributed")
@@ -42,7 +42,7 @@ log = logging.getLogger("hybridkv.distributed")
 START_TIMEOUT_S = 600.0     # loading a shard of a large checkpoint
 
 
-class RankDivergence(RuntimeError):
+class RankDivergence(DistributedError):
     """The ranks scheduled different work for the same step."""
 
 
@@ -305,6 +305,18 @@ def run_torchrun_worker(spec: LaunchSpec) -> bool:
     finally:
         group.leave()
     return True
+
+
+def build_engine(model_dir, device, dtype, ec):
+    """(engine, rank 0's model) of a sharded engine: under torchrun this process is rank 0 and
+    the others run `run_torchrun_worker`; otherwise the workers are started here."""
+    spec = LaunchSpec.of(model_dir, device, dtype, ec)
+    env = group.torchrun_env()
+    if env is not None and env[1] > 1:
+        if env[1] != spec.world:
+            raise ConfigError(f"torchrun started {env[1]} processes; tensor_parallel_size is {spec.world}")
+        return start_torchrun_leader(spec)
+    return start(spec)
 
 
 def start_torchrun_leader(spec: LaunchSpec) -> tuple[ShardedEngine, object]:

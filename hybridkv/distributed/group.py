@@ -22,7 +22,11 @@ DEFAULT_TIMEOUT_S = 120.0
 REDUCES = ("sum", "ordered")
 
 
-class RankFailure(RuntimeError):
+class DistributedError(RuntimeError):
+    """A sharded engine cannot go on (its server stops rather than keep failing requests)."""
+
+
+class RankFailure(DistributedError):
     """A collective failed or timed out: another rank died or stopped answering."""
 
 

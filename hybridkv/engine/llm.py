@@ -62,7 +62,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         if ec.tensor_parallel_size > 1:    # ranks 1.. in their own processes; this one is rank 0
             from hybridkv.distributed import engine as sharded
-            self.engine, self.model = sharded.start(sharded.LaunchSpec.of(self.model_dir, device, dtype, ec))
+            self.engine, self.model = sharded.build_engine(self.model_dir, device, dtype, ec)
             self.config = self.model.config
             return
         self.model, self.config = load_model(self.model_dir, device=device, dtype=resolve_dtype(dtype, device))

@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from hybridkv.distributed.group import DistributedError
 from hybridkv.engine.core import EngineCore, Event
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.sequence import Sequence
@@ -97,6 +98,8 @@ class EngineDriver:
         self.snapshot: dict = self._memory_snapshot()
         self.steps_failed = 0
         self.alive = False
+        self.fatal: str | None = None    # why the engine stopped for good (a sharded engine lost a rank)
+        self.on_fatal = None             # called with that message from the engine thread (serve exits)
 
     # ----- asyncio side -----
     def start(self) -> None:
@@ -136,19 +139,26 @@ class EngineDriver:
             while not self._stop.is_set():
                 try:
                     self._iteration()
+                except DistributedError as e:   # the other ranks are gone: nothing can be computed any more
+                    self.fatal = f"{type(e).__name__}: {e}"
+                    log.error("the sharded engine stops: %s", self.fatal)
+                    break
                 except Exception as e:  # noqa: BLE001 - a bug in one request's bookkeeping fails that step only
                     log.exception("engine loop iteration failed")
                     self.steps_failed += 1
                     self._fail_running(f"internal server error ({type(e).__name__}: {e}); the request was aborted")
         finally:
             try:
-                self._fail_all("the server is shutting down; the request was aborted")
+                self._fail_all("the server is shutting down; the request was aborted" if self.fatal is None
+                               else f"the engine stopped ({self.fatal}); the request was aborted")
             finally:
                 try:
                     self.engine.close()
                 except Exception:  # noqa: BLE001 - report and stop; nothing else runs after this
                     log.exception("closing the engine failed")
                 self.alive = False
+                if self.fatal is not None and self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
 
     def _iteration(self) -> None:
         busy = self.engine.has_unfinished()
@@ -176,8 +186,10 @@ class EngineDriver:
                 self._resolve(accepted, e)
                 return
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine thread
-                log.exception("engine refused a request")
                 self._resolve(accepted, EngineFailure(f"the engine could not take the request: {e}"))
+                if isinstance(e, DistributedError):
+                    raise
+                log.exception("engine refused a request")
                 return
             self._live[handle.request_id] = _Live(handle, seq, arrival, want_tokens)
             self._resolve(accepted, None)
@@ -186,6 +198,8 @@ class EngineDriver:
             if live is not None:
                 try:
                     self.engine.abort(cmd[1])
+                except DistributedError:
+                    raise
                 except Exception:  # noqa: BLE001
                     log.exception("abort failed for %s", cmd[1])
                 self.host.work_done()
@@ -209,6 +223,8 @@ class EngineDriver:
     def _step(self) -> None:
         try:
             events = self.engine.step()
+        except DistributedError:
+            raise
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed")
             self.steps_failed += 1

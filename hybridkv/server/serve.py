@@ -70,8 +70,13 @@ def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = 
         raise CheckpointError(f"{tok_file} not found: the server needs the model's tokenizer.json "
                               f"(or pass --tokenizer PATH)")
     tokenizer = Tokenizer(tok_file)
-    model, config = load_model(model_dir, device=device, dtype=resolve_dtype(dtype, device))
-    engine = EngineCore(model, tokenizer, checkpoint_identity(model_dir), ec)
+    if ec.tensor_parallel_size > 1:   # this process is rank 0 of a sharded engine
+        from hybridkv.distributed.engine import build_engine
+        engine, model = build_engine(model_dir, device, dtype, ec)
+        config = model.config
+    else:
+        model, config = load_model(model_dir, device=device, dtype=resolve_dtype(dtype, device))
+        engine = EngineCore(model, tokenizer, checkpoint_identity(model_dir), ec)
     host = HostMemory(engine, host_memory_budget)
     host.check()
     name = served_model_name or model_dir.resolve().name
@@ -91,4 +96,8 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_rate_limit(loggers=("",))      # asyncio's accept errors, the engine's warnings: root's handlers
-    uvicorn.Server(uvicorn_config(server.app, limits, host=host, port=port, log_level=log_level)).run()
+    uv = uvicorn.Server(uvicorn_config(server.app, limits, host=host, port=port, log_level=log_level))
+    server.driver.on_fatal = lambda message: setattr(uv, "should_exit", True)
+    uv.run()
+    if server.driver.fatal is not None:
+        raise SystemExit(f"hybridkv serve stopped: {server.driver.fatal}")
