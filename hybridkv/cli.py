@@ -149,7 +149,8 @@ def torchrun_worker(a: argparse.Namespace) -> bool:
         return False
     from hybridkv.distributed.engine import LaunchSpec, run_torchrun_worker
     from hybridkv.engine import EngineConfig
-    return run_torchrun_worker(LaunchSpec.of(a.model_dir, a.device, a.dtype, EngineConfig.from_args(a)))
+    return run_torchrun_worker(LaunchSpec.of(a.model_dir, a.device, a.dtype, EngineConfig.from_args(a),
+                                             getattr(a, "tokenizer", None)))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

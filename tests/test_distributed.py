@@ -196,3 +196,93 @@ def test_ranks_that_schedule_differently_stop_the_engine():
         for p in llm.engine._procs:
             p.kill()
         llm.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_serve_stops_with_an_error_when_a_rank_dies(tmp_path):
+    """`hybridkv serve --tensor-parallel-size 2`: a request is answered; after its worker rank is
+    killed, the next request fails and the server exits with an error naming the lost rank."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", str(FIXTURES / "v4-tiny"),
+                                 "--tokenizer", str(FIXTURES / "tokenizer-tiny" / "tokenizer.json"),
+                                 "--tensor-parallel-size", "2", "--distributed-timeout", "5", "--port", str(port),
+                                 "--num-blocks", "64", "--log-level", "warning"],
+                                stdout=err, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        body = {"model": "v4-tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        workers = _children(proc.pid)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code >= 500 or "error" in r.text
+        except httpx.HTTPError:   # the server may close the connection as it stops
+            pass
+        assert proc.wait(timeout=30) != 0
+        text = log.read_text()
+        assert "hybridkv serve stopped: RankFailure" in text, text[-2000:]
+        assert "rank 1" in text or "another rank has died" in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_torchrun_starts_the_same_engine(tmp_path):
+    """`torchrun --nproc-per-node 2 -m hybridkv.cli generate ... --tensor-parallel-size 2`: rank 0
+    prints what one process prints (env:// rendezvous, the workers from torchrun)."""
+    args = ["generate", str(FIXTURES / "v4-tiny"), "--prompt-ids", " ".join(map(str, PROMPTS[1])),
+            "--max-tokens", "8", "--temperature", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "hybridkv.cli", *args], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), "-m", "hybridkv.cli", *args,
+                          "--tensor-parallel-size", "2", "--parallel-reduce", "ordered"],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert _token_line(one.stdout) == _token_line(two.stdout) is not None
+
+
+def _token_line(out: str):
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    return lines[0] if lines else None
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

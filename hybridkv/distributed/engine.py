@@ -8,7 +8,8 @@ rank takes the same steps in the same order. The model's collectives inside each
 the ranks' numbers together; sampling agrees because every rank holds the same gathered logits
 and a request's generator is seeded by the leader.
 
-Before each forward the ranks compare a fingerprint of what they scheduled; a difference stops
+Before each forward the ranks compare a fingerprint of what they scheduled (requests, positions,
+slots and block tables: every rank's paged cache holds the same blocks); a difference stops
 the engine with `RankDivergence` rather than letting the shards compute different batches. A
 rank that dies ends the others' next collective with `RankFailure` (torch.distributed's timeout,
 `--distributed-timeout`); the leader also checks its workers' processes before each command.
@@ -56,13 +57,14 @@ class LaunchSpec:
     world: int
     experts: str = "ep"
     reduce: str = "sum"
+    tokenizer_path: str | None = None   # default: the model directory's
 
     @classmethod
-    def of(cls, model_dir, device, dtype, ec) -> "LaunchSpec":
+    def of(cls, model_dir, device, dtype, ec, tokenizer_path=None) -> "LaunchSpec":
         world = ec.tensor_parallel_size
         experts = "tp" if ec.expert_parallel_size == 1 and world > 1 else "ep"
         return cls(str(model_dir), str(device), None if dtype is None else str(dtype).removeprefix("torch."),
-                   ec, world, experts, ec.parallel_reduce)
+                   ec, world, experts, ec.parallel_reduce, None if tokenizer_path is None else str(tokenizer_path))
 
     def rank(self, r: int) -> Parallel:
         return Parallel(r, self.world, self.experts, self.reduce)
@@ -72,7 +74,11 @@ def check_supported(spec: LaunchSpec) -> None:
     """Refuse what several ranks cannot keep in step, with the reason."""
     from hybridkv.memory import parse_policy
     ec = spec.engine_config
-    if spec.world > 1 and torch.device(spec.device).type == "cuda" and parse_policy(ec.memory_policy).offloads:
+    cuda = torch.device(spec.device).type == "cuda"
+    if spec.world > 1 and cuda and spec.reduce == "ordered" and ec.cuda_graphs:
+        raise ConfigError("parallel_reduce 'ordered' runs the routed experts expert by expert (host-synchronising), "
+                          "which a captured decode step cannot: add --enforce-eager (cuda_graphs=False)")
+    if spec.world > 1 and cuda and parse_policy(ec.memory_policy).offloads:
         raise ConfigError(f"memory policy {ec.memory_policy!r} with {spec.world} ranks on CUDA: each GPU's recall "
                           f"copies arrive at their own time, so the ranks would attend over different entries; "
                           f"use one GPU, or the policy 'full'")
@@ -89,7 +95,9 @@ def build_rank(spec: LaunchSpec, par: Parallel):
 
     device = group.rank_device(spec.device, par)
     model, _ = load_model(spec.model_dir, device=device, dtype=resolve_dtype(spec.dtype, device), parallel=par)
-    tokenizer = Tokenizer.from_model_dir(Path(spec.model_dir))
+    # every rank detokenizes (stop strings end requests on all of them at the same step)
+    tokenizer = (Tokenizer(Path(spec.tokenizer_path)) if spec.tokenizer_path
+                 else Tokenizer.from_model_dir(Path(spec.model_dir)))
     ec = spec.engine_config
     if ec.memory_indexer is None and parse_policy(ec.memory_policy).needs_query:
         ec = replace(ec, memory_indexer=str(Path(spec.model_dir) / MEMORY_INDEXER_FILE))
@@ -105,7 +113,9 @@ def build_rank(spec: LaunchSpec, par: Parallel):
 def _schedule_fingerprint(chunks) -> int:
     h = hashlib.blake2b(digest_size=8)
     for c in chunks:
-        h.update(f"{c.seq.request_id}:{c.start}:{c.length}:{int(c.wants_logits)};".encode())
+        cache = c.seq.cache
+        table = (cache.slot, cache.block_table) if cache is not None else None
+        h.update(f"{c.seq.request_id}:{c.start}:{c.length}:{int(c.wants_logits)}:{table};".encode())
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
@@ -238,7 +248,8 @@ def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, 
     leader's engine, rank 0's model). Workers are fresh interpreters (`python -m
     hybridkv.distributed.worker`), so the caller's script is never imported again."""
     check_supported(spec)
-    if torch.device(spec.device).type == "cuda" and torch.cuda.device_count() < spec.world:
+    if (torch.device(spec.device).type == "cuda" and torch.cuda.device_count() < spec.world
+            and os.environ.get("HYBRIDKV_DIST_ONE_GPU") != "1"):
         raise ConfigError(f"tensor_parallel_size {spec.world} needs {spec.world} GPUs; "
                           f"{torch.cuda.device_count()} are visible")
     if threads is None and torch.device(spec.device).type == "cpu":
@@ -307,10 +318,10 @@ def run_torchrun_worker(spec: LaunchSpec) -> bool:
     return True
 
 
-def build_engine(model_dir, device, dtype, ec):
+def build_engine(model_dir, device, dtype, ec, tokenizer_path=None):
     """(engine, rank 0's model) of a sharded engine: under torchrun this process is rank 0 and
     the others run `run_torchrun_worker`; otherwise the workers are started here."""
-    spec = LaunchSpec.of(model_dir, device, dtype, ec)
+    spec = LaunchSpec.of(model_dir, device, dtype, ec, tokenizer_path)
     env = group.torchrun_env()
     if env is not None and env[1] > 1:
         if env[1] != spec.world:

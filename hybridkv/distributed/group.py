@@ -119,6 +119,13 @@ def _collective(fn, *args, **kwargs) -> None:
 
 
 def backend_for(device: str | torch.device) -> str:
+    """NCCL on CUDA, gloo on the CPU; HYBRIDKV_DIST_BACKEND=gloo forces gloo (ranks sharing one
+    GPU in tests: NCCL refuses two ranks on one device)."""
+    forced = os.environ.get("HYBRIDKV_DIST_BACKEND")
+    if forced:
+        if forced not in ("gloo", "nccl"):
+            raise ConfigError(f"HYBRIDKV_DIST_BACKEND={forced!r}: use gloo or nccl")
+        return forced
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
@@ -146,6 +153,8 @@ def connect(par: Parallel, init_method: str, device: str | torch.device,
 
 
 def _rank_device(dev: torch.device, rank: int) -> torch.device:
+    if os.environ.get("HYBRIDKV_DIST_ONE_GPU") == "1":   # tests: every rank on the one device given
+        return torch.device("cuda", dev.index or 0)
     return torch.device("cuda", (dev.index or 0) + rank)
 
 

@@ -146,8 +146,10 @@ class MoE(nn.Module):
         """x [T, dim] -> [T, dim]. `static`: fixed shapes and no host synchronisation (a forward
         captured into a CUDA graph), see `_routed_static`."""
         weights, ids = self.gate(x, input_ids)
-        tables = self.expert_tables(x)
         par = self.parallel
+        if par.ordered and not static:
+            return self._routed_ordered(x, weights, ids)
+        tables = self.expert_tables(x)
         if tables is not None:   # the shared expert's output added in the routed sum's last launch
             first = self.experts[0]
             plus = self.shared_experts(x) if self.shared_experts is not None else None
@@ -155,8 +157,6 @@ class MoE(nn.Module):
                                                first.w1.compute_dtype, plus=plus,
                                                result_dtype=x.dtype if par.single else torch.float32)
             return y if par.single else par.all_reduce(y).to(x.dtype)
-        if par.ordered and not static:
-            return self._routed_ordered(x, weights, ids)
         if static:
             y = self._routed_static(x, *self._local_routing(weights, ids))
         else:

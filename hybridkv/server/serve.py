@@ -72,7 +72,7 @@ def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = 
     tokenizer = Tokenizer(tok_file)
     if ec.tensor_parallel_size > 1:   # this process is rank 0 of a sharded engine
         from hybridkv.distributed.engine import build_engine
-        engine, model = build_engine(model_dir, device, dtype, ec)
+        engine, model = build_engine(model_dir, device, dtype, ec, tok_file)
         config = model.config
     else:
         model, config = load_model(model_dir, device=device, dtype=resolve_dtype(dtype, device))
