@@ -286,3 +286,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _disk_round_two(model_dir: Path, disk: Path, **options):
+    """Round one in one engine, round two in a fresh engine over the same disk tier: the second
+    round's prefixes come from disk (each rank reads its own files)."""
+    sp = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    tiers = {"dram_bytes": 0, "disk_dir": str(disk)}
+    with LLM(model_dir, num_blocks=128, tiers=tiers, **options) as llm:
+        llm.generate(LONG[0], sp)
+    with LLM(model_dir, num_blocks=128, tiers=tiers, **options) as llm:
+        llm.engine.record_logits = True
+        llm.engine.finished = {}
+        outs = llm.generate(LONG[1], sp)
+        return [(o.output_ids, torch.stack(llm.engine.finished[o.request_id].step_logits), o.cached_tokens)
+                for o in outs]
+
+
+def test_disk_tier_hits_on_every_rank(tmp_path):
+    one = _disk_round_two(FIXTURES / "v4-tiny-fp8", tmp_path / "one")
+    two = _disk_round_two(FIXTURES / "v4-tiny-fp8", tmp_path / "two", tensor_parallel_size=2,
+                          parallel_reduce="ordered")
+    assert sum(c for _, _, c in one) > 0
+    for (ids_a, logits_a, cached_a), (ids_b, logits_b, cached_b) in zip(one, two):
+        assert (ids_a, cached_a) == (ids_b, cached_b)
+        assert torch.equal(logits_a, logits_b)
+    assert {p.name for p in (tmp_path / "two").iterdir()} != set()
