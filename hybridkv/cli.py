@@ -147,7 +147,7 @@ def torchrun_worker(a: argparse.Namespace) -> bool:
     env = torchrun_env()
     if env is None or env[0] == 0 or env[1] == 1:
         return False
-    from hybridkv.distributed.engine import LaunchSpec, run_torchrun_worker
+    from hybridkv.engine.sharded import LaunchSpec, run_torchrun_worker
     from hybridkv.engine import EngineConfig
     return run_torchrun_worker(LaunchSpec.of(a.model_dir, a.device, a.dtype, EngineConfig.from_args(a),
                                              getattr(a, "tokenizer", None)))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybridkv.distributed.engine import RankDivergence
+from hybridkv.engine.sharded import RankDivergence
 from hybridkv.distributed.group import Parallel, RankFailure
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.errors import ConfigError

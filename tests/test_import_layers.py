@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The layers of hybridkv, lowest first: a module may import modules of its own layer and of the
 # layers before it. `chat` (the model's text format) depends on nothing and sits below `engine`, so
 # the offline API may use it as the server does; "hybridkv" is the package's own __init__.
-LAYERS = ("errors", "config", "presets", "ops", "model", "weights", "cache", "memory", "chat", "engine",
+LAYERS = ("errors", "config", "distributed", "presets", "ops", "model", "weights", "cache", "memory", "chat", "engine",
           "tasks", "server", "eval", "train", "tools", "demo", "cli", "hybridkv")
 
 

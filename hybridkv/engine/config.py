@@ -70,7 +70,7 @@ class EngineConfig:
     # decode rows of every request in one batched pass per layer; off: each runs as a one-token
     # segment (the path batched decode is tested and measured against)
     batched_decode: bool = True
-    # several processes (distributed/engine.py): the world size; attention heads and vocabulary split
+    # several processes (engine/sharded.py): the world size; attention heads and vocabulary split
     # over it. Routed experts: whole experts per rank (expert_parallel_size = the world, the default)
     # or every expert's width split (1).
     tensor_parallel_size: int = 1

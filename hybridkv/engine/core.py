@@ -109,7 +109,7 @@ class EngineCore:
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
         # called with each step's chunks before its forward (a sharded engine checks that every rank
-        # scheduled the same, distributed/engine.py)
+        # scheduled the same, engine/sharded.py)
         self.schedule_check = None
         self.graphs = DecodeGraphs(model, self.store) if graphs else None
         self.drafter = (MTPDrafter(model, MTPCache(self.config, self.store.max_slots, model.dtype, self.device),

@@ -61,7 +61,7 @@ class LLM:
         ec = replace(engine_config, **engine_options) if engine_config is not None else EngineConfig(**engine_options)
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         if ec.tensor_parallel_size > 1:    # ranks 1.. in their own processes; this one is rank 0
-            from hybridkv.distributed import engine as sharded
+            from hybridkv.engine import sharded
             self.engine, self.model = sharded.build_engine(self.model_dir, device, dtype, ec)
             self.config = self.model.config
             return

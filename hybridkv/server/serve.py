@@ -71,7 +71,7 @@ def build_server(model_dir: str | Path, *, engine_config: EngineConfig | None = 
                               f"(or pass --tokenizer PATH)")
     tokenizer = Tokenizer(tok_file)
     if ec.tensor_parallel_size > 1:   # this process is rank 0 of a sharded engine
-        from hybridkv.distributed.engine import build_engine
+        from hybridkv.engine.sharded import build_engine
         engine, model = build_engine(model_dir, device, dtype, ec, tok_file)
         config = model.config
     else:

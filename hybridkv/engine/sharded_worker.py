@@ -1,11 +1,11 @@
-"""Entry point of a worker rank started by `hybridkv.distributed.engine.start`: reads its launch
+"""Entry point of a worker rank started by `hybridkv.engine.sharded.start`: reads its launch
 arguments (pickled, from the leader, on stdin) and runs the rank until the leader closes."""
 
 import logging
 import pickle
 import sys
 
-from hybridkv.distributed.engine import _worker_main
+from hybridkv.engine.sharded import _worker_main
 
 
 def main() -> None:

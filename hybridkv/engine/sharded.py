@@ -151,7 +151,7 @@ def serve_commands(engine, par: Parallel) -> None:
 
 
 def _worker_main(spec: LaunchSpec, rank: int, init_method: str, ready_fd: int, threads: int) -> None:
-    """A spawned worker (`python -m hybridkv.distributed.worker`): build the shard, report to the
+    """A spawned worker (`python -m hybridkv.engine.sharded_worker`): build the shard, report to the
     leader through `ready_fd` (an empty line, or the error), join the world, serve commands."""
     if threads:
         torch.set_num_threads(threads)
@@ -246,7 +246,7 @@ class ShardedEngine:
 def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, object]:
     """Start ranks 1..world-1 as processes, build rank 0 here, connect them all. Returns (the
     leader's engine, rank 0's model). Workers are fresh interpreters (`python -m
-    hybridkv.distributed.worker`), so the caller's script is never imported again."""
+    hybridkv.engine.sharded_worker`), so the caller's script is never imported again."""
     check_supported(spec)
     if (torch.device(spec.device).type == "cuda" and torch.cuda.device_count() < spec.world
             and os.environ.get("HYBRIDKV_DIST_ONE_GPU") != "1"):
@@ -261,7 +261,7 @@ def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, 
     try:
         for r in range(1, spec.world):
             read_fd, write_fd = os.pipe()
-            p = subprocess.Popen([sys.executable, "-m", "hybridkv.distributed.worker", str(write_fd)],
+            p = subprocess.Popen([sys.executable, "-m", "hybridkv.engine.sharded_worker", str(write_fd)],
                                  stdin=subprocess.PIPE, pass_fds=(write_fd,))
             os.close(write_fd)
             p.stdin.write(pickle.dumps((spec, r, init_method, threads or 0)))
