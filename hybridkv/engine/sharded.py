@@ -78,6 +78,9 @@ def check_supported(spec: LaunchSpec) -> None:
     if spec.world > 1 and cuda and spec.reduce == "ordered" and ec.cuda_graphs:
         raise ConfigError("parallel_reduce 'ordered' runs the routed experts expert by expert (host-synchronising), "
                           "which a captured decode step cannot: add --enforce-eager (cuda_graphs=False)")
+    if spec.world > 1 and cuda and ec.cuda_graphs and group.backend_for(spec.device) == "gloo":
+        raise ConfigError("gloo collectives on CUDA (HYBRIDKV_DIST_BACKEND=gloo) cannot be captured in the decode "
+                          "CUDA graphs: add --enforce-eager (cuda_graphs=False), or use NCCL")
     if spec.world > 1 and cuda and parse_policy(ec.memory_policy).offloads:
         raise ConfigError(f"memory policy {ec.memory_policy!r} with {spec.world} ranks on CUDA: each GPU's recall "
                           f"copies arrive at their own time, so the ranks would attend over different entries; "
