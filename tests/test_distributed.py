@@ -60,15 +60,18 @@ def _decode(model_dir, rounds_of_prompts, **options):
 _BASELINES: dict[tuple, list] = {}
 
 
-def _baseline(model_dir: Path, rounds_of_prompts):
-    key = (str(model_dir), id(rounds_of_prompts))
+def _baseline(model_dir: Path, rounds_of_prompts, common: dict):
+    key = (str(model_dir), id(rounds_of_prompts), tuple(sorted(common.items())))
     if key not in _BASELINES:
-        _BASELINES[key] = _decode(model_dir, rounds_of_prompts)
+        _BASELINES[key] = _decode(model_dir, rounds_of_prompts, **common)
     return _BASELINES[key]
 
 
-def _compare(model_dir: Path, rounds_of_prompts, bound: float, **options) -> float:
-    base, shard = _baseline(model_dir, rounds_of_prompts), _decode(model_dir, rounds_of_prompts, **options)
+def _compare(model_dir: Path, rounds_of_prompts, bound: float, common: dict | None = None, **options) -> float:
+    """The sharded engine (`options`) against one process, both with `common`."""
+    common = common or {}
+    base = _baseline(model_dir, rounds_of_prompts, common)
+    shard = _decode(model_dir, rounds_of_prompts, **common, **options)
     worst = 0.0
     for round_base, round_shard in zip(base, shard):
         for (ids_a, logits_a, cached_a), (ids_b, logits_b, cached_b) in zip(round_base, round_shard):
@@ -118,6 +121,13 @@ def test_ordered_reduce_is_one_process_to_the_bit(fixture, world):
 
 
 _ELEMENT = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
+
+
+@pytest.mark.parametrize("policy", ["zero", "checkpoint(256)"])
+def test_window_policies_keep_the_ranks_together(policy):
+    """Prefix hits under the bounded-replay window policies: the same hits, replays and logits."""
+    assert _compare(FIXTURES / "v4-tiny", LONG, 0.0, common={"window_policy": policy}, tensor_parallel_size=2,
+                    parallel_reduce="ordered") == 0.0
 
 
 def _stored_bytes(model_dir: Path, model) -> int:
