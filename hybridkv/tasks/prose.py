@@ -185,7 +185,9 @@ def _compiled_module_docs(known: set[str]) -> dict[str, list[str]]:
             continue
         texts = [inspect.getdoc(module) or ""]
         for attr in sorted(vars(module)):
-            obj = getattr(module, attr)
+            # a hook a library may replace at run time (torch.distributed sets sys.excepthook): the
+            # interpreter's original, so the text does not depend on what was imported before
+            obj = getattr(module, f"__{attr}__", None) or getattr(module, attr)
             if attr.startswith("_") or getattr(obj, "__module__", None) != name:
                 continue
             texts.append(inspect.getdoc(obj) or "")
