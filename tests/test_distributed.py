@@ -322,3 +322,4 @@ def test_disk_tier_hits_on_every_rank(tmp_path):
         assert (ids_a, cached_a) == (ids_b, cached_b)
         assert torch.equal(logits_a, logits_b)
     assert {p.name for p in (tmp_path / "two").iterdir()} != set()
+

@@ -28,6 +28,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -158,6 +159,7 @@ def _worker_main(spec: LaunchSpec, rank: int, init_method: str, ready_fd: int, t
     leader through `ready_fd` (an empty line, or the error), join the world, serve commands."""
     if threads:
         torch.set_num_threads(threads)
+    _exit_with_leader()
     par = spec.rank(rank)
     with os.fdopen(ready_fd, "w") as ready:
         try:
@@ -175,6 +177,19 @@ def _worker_main(spec: LaunchSpec, rank: int, init_method: str, ready_fd: int, t
         raise SystemExit(3) from None
     finally:
         group.leave()
+
+
+def _exit_with_leader() -> None:
+    """End this worker when the leader's process is gone (a leader that exits without close()
+    would otherwise leave it waiting for a command until the collective timeout)."""
+    leader = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == leader:
+            time.sleep(1.0)
+        os._exit(4)
+
+    threading.Thread(target=watch, name="hybridkv-leader-watch", daemon=True).start()
 
 
 def _free_port() -> int:
