@@ -144,8 +144,7 @@ def torchrun_worker(a: argparse.Namespace) -> bool:
     """Under torchrun, ranks other than 0 build their shard and serve rank 0's commands until it
     closes; returns True there (the command is done), False on rank 0 and outside torchrun."""
     from hybridkv.distributed.group import torchrun_env
-    env = torchrun_env()
-    if env is None or env[0] == 0 or env[1] == 1:
+    if torchrun_env() is None:
         return False
     from hybridkv.engine.sharded import LaunchSpec, run_torchrun_worker
     from hybridkv.engine import EngineConfig

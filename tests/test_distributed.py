@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from hybridkv.engine.sharded import RankDivergence
 from hybridkv.distributed.group import Parallel, RankFailure
+from hybridkv.distributed.sharding import checkpoint_slices
 from hybridkv.engine import LLM, SamplingParams
 from hybridkv.errors import ConfigError
 from hybridkv.weights import checkpoint_files, load_model
@@ -132,18 +133,13 @@ def test_window_policies_keep_the_ranks_together(policy):
 
 def _stored_bytes(model_dir: Path, model) -> int:
     """What the rank's tensors take in the checkpoint's own dtypes."""
-    files = checkpoint_files(model_dir)
+    files, where = checkpoint_files(model_dir), checkpoint_slices(model)
     total = 0
     for name, t in model.state_dict().items():
-        ckpt = _checkpoint_name(model, name)
+        ckpt = where[name][0]
         with safe_open(files[ckpt], "pt") as f:
             total += t.numel() * _ELEMENT[f.get_slice(ckpt).get_dtype()]
     return total
-
-
-def _checkpoint_name(model, name: str) -> str:
-    from hybridkv.distributed.sharding import checkpoint_slices
-    return checkpoint_slices(model)[name][0]
 
 
 def test_each_rank_reads_only_its_slices(wide_moe):
@@ -154,8 +150,9 @@ def test_each_rank_reads_only_its_slices(wide_moe):
     shards = [load_model(wide_moe, parallel=Parallel(r, 4))[0] for r in range(4)]
     for r, m in enumerate(shards):
         assert m.bytes_loaded == _stored_bytes(wide_moe, m) < whole_bytes   # its own tensors' bytes, nothing more
+        where = checkpoint_slices(m)
         names = [n for n in m.state_dict() if ".experts." in n and n.startswith("layers.1.")]
-        assert {_checkpoint_name(m, n).split(".")[4] for n in names} == {str(e) for e in range(4 * r, 4 * r + 4)}
+        assert {where[n][0].split(".")[4] for n in names} == {str(e) for e in range(4 * r, 4 * r + 4)}
         # its experts hold the checkpoint's values of those experts
         e0 = 4 * r
         assert torch.equal(m.layers[1].ffn.experts[0].w1.weight, whole.layers[1].ffn.experts[e0].w1.weight)

@@ -123,7 +123,10 @@ def _schedule_fingerprint(chunks) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _install_check(engine, par: Parallel) -> None:
+def _join(engine, par: Parallel, spec: LaunchSpec, init_method: str) -> None:
+    """Join the world and have `engine` compare each step's schedule with the other ranks'."""
+    group.connect(par, init_method, spec.device, spec.engine_config.distributed_timeout)
+
     def check(chunks) -> None:
         mine = _schedule_fingerprint(chunks)
         if len(set(par.all_gather_ints(mine))) > 1:
@@ -169,8 +172,7 @@ def _worker_main(spec: LaunchSpec, rank: int, init_method: str, ready_fd: int, t
             raise SystemExit(2) from None
         ready.write("\n")
     try:
-        group.connect(par, init_method, spec.device, spec.engine_config.distributed_timeout)
-        _install_check(engine, par)
+        _join(engine, par, spec, init_method)
         serve_commands(engine, par)
     except (RankFailure, RankDivergence) as e:
         log.error("rank %d stops: %s", rank, e)
@@ -230,8 +232,7 @@ class ShardedEngine:
         params = params or SamplingParams()
         if params.seed is None:   # every rank must draw the same tokens
             params = replace(params, seed=int(torch.randint(0, 2**62, (), generator=self._seeds)))
-        ids = prompt if not isinstance(prompt, str) else self.core.tokenizer.encode(prompt)
-        seq = self.core.add_request(ids, params, request_id)     # refused here: never sent
+        seq = self.core.add_request(prompt, params, request_id)     # refused here: never sent
         self._send(("add", list(seq.prompt_ids), params, seq.request_id))
         return seq
 
@@ -289,7 +290,7 @@ def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, 
         par = spec.rank(0)
         model, _, engine = build_rank(spec, par)
         _wait_ready(procs, pipes)
-        group.connect(par, init_method, spec.device, spec.engine_config.distributed_timeout)
+        _join(engine, par, spec, init_method)
     except BaseException:
         for p in procs:
             p.kill()
@@ -298,7 +299,6 @@ def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, 
     finally:
         for f in pipes:
             f.close()
-    _install_check(engine, par)
     return ShardedEngine(engine, par, procs), model
 
 
@@ -316,20 +316,26 @@ def _wait_ready(procs: list, pipes: list) -> None:
             raise ConfigError(f"rank {rank} could not build its shard: {line.strip()}")
 
 
-def run_torchrun_worker(spec: LaunchSpec) -> bool:
-    """Under torchrun (RANK / WORLD_SIZE set): on ranks other than 0 build the shard and serve the
-    leader's commands, then return True (the caller exits); on rank 0 return False."""
+def _torchrun_rank(spec: LaunchSpec) -> int | None:
+    """This process's rank when torchrun started several (RANK / WORLD_SIZE), else None."""
     env = group.torchrun_env()
-    if env is None or env[0] == 0:
+    if env is None or env[1] == 1:
+        return None
+    if env[1] != spec.world:
+        raise ConfigError(f"torchrun started {env[1]} processes; tensor_parallel_size is {spec.world}")
+    return env[0]
+
+
+def run_torchrun_worker(spec: LaunchSpec) -> bool:
+    """Under torchrun, on ranks other than 0: build the shard and serve the leader's commands
+    until it closes, then return True (the caller exits); elsewhere return False."""
+    rank = _torchrun_rank(spec)
+    if not rank:
         return False
-    rank, world = env
-    if world != spec.world:
-        raise ConfigError(f"torchrun started {world} processes; tensor_parallel_size is {spec.world}")
     par = spec.rank(rank)
     _, _, engine = build_rank(spec, par)
-    group.connect(par, "env://", spec.device, spec.engine_config.distributed_timeout)
     try:
-        _install_check(engine, par)
+        _join(engine, par, spec, "env://")
         serve_commands(engine, par)
     finally:
         group.leave()
@@ -340,20 +346,10 @@ def build_engine(model_dir, device, dtype, ec, tokenizer_path=None):
     """(engine, rank 0's model) of a sharded engine: under torchrun this process is rank 0 and
     the others run `run_torchrun_worker`; otherwise the workers are started here."""
     spec = LaunchSpec.of(model_dir, device, dtype, ec, tokenizer_path)
-    env = group.torchrun_env()
-    if env is not None and env[1] > 1:
-        if env[1] != spec.world:
-            raise ConfigError(f"torchrun started {env[1]} processes; tensor_parallel_size is {spec.world}")
-        return start_torchrun_leader(spec)
-    return start(spec)
-
-
-def start_torchrun_leader(spec: LaunchSpec) -> tuple[ShardedEngine, object]:
-    """Rank 0 under torchrun: its shard and the leader's engine (the workers run
-    `run_torchrun_worker`)."""
-    par = spec.rank(0)
+    if _torchrun_rank(spec) is None:
+        return start(spec)
     check_supported(spec)
+    par = spec.rank(0)
     model, _, engine = build_rank(spec, par)
-    group.connect(par, "env://", spec.device, spec.engine_config.distributed_timeout)
-    _install_check(engine, par)
+    _join(engine, par, spec, "env://")
     return ShardedEngine(engine, par), model
