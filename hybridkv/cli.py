@@ -240,12 +240,19 @@ def cmd_train_memory_indexer(a: argparse.Namespace) -> int:
     model_dir = Path(a.model_dir)
     if not (model_dir / "tokenizer.json").is_file():
         raise TrainingError(f"{model_dir}: no tokenizer.json (a model directory that --export wrote)")
-    overrides = {k: getattr(a, k) for k in ("docs", "val_docs", "length", "vote", "stride", "steps", "batch_positions",
+    overrides = {k: getattr(a, k) for k in ("docs", "val_docs", "vote", "stride", "steps", "batch_positions",
                                             "lr", "budget", "seed") if getattr(a, k) is not None}
+    if a.length is not None:
+        try:
+            overrides["lengths"] = tuple(int(x) for x in a.length.split(","))
+        except ValueError:
+            raise TrainingError(f"--length {a.length!r}: prompt tokens, or several separated by commas") from None
     cfg = replace(MemoryTrainConfig(), **overrides)
-    for k in ("docs", "val_docs", "length", "vote", "stride", "steps", "batch_positions"):
+    for k in ("docs", "val_docs", "vote", "stride", "steps", "batch_positions"):
         if getattr(cfg, k) < 1:
             raise TrainingError(f"--{k.replace('_', '-')} {getattr(cfg, k)}: must be at least 1")
+    if min(cfg.lengths) < 1:
+        raise TrainingError(f"--length {a.length}: every length must be at least 1")
     layers = [int(x) for x in a.layers.split(",")] if a.layers else None
     labels = a.labels or f"runs/memory-labels/{model_dir.resolve().name}"
     report = train_memory_indexer(model_dir, a.out or model_dir, cfg, labels, a.device, layers,
@@ -339,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--labels", default=None, help="label files, reused when present (default: runs/memory-labels/NAME)")
     m.add_argument("--device", default="cpu")
     m.add_argument("--layers", default=None, help="target CSA layers, comma separated (default: every CSA layer)")
-    for name, typ in (("docs", int), ("val-docs", int), ("length", int), ("vote", int), ("stride", int), ("steps", int),
+    m.add_argument("--length", default=None,
+                   help="document prompt tokens; several separated by commas take turns (e.g. 16384,32768)")
+    for name, typ in (("docs", int), ("val-docs", int), ("vote", int), ("stride", int), ("steps", int),
                       ("batch-positions", int), ("lr", float), ("budget", float), ("seed", int)):
         m.add_argument(f"--{name}", type=typ, default=None)
     m.set_defaults(func=cmd_train_memory_indexer)

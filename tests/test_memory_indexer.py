@@ -90,14 +90,20 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
     out = tmp_path / "mi"
     out.mkdir()
     argv = ["train-memory-indexer", str(SHIPPED), "--out", str(out), "--labels", str(tmp_path / "labels"),
-            "--docs", "3", "--val-docs", "1", "--length", "2048", "--steps", "40", "--batch-positions", "16"]
+            "--docs", "3", "--val-docs", "2", "--length", "1024,2048", "--steps", "40", "--batch-positions", "16"]
     assert main(argv) == 0
     report = json.loads((out / "memory_indexer.json").read_text())
     for k in ("native", "oracle", "init", "trained"):
         assert {"f1", "policy_recall", "recency_recall", "resident_share"} <= set(report[k]), k
     assert report["oracle"]["f1"] == 1.0
     assert report["trained"]["f1"] > report["init"]["f1"]        # the warm start is uncalibrated at 0.5
-    assert len(list((tmp_path / "labels").glob("*.safetensors"))) == 4
+    # the two lengths take turns, in training and in validation, and validation reports each
+    names = sorted(p.name for p in (tmp_path / "labels").glob("*.safetensors"))
+    assert names == ["doc00000-1024.safetensors", "doc00001-2048.safetensors", "doc00002-1024.safetensors",
+                     "doc00003-2048.safetensors", "doc00004-1024.safetensors"]
+    assert report["config"]["lengths"] == [1024, 2048]
+    assert set(report["by_length"]) == {"1024", "2048"}
+    assert report["by_length"]["2048"]["trained"]["resident_share"] > 0
     assert MemoryIndexer.load(out).config.layers == [1, 3, 5]
     # the labels are reused: a second run labels nothing
     import io
@@ -107,6 +113,7 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
         assert main([*argv, "--steps", "1"]) == 0
     assert "labelled document" not in err.getvalue()
     assert main(["train-memory-indexer", str(tmp_path), "--docs", "1"]) == 2      # no model there
+    assert main(["train-memory-indexer", str(SHIPPED), "--length", "2048,2k"]) == 2
 
 
 def test_the_shipped_model_serves_flashmemory_with_its_own_memory_indexer():

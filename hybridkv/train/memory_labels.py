@@ -97,12 +97,14 @@ def votes_from_capture(captured: dict[int, dict[str, torch.Tensor]], ratio: int,
     pointers, indices, votes = [torch.zeros(1, dtype=torch.long)], [], []
     for t0 in range(0, s, tile):
         t1 = min(s, t0 + tile)
-        visible = (torch.arange(t0, t1) + 1) // ratio
-        count = torch.zeros(t1 - t0, n, dtype=torch.uint8)
+        device = captured[layers[0]]["q"].device
+        visible = (torch.arange(t0, t1, device=device) + 1) // ratio
+        count = torch.zeros(t1 - t0, n, dtype=torch.uint8, device=device)
         for layer in layers:
             c = captured[layer]
             scores = index_scores(c["q"][t0:t1], c["w"][t0:t1], c["keys"][0])
-            count += layer_picks(scores.cpu(), visible, topk, top_p).to(torch.uint8)
+            count += layer_picks(scores, visible, topk, top_p).to(torch.uint8)
+        count = count.cpu()
         rows, cols = torch.nonzero(count, as_tuple=True)                     # row-major: ascending
         indices.append(cols.to(torch.int32))
         votes.append(count[rows, cols])

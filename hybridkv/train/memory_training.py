@@ -46,7 +46,7 @@ POOL_SEED = 77
 class MemoryTrainConfig:
     docs: int = 48
     val_docs: int = 8
-    length: int = 8192
+    lengths: tuple[int, ...] = (8192,)   # document i has lengths[i % len(lengths)] prompt tokens
     vote: int = 2
     stride: int = 16
     steps: int = 600
@@ -60,22 +60,26 @@ class MemoryTrainConfig:
     extra: dict = field(default_factory=dict)
 
 
+def document_length(cfg: MemoryTrainConfig, i: int) -> int:
+    """Prompt tokens of document i: the lengths take turns, so training and validation both hold each."""
+    return cfg.lengths[i % len(cfg.lengths)]
+
+
 class Documents:
     """The documents, deterministic in their index: document i is task DOC_TASKS[i % len] with seed
     DOC_SEED + i at `length` prompt tokens, followed by its reference completion."""
 
-    def __init__(self, model_dir: str | Path, length: int):
+    def __init__(self, model_dir: str | Path):
         from hybridkv.tasks.generators import Pools
         from hybridkv.tasks.tokenizer import TaskTokenizer
 
-        self.length = length
         self.pools = Pools(TaskTokenizer.load(model_dir), seed=POOL_SEED, prose_split="train")
 
-    def __getitem__(self, i: int) -> tuple[str, list[int]]:
+    def get(self, i: int, length: int) -> tuple[str, list[int]]:
         from hybridkv.tasks.generators import make_sample
 
         task = DOC_TASKS[i % len(DOC_TASKS)]
-        s = make_sample(task, DOC_SEED + i, self.pools, self.length)
+        s = make_sample(task, DOC_SEED + i, self.pools, length)
         return task, s.prompt + s.completion
 
 
@@ -85,12 +89,13 @@ def build_labels(model, model_dir: str | Path, out_dir: Path, cfg: MemoryTrainCo
     docs, paths = None, []
     total = cfg.docs + cfg.val_docs
     for i in range(total):
-        path = out_dir / f"doc{i:05d}-{cfg.length}.safetensors"
+        length = document_length(cfg, i)
+        path = out_dir / f"doc{i:05d}-{length}.safetensors"
         paths.append(path)
         if path.exists():
             continue
-        docs = docs or Documents(model_dir, cfg.length)
-        task, ids = docs[i]
+        docs = docs or Documents(model_dir)
+        task, ids = docs.get(i, length)
         t0 = time.perf_counter()
         save_labels(label_sequence(model, ids, meta={"model": Path(model_dir).name, "source": f"{task} seed {DOC_SEED + i}"}),
                     path)
@@ -155,13 +160,17 @@ def _loss_for(mi: MemoryIndexer, d: DocumentLabels, keys: dict, positions: list[
 
 
 @torch.no_grad()
-def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int = 64) -> dict:
+def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int = 64,
+             only: set[int] | None = None) -> dict:
     """score_fn(doc index, positions tensor) -> probabilities [T, N]. Micro F1 at 0.5 and recall
-    under the flashmemory policy, with the resident share; recency at the same budget beside it."""
+    under the flashmemory policy, with the resident share; recency at the same budget beside it.
+    `only`: the documents to score (default: all)."""
     policy, newest = FlashMemory(cfg.budget), FlashMemory(cfg.budget, tail_share=1.0)
     tp = fp = fn = 0
     hit = total = res = vis_sum = rec_hit = 0
     for i, d in enumerate(docs.labels):
+        if only is not None and i not in only:
+            continue
         positions = query_positions(d, cfg.stride)
         step = max(1, len(positions) // max_positions)
         positions = positions[::step][:max_positions] + [p for p in positions[-4:]]
@@ -261,6 +270,14 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
             echo(f"step {step + 1}/{cfg.steps}  loss {sum(losses[-20:]) / len(losses[-20:]):.4f}  "
                  f"{time.perf_counter() - t0:.0f}s")
     report["trained"] = validate(mi_probs(val_docs), val_docs, cfg)
+    if len(cfg.lengths) > 1:
+        by_length = {}
+        for length in cfg.lengths:
+            ids = {j for j in range(len(val_docs.labels)) if document_length(cfg, cfg.docs + j) == length}
+            by_length[length] = {name: validate(f(val_docs), val_docs, cfg, only=ids)
+                                 for name, f in (("native", native_probs), ("trained", mi_probs))}
+            echo(f"at {length} tokens: {by_length[length]}")
+        report["by_length"] = by_length
     report["train_seconds"] = round(time.perf_counter() - t0, 1)
     report["final_loss"] = round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)
     echo(f"trained:        {report['trained']}")
