@@ -5,8 +5,10 @@ width (256 experts × 2048, FP4 experts, FP8 linears; `hybridkv.tools.random_che
 with fp8 KV, and for each weight path (`packed`: the kernels that read FP8/FP4 weights; `dense`:
 HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh process:
 
-- decode at each batch × context (and 1M at B=1 with --million): wall ms per step (median, host
-  clock around a synchronised step), device ms per step (kernel time under torch.profiler), tokens/s,
+- decode at each batch × context (and 1M at B=1 with --million): wall ms per step (host clock
+  over --steps steps run back to back, the device synchronised before and after them, so that a
+  step queued by async scheduling overlaps the host's work as in serving), device ms per step
+  (kernel time under torch.profiler), tokens/s,
   the elapsed device time of the last step's graph replayed back to back between device events
   (`replay ms`: its kernels and the gaps between them), and the least bytes the step must read:
   the non-expert weights of the blocks and the head, the routed experts the step's tokens selected
@@ -52,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from hybridkv.cache.layout import entry_bytes  # noqa: E402
 from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
-from decode_context import replay_ms, timed_steps  # noqa: E402  (this folder is on sys.path)
+from decode_context import replay_ms, sync, timed_steps  # noqa: E402  (this folder is on sys.path)
 
 GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
 # operator families of a step's kernels, first match wins (kernel names: Triton's function names,
@@ -212,7 +214,8 @@ def worker(a) -> None:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=pool_blocks(a, cells, prefills),
-              max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
+              max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False,
+              async_scheduling=a.async_scheduling)
     eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
     loaded = torch.cuda.memory_allocated() - base if cuda else None
     wb = weight_bytes(model)
@@ -266,8 +269,8 @@ def worker(a) -> None:
             eng.step()
             prefill_steps += 1
         timed_steps(eng, WARM_STEPS, a.device)
-        wall = statistics.median(timed_steps(eng, a.steps, a.device))
-        busy, _, top, fams = device_ms(lambda: timed_steps(eng, a.steps, a.device), cuda)
+        wall = steps_back_to_back(eng, a.steps, a.device) / a.steps
+        busy, _, top, fams = device_ms(lambda: steps_back_to_back(eng, a.steps, a.device), cuda)
         replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
         ended = sum(s.finish_reason is not None for s in seqs)
         preempted = eng.scheduler.num_preemptions - preempted
@@ -276,6 +279,7 @@ def worker(a) -> None:
                                f"measurement ended (decode_budget; the prefill took {prefill_steps} steps, outputs "
                                f"{sorted(len(s.output_ids) for s in seqs)[-4:]} at most)")
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
+        timed_steps(eng, 1, a.device)                    # (after settling a step async scheduling queued)
         counter = ExpertCounter(model)
         timed_steps(eng, 1, a.device)
         counter.close()
@@ -294,6 +298,18 @@ def worker(a) -> None:
     if cuda:
         emit(dict(kind="peak", path=a.path, peak_bytes=torch.cuda.max_memory_allocated() - base,
                   reserved_bytes=torch.cuda.memory_reserved()))
+
+
+def steps_back_to_back(eng, steps: int, device: str) -> float:
+    """Seconds for `steps` engine steps with no wait for the device between them (it is synchronised
+    before and after): what a serving loop sees, the host's work overlapping the device's where the
+    engine queues the next step (async scheduling)."""
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync(device)
+    return time.perf_counter() - t
 
 
 def hf_worker(a) -> None:
@@ -494,6 +510,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=_parse_count, default=None,
                     help="leave out the decode cells whose batch x context exceeds this (their prefill is long)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="queue the next decode step before the host reads this one's tokens (default: on)")
     ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)

@@ -63,6 +63,9 @@ class EngineConfig:
     indexer_seed: int = 0
     cuda_graphs: bool = True             # replay captured decode steps on CUDA (engine/graphs.py); also
                                          # off with the environment variable HYBRIDKV_CUDA_GRAPHS=0
+    # with CUDA graphs: queue the next decode step before reading this one's tokens, so that the host's
+    # work (emitting, detokenising, scheduling) runs while the device decodes (engine/core.py)
+    async_scheduling: bool = True
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
     speculative: str | None = None       # "mtp": speculative decoding with the MTP block (engine/speculative.py)
     num_speculative_tokens: int = 1      # draft tokens per step with speculative decoding
@@ -181,6 +184,9 @@ class EngineConfig:
                        help="seed of the random indexer (default: %(default)s)")
         g.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
                        help="launch every decode step eagerly instead of replaying CUDA graphs")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                       help="with CUDA graphs, queue the next decode step before the host reads this step's "
+                            "tokens (outputs unchanged) (default: on)")
         g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=d.speculative,
                        help="speculative decoding: mtp = the checkpoint's MTP block drafts, the model verifies "
                             "(outputs unchanged; steps run without CUDA graphs) (default: off)")

@@ -18,7 +18,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenize import release
 from hybridkv.engine.graphs import DecodeGraphs
-from hybridkv.engine.sampling import Sampled, SamplingParams, sample, sample_rows, scored
+from hybridkv.engine.sampling import Drawn, Sampled, SamplingParams, draw_rows, sample, scored
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
 from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
@@ -44,6 +44,16 @@ class Event:
 
 
 @dataclass
+class _Queued:
+    """A decode step queued on the device before the host read the tokens it decodes (async
+    scheduling): its input ids are the previous step's draws, still on the device."""
+
+    chunks: list[Chunk]          # one decode chunk per request, in row order
+    logits: torch.Tensor         # [B, vocab] on the device
+    drawn: Drawn                 # its own tokens, drawn on the device
+
+
+@dataclass
 class EngineStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -55,6 +65,7 @@ class EngineStats:
     pages_loaded: int = 0      # memory policy: resident CSA pages brought to the device
     pages_evicted: int = 0
     graph_steps: int = 0       # decode steps replayed from a CUDA graph (or run by its fixed-shape forward)
+    queued_steps: int = 0      # of those, queued before the host read the previous step's tokens (async scheduling)
     spec_drafts: int = 0       # speculative verify steps (requests × steps with at least one draft token)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -118,6 +129,7 @@ class EngineCore:
             k = self.ec.num_speculative_tokens
             self.stats.spec_accepted_per_pos, self.stats.spec_accepted_hist = [0] * k, [0] * (k + 1)
         self._ids = itertools.count()
+        self._queued: _Queued | None = None
 
     def _set_indexer(self, mode: str, seed: int) -> None:
         from hybridkv.model.indexer import Indexer
@@ -185,9 +197,14 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.close()
         self.graphs = None
+        self._queued = None
 
     # ----- the step -----
     def step(self) -> list[Event]:
+        if self._queued is not None:
+            events = self._settle_queued()
+            if events is not None:
+                return events
         chunks = self.scheduler.schedule()
         if self.schedule_check is not None:
             self.schedule_check(chunks)
@@ -195,6 +212,7 @@ class EngineCore:
             return []
         if self.speculative:
             return self._speculative_step(chunks)
+        graph_steps = self.stats.graph_steps
         logits = self._forward(chunks)
         emitting: list[Sequence] = []
         for c in chunks:
@@ -208,12 +226,74 @@ class EngineCore:
                 emitting.append(seq)
         events: list[Event] = []
         if emitting:      # every request's token in one sampling pass (one wait for the device)
-            rows = [logits[seq.request_id] for seq in emitting]
-            drawn = sample_rows(torch.stack(rows), [seq.params for seq in emitting], [seq.generator for seq in emitting])
-            events = [self._emit(seq, row, s) for seq, row, s in zip(emitting, rows, drawn)]
+            rows = torch.stack([logits[seq.request_id] for seq in emitting])
+            drawn = draw_rows(rows, [seq.params for seq in emitting], [seq.generator for seq in emitting])
+            if self.stats.graph_steps > graph_steps:
+                drawn.start_transfer()           # before the next step is queued behind it
+                self._queue_next(emitting, drawn, list(range(len(emitting))))
+            events = [self._emit(seq, row, s) for seq, row, s in zip(emitting, rows, drawn.host())]
         self.stats.steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
+        self._drop_dead_queue()
         return events
+
+    # ----- async scheduling: the next decode step queued before this one's tokens are read -----
+    def _queue_next(self, seqs: list[Sequence], drawn: Drawn, rows: list[int]) -> None:
+        """After a decode step replayed from a graph (`seqs` its requests, `rows` their rows of
+        `drawn`), queue the next one on the device, its input ids being `drawn`'s tokens there. Only
+        where the scheduler would schedule exactly that step: async scheduling on, one decode row of
+        every running request, nobody waiting, the pool holding the new positions' blocks without a
+        preemption, and the step a graph's. Requests this step's token ends by length are left out;
+        those an EOS or a stop string ends are not known yet: their row is dropped when it settles."""
+        sched = self.scheduler
+        if not (self.ec.async_scheduling and self.graphs is not None and self.schedule_check is None
+                and not sched.waiting and len(seqs) == len(sched.running)):
+            return
+        keep = [(seq, r) for seq, r in zip(seqs, rows)
+                if seq.status is Status.RUNNING and len(seq.output_ids) + 1 < seq.params.max_tokens
+                and seq.num_tokens + 1 < self.max_model_len]
+        if not keep or not sched.extend_decodes([seq for seq, _ in keep]):
+            return
+        if len(keep) == drawn.tokens.shape[0]:
+            ids = drawn.tokens
+        else:
+            index = torch.tensor([r for _, r in keep], dtype=torch.long)
+            if drawn.tokens.is_cuda:       # pinned: a copy from pageable memory would wait for the device
+                index = index.pin_memory().to(drawn.tokens.device, non_blocking=True)
+            ids = drawn.tokens.index_select(0, index.to(drawn.tokens.device))
+        chunks = [Chunk(seq, seq.num_computed, 1, [(seq.num_computed, 1)], True) for seq, _ in keep]
+        logits = self._graph_decode(chunks, self.policy.snapshots and self.prefix.enabled, ids)
+        if logits is None:
+            return
+        self.stats.queued_steps += 1
+        stacked = torch.stack([logits[c.seq.request_id] for c in chunks])
+        queued = draw_rows(stacked, [c.seq.params for c in chunks], [c.seq.generator for c in chunks])
+        queued.start_transfer()
+        self._queued = _Queued(chunks, stacked, queued)
+
+    def _settle_queued(self) -> list[Event] | None:
+        """The queued step's bookkeeping and tokens, with the next step queued behind it first. None
+        when every request it decoded for has ended meanwhile (the caller schedules as usual)."""
+        q, self._queued = self._queued, None
+        live = [i for i, c in enumerate(q.chunks) if c.seq.status is Status.RUNNING]
+        if not live:
+            return None
+        seqs = [q.chunks[i].seq for i in live]
+        for i, seq in zip(live, seqs):
+            seq.num_computed = q.chunks[i].start + 1
+            self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
+            self._publish_snapshots(seq)
+        self._queue_next(seqs, q.drawn, live)
+        events = [self._emit(seq, q.logits[i], s) for i, seq, s in zip(live, seqs, q.drawn.host(live))]
+        self.stats.steps += 1
+        self.stats.forward_tokens += len(q.chunks)
+        self._drop_dead_queue()
+        return events
+
+    def _drop_dead_queue(self) -> None:
+        """Forget a queued step whose requests all ended with the tokens just emitted."""
+        if self._queued is not None and all(c.seq.status is not Status.RUNNING for c in self._queued.chunks):
+            self._queued = None
 
     def _speculative_step(self, chunks: list[Chunk]) -> list[Event]:
         """A step with MTP speculation (engine/speculative.py): verify chunks check their drafts,
@@ -379,15 +459,16 @@ class EngineCore:
                 i += 1
         return logits
 
-    def _graph_decode(self, decodes: list[Chunk], snapshots: bool) -> dict[str, torch.Tensor] | None:
+    def _graph_decode(self, decodes: list[Chunk], snapshots: bool,
+                      ids: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
         """A pure decode step through `self.graphs`, where it applies (None otherwise). The window-state
         snapshots the eager path takes layer by layer are taken after the step: a layer's state is
-        final once it has run."""
+        final once it has run. `ids`: the input tokens on the device (default: the requests' own)."""
         seqs, positions = [c.seq.cache for c in decodes], [c.start for c in decodes]
         if not (DecodeGraphs.supported(self.model, self.store, self._indexer_mode)
                 and self.graphs.eligible(seqs, positions)):
             return None
-        logits = self.graphs.run([c.seq.token_ids[c.start] for c in decodes], seqs, positions)
+        logits = self.graphs.run([c.seq.token_ids[c.start] for c in decodes] if ids is None else ids, seqs, positions)
         if snapshots:
             for c in decodes:
                 hook = self._snapshot_hook(c.seq)

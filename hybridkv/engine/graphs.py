@@ -54,6 +54,16 @@ class _Graph:
     tables: tuple = ()                   # which block tables `inputs` holds (see `_tables_key`)
 
 
+def _copy_in(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Host rows into a graph's device buffer without waiting for the device: from pinned memory,
+    which the caching host allocator keeps until the copy has run (a copy from pageable memory
+    waits for the stream, and so for the step the engine queued before this one)."""
+    if dst.device.type == "cuda":
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
+
+
 def padded_batch(n: int) -> int:
     """The batch size a graph is captured for: the next power of two."""
     return 1 << (n - 1).bit_length()
@@ -95,12 +105,15 @@ class DecodeGraphs:
         W = self.store.config.sliding_window
         return 0 < len(seqs) <= MAX_GRAPH_BATCH and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
 
-    def run(self, ids: list[int], seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b]."""
+    def run(self, ids: list[int] | torch.Tensor, seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b].
+        `ids` may be a tensor [B] on the device (the previous step's draws): then the host neither
+        reads nor waits for them, and the step queues behind the one that draws them."""
         cap = context_bucket(max(positions), self.store.block_tokens)
         n = len(seqs)
         key = (padded_batch(n), cap)
-        heads = [[t, p, s.slot] for t, p, s in zip(ids, positions, seqs)]
+        on_device = isinstance(ids, torch.Tensor)
+        heads = [[t, p, s.slot] for t, p, s in zip([0] * n if on_device else ids, positions, seqs)]
         heads = torch.tensor(heads + [[0, 0, self.pad_slot]] * (key[0] - n), dtype=torch.long)
         tables = _tables_key(seqs)
         g = self.graphs.get(key)
@@ -112,9 +125,11 @@ class DecodeGraphs:
         else:
             self.graphs.move_to_end(key)
             if _same_tables(g.tables, tables):     # most steps: only ids, positions and slots change
-                g.inputs[:, :3].copy_(heads)
+                _copy_in(g.inputs[:, :3], heads)
             else:
-                g.inputs.copy_(self._host_inputs(heads, seqs, cap))
+                _copy_in(g.inputs, self._host_inputs(heads, seqs, cap))
+        if on_device:
+            g.inputs[:n, 0].copy_(ids)
         g.tables = tables
         if g.graph is None:
             return self._forward(g.inputs, cap)[:n]

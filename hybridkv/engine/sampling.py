@@ -88,39 +88,84 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     its logprob (under the unprocessed logits) and the top-N logprobs the row asks for. Greedy rows
     take one argmax together; a sampled row draws from its own generator, as alone. The results
     reach the host in one transfer."""
+    return draw_rows(logits, params, generators).host()
+
+
+@dataclass
+class Drawn:
+    """A step's tokens drawn on the logits' device, not yet read by the host: the next decode step
+    can take `tokens` as its input ids before the host has waited for them (engine/core.py)."""
+
+    tokens: torch.Tensor                 # [B] int64
+    chosen: torch.Tensor                 # [B] float32: each token's logprob
+    top: tuple[torch.Tensor, torch.Tensor] | None   # top-N logprobs (values, ids) [B, N], where asked
+    params: list[SamplingParams]
+    _pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [self.tokens, self.chosen, *(self.top or ())]
+
+    def start_transfer(self) -> None:
+        """Queue the copy to the host now, so that `host` waits for this step's work only, not for
+        a step queued on the device after it (a plain device-to-host copy waits for the stream)."""
+        if self.tokens.device.type != "cuda" or self._pending is not None:
+            return
+        flat = torch.cat([t.reshape(-1).double() for t in self._parts()])
+        buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        buf.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (buf, done)
+
+    def host(self, rows: list[int] | None = None) -> list[Sampled]:
+        """The draws as `Sampled` (one wait for the device); `rows`: only those, in that order."""
+        if self._pending is not None:
+            buf, done = self._pending
+            done.synchronize()
+            parts = _split(buf, self._parts())
+        else:
+            parts = _to_host(*self._parts())
+        tokens_h, chosen_h = parts[0], parts[1]
+        top_v, top_i = (parts[2], parts[3]) if self.top is not None else (None, None)
+        out = []
+        for i in (range(len(self.params)) if rows is None else rows):
+            n = self.params[i].logprobs
+            top = list(zip(top_i[i][:n], top_v[i][:n])) if n and top_v is not None else None
+            out.append(Sampled(tokens_h[i], chosen_h[i], top))
+        return out
+
+
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams],
+              generators: list[torch.Generator | None]) -> Drawn:
+    """`sample_rows` without the transfer: every draw stays on the logits' device."""
     logits = logits.float()
-    rows = logits.shape[0]
-    if rows == 0:
-        return []
-    if all(p.temperature == 0 and not p.logprobs for p in params):     # the common decode step
-        tokens_h, chosen_h = _to_host(*greedy_rows(logits))
-        return [Sampled(t, lp, None) for t, lp in zip(tokens_h, chosen_h)]
+    if logits.shape[0] and all(p.temperature == 0 and not p.logprobs for p in params):   # the common decode step
+        return Drawn(*greedy_rows(logits), None, list(params))
     tokens = torch.argmax(logits, -1)
     for i, p in enumerate(params):
         if p.temperature != 0:
             tokens[i] = torch.multinomial(filtered_probs(logits[i], p), 1, generator=generators[i])[0]
     logprobs = torch.log_softmax(logits, -1)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    top_n = max(p.logprobs or 0 for p in params)
+    top_n = max((p.logprobs or 0 for p in params), default=0)
+    top = None
     if top_n:
         top_v, top_i = torch.topk(logprobs, top_n, -1)
-        tokens_h, chosen_h, top_v, top_i = _to_host(tokens, chosen, top_v, top_i)
-    else:
-        tokens_h, chosen_h = _to_host(tokens, chosen)
-    out = []
-    for i, p in enumerate(params):
-        top = list(zip(top_i[i][:p.logprobs], top_v[i][:p.logprobs])) if p.logprobs else None
-        out.append(Sampled(tokens_h[i], chosen_h[i], top))
-    return out
+        top = (top_v, top_i)
+    return Drawn(tokens, chosen, top, list(params))
 
 
 def _to_host(*tensors: torch.Tensor) -> list[list]:
     """Each tensor as nested lists, in one copy from the device (a single synchronisation)."""
-    if tensors[0].device.type == "cpu":
+    if tensors[0].device.type == "cpu" or tensors[0].numel() == 0:
         return [t.tolist() for t in tensors]
-    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
+    return _split(torch.cat([t.reshape(-1).double() for t in tensors]).cpu(), tensors)
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[list]:
+    """A host float64 buffer holding `like`'s values one after another -> each as nested lists."""
     out, at = [], 0
-    for t in tensors:
+    for t in like:
         part = flat[at:at + t.numel()]
         at += t.numel()
         vals = part.long() if not t.is_floating_point() else part.float()

@@ -57,6 +57,16 @@ class Scheduler:
             table.append(self.store.pool.allocate())
         self.store.attach_pages(seq.cache)
 
+    def extend_decodes(self, seqs: list[Sequence]) -> bool:
+        """Blocks for one more decode position of each request (the position after its computed
+        ones), if the pool holds them all without a preemption; False, allocating nothing, if not."""
+        need = sum(self._new_blocks(seq, seq.num_computed + 1) for seq in seqs)
+        if need > self.store.pool.num_free:
+            return False
+        for seq in seqs:
+            self._ensure_blocks(seq, seq.num_computed + 1)
+        return True
+
     def _new_blocks(self, seq: Sequence, end_pos: int) -> int:
         return max(0, -(-end_pos // self.store.block_tokens) - len(seq.cache.block_table))
 
