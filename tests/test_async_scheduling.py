@@ -132,14 +132,24 @@ def test_abort_and_arrival_between_queued_steps():
 
 
 def test_a_pool_without_the_next_blocks_falls_back_to_the_scheduler():
-    """With too few free blocks for every request's next position, no step is queued there: the
-    scheduler preempts as it would, and the outputs are the engine's without async scheduling."""
+    """18 blocks hold the three prompts' blocks and no more: when the 1148-token request's decode
+    reaches position 1152 no block is free for it, so no step is queued there; the scheduler
+    preempts the newest request as it would, and the outputs are the engine's without async
+    scheduling."""
     prompts = _prompts()
     runs = []
     for on in (False, True):
-        eng = _engine(on, num_blocks=19)
+        eng = _engine(on, num_blocks=18)
+        refused = []
+
+        def extend(seqs, plain=eng.scheduler.extend_decodes):
+            ok = plain(seqs)
+            refused.append(not ok)
+            return ok
+        eng.scheduler.extend_decodes = extend
         for i, p in enumerate(prompts):
             eng.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True), request_id=f"r{i}")
-        runs.append((_drive(eng, {}), eng.scheduler.num_preemptions, eng.stats.queued_steps))
+        runs.append((_drive(eng, {}), eng.scheduler.num_preemptions, eng.stats.queued_steps, sum(refused)))
     _same(runs[0][0], runs[1][0])
-    assert runs[0][1] == runs[1][1]
+    assert runs[0][1] == runs[1][1] == 1                 # the same preemption
+    assert runs[1][3] == 1 and runs[1][2] > 3            # refused once, queued before and after
