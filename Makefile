@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hybridkv demo
 
 test: $(STAMP)
-	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	@$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,5 +1,10 @@
 """The engine loop: admit requests, schedule a step, run the model over the step's ragged batch,
-sample, publish completed blocks and state snapshots to the prefix cache, and report events."""
+sample, publish completed blocks and state snapshots to the prefix cache, and report events.
+
+Async scheduling: after a decode step replayed from a CUDA graph, while every running request
+decodes and none waits, the next step is queued on the device before the host reads this step's
+tokens (`_queue_next`); the following `step` call settles it (`_settle_queued`), queuing the next
+behind it first. The host's work therefore overlaps the device's."""
 
 from __future__ import annotations
 
