@@ -171,7 +171,8 @@ class EngineCore:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, ids, params, root_hash(self.model_identity, params.cache_salt))
+        seq = Sequence(rid, ids, params, root_hash(self.model_identity, params.cache_salt),
+                       generator_device=str(self.device))
         self.requests[rid] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)

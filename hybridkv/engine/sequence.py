@@ -44,7 +44,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None       # seeded requests: on the device the engine samples on
+    generator_device: str = "cpu"
     pending_snapshots: dict[int, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     step_logits: list[torch.Tensor] = field(default_factory=list)   # only when the engine records them
     capture: object | None = None                  # attention mass recorded at the prompt's end (oracle policies)
@@ -61,7 +62,8 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            # torch samples on a tensor's device only with a generator of that device
+            self.generator = torch.Generator(device=self.generator_device).manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

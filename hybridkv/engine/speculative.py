@@ -243,7 +243,7 @@ def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator
     for i, d in enumerate(draft.tokens):
         p = filtered_probs(logits[i], params)
         q = draft.probs[i]
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=None if generator is None else generator.device))
         if u * float(q[d]) < float(p[d]):      # accept with probability min(1, p/q)
             out.append(d)
             continue

@@ -114,3 +114,25 @@ def test_async_scheduling_decodes_as_the_engine_without_it():
     eng, out, _ = run(True, stop)
     assert out[1].finish_reason == "stop" and len(out[1].output_ids) <= 5
     assert [o.output_ids for o in out] == [o.output_ids for o in ref]
+
+
+def test_seeded_sampling_runs_on_the_gpu_and_repeats():
+    """A request with a seed draws from a generator on the engine's device (torch's CUDA sampling
+    refuses a CPU generator): the same seed gives the same tokens in another run, beside greedy
+    requests that finish as they would, through graph replays and async scheduling."""
+    tok = TaskTokenizer.load(MODEL)
+    samples = [s for _, s in build_samples(tok, ["passkey"], [1536], 3, seed=9)]
+    prompts = [s.prompt for s in samples]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=1),
+              SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=2, top_p=0.9)]
+    runs = []
+    for _ in range(2):
+        llm = LLM(MODEL, device="cuda", dtype=torch.bfloat16, num_blocks=256, max_num_seqs=3,
+                  max_num_batched_tokens=8192)
+        runs.append(llm.generate(prompts, params))
+        assert llm.engine.stats.queued_steps > 0
+    for a, b in zip(*runs):
+        assert a.finish_reason == b.finish_reason == "length" and len(a.output_ids) == 16
+        assert a.output_ids == b.output_ids
+    assert runs[0][1].output_ids != runs[0][2].output_ids

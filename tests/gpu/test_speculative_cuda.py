@@ -31,3 +31,19 @@ def test_greedy_speculative_equals_plain_decoding_in_deterministic_mode():
             llm = LLM(str(MODEL), speculative="mtp", num_speculative_tokens=k, **kw)
             assert _outputs(llm, prompts, params) == plain, f"k={k}"
             assert llm.engine.stats.spec_accepted_tokens > 0
+
+
+def test_seeded_sampled_speculation_runs_on_the_gpu_and_repeats():
+    """Rejection sampling with a seeded request draws from a generator on the GPU (a CPU generator
+    is refused by torch's CUDA sampling): it runs, and the same seed repeats its tokens."""
+    tok = TaskTokenizer.load(MODEL / "tokenizer.json")
+    pools = Pools(tok, seed=0, n_sentences=256, n_needles=64)
+    prompts = [make_sample("passkey", i, pools, 400).prompt for i in range(2)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
+    outs = []
+    for _ in range(2):
+        llm = LLM(str(MODEL), speculative="mtp", num_speculative_tokens=2, device="cuda", dtype=torch.bfloat16,
+                  num_blocks=64, max_num_seqs=2)
+        outs.append(_outputs(llm, prompts, params))
+        assert llm.engine.stats.spec_drafts > 0
+    assert outs[0] == outs[1] and all(len(o) == 16 for o in outs[0])
