@@ -241,16 +241,18 @@ def cmd_train_memory_indexer(a: argparse.Namespace) -> int:
     if not (model_dir / "tokenizer.json").is_file():
         raise TrainingError(f"{model_dir}: no tokenizer.json (a model directory that --export wrote)")
     overrides = {k: getattr(a, k) for k in ("docs", "val_docs", "vote", "stride", "steps", "batch_positions",
-                                            "lr", "budget", "seed") if getattr(a, k) is not None}
+                                            "lr", "budget", "seed", "top_p", "window") if getattr(a, k) is not None}
     if a.length is not None:
         try:
             overrides["lengths"] = tuple(int(x) for x in a.length.split(","))
         except ValueError:
             raise TrainingError(f"--length {a.length!r}: prompt tokens, or several separated by commas") from None
     cfg = replace(MemoryTrainConfig(), **overrides)
-    for k in ("docs", "val_docs", "vote", "stride", "steps", "batch_positions"):
+    for k in ("docs", "val_docs", "vote", "stride", "steps", "batch_positions", "window"):
         if getattr(cfg, k) < 1:
             raise TrainingError(f"--{k.replace('_', '-')} {getattr(cfg, k)}: must be at least 1")
+    if not 0 < cfg.top_p <= 1:
+        raise TrainingError(f"--top-p {cfg.top_p}: must be in (0, 1]")
     if min(cfg.lengths) < 1:
         raise TrainingError(f"--length {a.length}: every length must be at least 1")
     layers = [int(x) for x in a.layers.split(",")] if a.layers else None
@@ -348,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", default=None, help="target CSA layers, comma separated (default: every CSA layer)")
     m.add_argument("--length", default=None,
                    help="document prompt tokens; several separated by commas take turns (e.g. 16384,32768)")
+    m.add_argument("--top-p", type=float, default=None,
+                   help="labels: each CSA layer picks the top-p of its top-k softmax (default 0.6)")
+    m.add_argument("--window", type=int, default=None,
+                   help="positives: chunks picked at any of the next N positions (default 64, the recall interval)")
     for name, typ in (("docs", int), ("val-docs", int), ("vote", int), ("stride", int), ("steps", int),
                       ("batch-positions", int), ("lr", float), ("budget", float), ("seed", int)):
         m.add_argument(f"--{name}", type=typ, default=None)

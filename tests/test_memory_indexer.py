@@ -10,6 +10,7 @@ import torch
 from hybridkv.errors import ConfigError
 from hybridkv.memory.indexer import MemoryIndexer
 from hybridkv.memory.policies import FlashMemory, parse_policy
+from hybridkv.train.memory_labels import load_labels
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
@@ -114,6 +115,16 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
     assert "labelled document" not in err.getvalue()
     assert main(["train-memory-indexer", str(tmp_path), "--docs", "1"]) == 2      # no model there
     assert main(["train-memory-indexer", str(SHIPPED), "--length", "2048,2k"]) == 2
+    # labels made with another top-p are not reused; a new directory labels with it
+    assert main([*argv, "--steps", "1", "--top-p", "0.8"]) == 2
+    other = tmp_path / "labels-0.8"
+    assert main(["train-memory-indexer", str(SHIPPED), "--out", str(out), "--labels", str(other), "--docs", "1",
+                 "--val-docs", "1", "--length", "1024", "--steps", "2", "--batch-positions", "8", "--top-p", "0.8",
+                 "--window", "32"]) == 0
+    assert {load_labels(p).top_p for p in other.glob("*.safetensors")} == {0.8}
+    report = json.loads((out / "memory_indexer.json").read_text())
+    assert (report["config"]["top_p"], report["config"]["window"]) == (0.8, 32)
+    assert main(["train-memory-indexer", str(SHIPPED), "--top-p", "1.5"]) == 2
 
 
 def test_the_shipped_model_serves_flashmemory_with_its_own_memory_indexer():

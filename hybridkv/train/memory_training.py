@@ -6,8 +6,9 @@ reference completion (what the model decodes when it is right), labelled by `mem
 and cached as label files. Documents are split into a training and a validation part.
 
 A training sample is one (document, query position t) with at least one window target: the
-positives are the window targets of t (chunks with ≥ `vote` votes in t .. t + 63 that exist at t),
-at most 512; the negatives are 3× as many chunks drawn uniformly from the other visible chunks,
+positives are the window targets of t (chunks with ≥ `vote` votes in t .. t + `window` − 1, 64 by
+default as the recall interval, that exist at t), at most 512; the negatives are 3× as many chunks
+drawn uniformly from the other visible chunks,
 plus as many hard negatives (the highest-scoring other chunks under the current weights). Loss:
 binary cross-entropy on every target layer's logits. Query positions: every `stride`-th one and
 the document's last 128 (where the question and the answer are).
@@ -34,7 +35,8 @@ import torch
 from hybridkv.errors import TrainingError
 from hybridkv.memory.indexer import MemoryIndexer
 from hybridkv.memory.policies import FlashMemory
-from hybridkv.train.memory_labels import DocumentLabels, label_sequence, load_labels, save_labels, window_targets
+from hybridkv.train.memory_labels import (TOP_P, WINDOW, DocumentLabels, label_sequence, load_labels, save_labels,
+                                          window_targets)
 
 DOC_TASKS = ("passkey", "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
              "niah_multiquery", "passkey_realtext", "niah_single_1_realtext", "niah_multikey_1_realtext")
@@ -48,6 +50,8 @@ class MemoryTrainConfig:
     val_docs: int = 8
     lengths: tuple[int, ...] = (8192,)   # document i has lengths[i % len(lengths)] prompt tokens
     vote: int = 2
+    top_p: float = TOP_P              # a layer picks the top-p of its top-k softmax (labels are made with it)
+    window: int = WINDOW              # positives: picked at any of the next `window` positions
     stride: int = 16
     steps: int = 600
     batch_positions: int = 64
@@ -93,11 +97,16 @@ def build_labels(model, model_dir: str | Path, out_dir: Path, cfg: MemoryTrainCo
         path = out_dir / f"doc{i:05d}-{length}.safetensors"
         paths.append(path)
         if path.exists():
+            made = load_labels(path).top_p
+            if made != cfg.top_p:
+                raise TrainingError(f"{path} holds labels made with top-p {made}, not {cfg.top_p}: "
+                                    f"give --labels another directory")
             continue
         docs = docs or Documents(model_dir)
         task, ids = docs.get(i, length)
         t0 = time.perf_counter()
-        save_labels(label_sequence(model, ids, meta={"model": Path(model_dir).name, "source": f"{task} seed {DOC_SEED + i}"}),
+        save_labels(label_sequence(model, ids, cfg.top_p,
+                                   meta={"model": Path(model_dir).name, "source": f"{task} seed {DOC_SEED + i}"}),
                     path)
         echo(f"labelled document {i + 1}/{total} ({task}, {len(ids)} tokens) in {time.perf_counter() - t0:.1f}s")
     return paths
@@ -123,7 +132,7 @@ def _loss_for(mi: MemoryIndexer, d: DocumentLabels, keys: dict, positions: list[
               gen: random.Random, device) -> torch.Tensor | None:
     pos_t = torch.tensor(positions, device=device)
     n = keys[mi.config.layers[0]].shape[0]
-    targets = [window_targets(d, t, cfg.vote) for t in positions]
+    targets = [window_targets(d, t, cfg.vote, cfg.window) for t in positions]
     rows, cols, ys = [], [], []
     with torch.no_grad():
         score = torch.stack([mi.layer_logits(L, d.x[L][pos_t.cpu()].to(device), pos_t, keys[L]) for L in mi.config.layers]).amax(0)
@@ -178,7 +187,7 @@ def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int =
         for r, t in enumerate(positions):
             vis = d.visible(t)
             tg = torch.zeros(vis, dtype=torch.bool)
-            tg[window_targets(d, t, cfg.vote)] = True
+            tg[window_targets(d, t, cfg.vote, cfg.window)] = True
             pred = probs[r, :vis] > 0.5
             tp += int((pred & tg).sum())
             fp += int((pred & ~tg).sum())
@@ -239,7 +248,7 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
             n = d.keys[d.layers[0]].shape[0]
             p = torch.zeros(len(pos), n)
             for r, t in enumerate(pos.tolist()):
-                p[r, window_targets(d, t, cfg.vote)] = 1.0
+                p[r, window_targets(d, t, cfg.vote, cfg.window)] = 1.0
             return p
         return f
 
