@@ -217,16 +217,31 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _port_below_ephemeral_range() -> int:
+    """A free port for a server that starts ranks before it binds: their rendezvous and gloo's pair
+    sockets take ephemeral ports, and one of them once took a port chosen the usual way (bind to 0,
+    release) before the server bound it. Ports below the ephemeral range are never handed out so."""
+    import random
+    import socket
+
+    bounds = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(bounds.read_text().split()[0]) if bounds.exists() else 32768
+    for port in random.Random(os.getpid()).sample(range(max(1024, low - 8000), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
 def test_serve_stops_with_an_error_when_a_rank_dies(tmp_path):
     """`hybridkv serve --tensor-parallel-size 2`: a request is answered; after its worker rank is
     killed, the next request fails and the server exits with an error naming the lost rank."""
-    import socket
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _port_below_ephemeral_range()
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", str(FIXTURES / "v4-tiny"),
