@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hybridkv.errors import TrainingError
-from hybridkv.train.memory_labels import (DocumentLabels, label_sequence, layer_picks, load_labels, save_labels,
-                                    votes_from_capture, window_targets)
+from hybridkv.train.memory_labels import (DocumentLabels, label_sequence, labels_top_p, layer_picks, load_labels,
+                                    save_labels, votes_from_capture, window_targets)
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
@@ -130,12 +130,14 @@ def test_a_label_file_that_is_not_one_is_refused_by_name(tmp_path):
 
     other = tmp_path / "other.safetensors"
     save_file({"a": torch.zeros(2)}, str(other), metadata={"format": "something-else"})
-    with pytest.raises(TrainingError, match="not a memory-label file"):
-        load_labels(other)
+    for read in (load_labels, labels_top_p):
+        with pytest.raises(TrainingError, match="not a memory-label file"):
+            read(other)
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(TrainingError, match="cannot read memory labels"):
-        load_labels(broken)
+    for read in (load_labels, labels_top_p):
+        with pytest.raises(TrainingError, match="cannot read memory labels"):
+            read(broken)
     lab = _labels([{0: 1}, {0: 2}])
     path = save_labels(lab, tmp_path / "ok.safetensors")
     bad = _labels([{0: 1}, {0: 2}])
@@ -144,3 +146,4 @@ def test_a_label_file_that_is_not_one_is_refused_by_name(tmp_path):
     with pytest.raises(TrainingError, match="CSR does not match"):
         load_labels(tmp_path / "bad.safetensors")
     assert load_labels(path).indices.tolist() == [0, 0]
+    assert labels_top_p(path) == lab.top_p

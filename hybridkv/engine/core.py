@@ -265,8 +265,8 @@ class EngineCore:
         else:
             index = torch.tensor([r for _, r in keep], dtype=torch.long)
             if drawn.tokens.is_cuda:       # pinned: a copy from pageable memory would wait for the device
-                index = index.pin_memory().to(drawn.tokens.device, non_blocking=True)
-            ids = drawn.tokens.index_select(0, index.to(drawn.tokens.device))
+                index = index.pin_memory()
+            ids = drawn.tokens.index_select(0, index.to(drawn.tokens.device, non_blocking=True))
         chunks = [Chunk(seq, seq.num_computed, 1, [(seq.num_computed, 1)], True) for seq, _ in keep]
         logits = self._graph_decode(chunks, self.policy.snapshots and self.prefix.enabled, ids)
         if logits is None:

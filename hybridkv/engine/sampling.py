@@ -119,12 +119,13 @@ class Drawn:
 
     def host(self, rows: list[int] | None = None) -> list[Sampled]:
         """The draws as `Sampled` (one wait for the device); `rows`: only those, in that order."""
-        if self._pending is not None:
+        if self.tokens.device.type == "cuda":
+            self.start_transfer()
             buf, done = self._pending
             done.synchronize()
             parts = _split(buf, self._parts())
         else:
-            parts = _to_host(*self._parts())
+            parts = [t.tolist() for t in self._parts()]
         tokens_h, chosen_h = parts[0], parts[1]
         top_v, top_i = (parts[2], parts[3]) if self.top is not None else (None, None)
         out = []
@@ -153,13 +154,6 @@ def draw_rows(logits: torch.Tensor, params: list[SamplingParams],
         top_v, top_i = torch.topk(logprobs, top_n, -1)
         top = (top_v, top_i)
     return Drawn(tokens, chosen, top, list(params))
-
-
-def _to_host(*tensors: torch.Tensor) -> list[list]:
-    """Each tensor as nested lists, in one copy from the device (a single synchronisation)."""
-    if tensors[0].device.type == "cpu" or tensors[0].numel() == 0:
-        return [t.tolist() for t in tensors]
-    return _split(torch.cat([t.reshape(-1).double() for t in tensors]).cpu(), tensors)
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[list]:

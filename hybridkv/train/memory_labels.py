@@ -166,6 +166,20 @@ def save_labels(labels: DocumentLabels, path: str | Path) -> Path:
     return path
 
 
+def labels_top_p(path: str | Path) -> float:
+    """The top-p a label file was made with, from its metadata alone (its tensors are not read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = dict(f.metadata() or {})
+    except (OSError, SafetensorError) as e:
+        raise TrainingError(f"{path}: cannot read memory labels: {type(e).__name__}: {e}") from None
+    if meta.get("format") != FORMAT or "top_p" not in meta:
+        raise TrainingError(f"{path}: not a memory-label file of format {FORMAT} (format {meta.get('format')!r})")
+    return float(meta["top_p"])
+
+
 def load_labels(path: str | Path) -> DocumentLabels:
     from safetensors import SafetensorError, safe_open
 

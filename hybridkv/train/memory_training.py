@@ -35,8 +35,8 @@ import torch
 from hybridkv.errors import TrainingError
 from hybridkv.memory.indexer import MemoryIndexer
 from hybridkv.memory.policies import FlashMemory
-from hybridkv.train.memory_labels import (TOP_P, WINDOW, DocumentLabels, label_sequence, load_labels, save_labels,
-                                          window_targets)
+from hybridkv.train.memory_labels import (TOP_P, WINDOW, DocumentLabels, label_sequence, labels_top_p, load_labels,
+                                          save_labels, window_targets)
 
 DOC_TASKS = ("passkey", "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
              "niah_multiquery", "passkey_realtext", "niah_single_1_realtext", "niah_multikey_1_realtext")
@@ -97,7 +97,7 @@ def build_labels(model, model_dir: str | Path, out_dir: Path, cfg: MemoryTrainCo
         path = out_dir / f"doc{i:05d}-{length}.safetensors"
         paths.append(path)
         if path.exists():
-            made = load_labels(path).top_p
+            made = labels_top_p(path)
             if made != cfg.top_p:
                 raise TrainingError(f"{path} holds labels made with top-p {made}, not {cfg.top_p}: "
                                     f"give --labels another directory")
