@@ -145,27 +145,42 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
         xq = fp8_round_trip(x, 128)
 
         mma = fp4_mma.usable(x, (inter, dim), (dim, inter))
+        tiles_by_bm: dict = {}      # the tile tables made once: the launches alone are timed
+
+        def tiles(bm):
+            if bm not in tiles_by_bm:
+                tiles_by_bm[bm] = grouped_moe.expert_tiles(sort, bm)
+            return tiles_by_bm[bm]
+
+        xc = kernels.act_codes(xq)  # the FP8 operand form's input, made once per token as the MoE does
 
         def up(cfg=None, mode=None):
             cfg = cfg or kernels.grouped_config(p, inter, e_n, gated=True, mma=mma)
-            return kernels.grouped_fp4(xq, tok, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w1, tables.s1), inter,
+            return kernels.grouped_fp4(xq, tok, tiles(cfg["BM"]), (tables.w1, tables.s1), inter,
                                        x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg,
-                                       fp4_dot=mode)
+                                       fp4_dot=mode, codes=xc)
         h = up()
+        hc = kernels.act_codes(fp8_round_trip(h, 128))
 
         def down(cfg=None, mode=None):
             cfg = cfg or kernels.grouped_config(p, dim, e_n, mma=mma)
-            return kernels.grouped_fp4(h, None, grouped_moe.expert_tiles(sort, cfg["BM"]), (tables.w2, tables.s2), dim,
-                                       x.dtype, config=cfg, fp4_dot=mode)
+            return kernels.grouped_fp4(h, None, tiles(cfg["BM"]), (tables.w2, tables.s2), dim,
+                                       x.dtype, config=cfg, fp4_dot=mode, codes=hc)
         t_up, t_down = bench(up, cuda), bench(down, cuda)
-        if mma:        # the same launches without the tensor-core decode kernel, in this run
+        if mma:        # the same launches without the tensor-core decode kernel, and in its bf16 form, in this run
             before = (bench(lambda: up(kernels.grouped_config(p, inter, e_n, gated=True)), cuda),
                       bench(lambda: down(kernels.grouped_config(p, dim, e_n)), cuda))
+            cfg_up, cfg_down = (kernels.grouped_config(p, n, e_n, gated=gated, mma=True)
+                                for n, gated in ((inter, True), (dim, False)))
+            bf16_form = ((bench(lambda: up(dict(cfg_up, E4M3=False)), cuda),
+                          bench(lambda: down(dict(cfg_down, E4M3=False)), cuda)) if cfg_up.get("MMA") else None)
         by_mode = "".join(f" {bench(lambda m=m: up(mode=m), cuda):.4f} / {bench(lambda m=m: down(mode=m), cuda):.4f} |"
                           for m in a.fp4_dots)
         print(f"| {t} | {sel} | {ms:.4f} | {sel * per_expert / ms / 1e6:.0f} | "
               f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |{by_mode}"
-              + (f" without the MMA kernel: {before[0]:.4f} / {before[1]:.4f}" if mma else ""), flush=True)
+              + (f" without the MMA kernel: {before[0]:.4f} / {before[1]:.4f}" if mma else "")
+              + (f"; MMA kernel's bf16 form: {bf16_form[0]:.4f} / {bf16_form[1]:.4f}" if mma and bf16_form else ""),
+              flush=True)
         if a.sweep and t in a.sweep_rows:
             # tl.dot_scaled over address tables (or where the device check found pipelining
             # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
@@ -175,8 +190,9 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
                             for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
-                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st)
-                        for mt, wk, st in itertools.product([1, 2], [1, 2, 4], [2, 3, 4]) if st * wk * mt <= 12]
+                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st, E4M3=e8)
+                        for mt, wk, st, e8 in itertools.product([1, 2], [1, 2, 4, 8], [2, 3, 4], [False, True])
+                        if st * wk * mt <= 12]
                 if mma else [],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                           for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
