@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridkv.ops import grouped_moe  # noqa: E402
-from hybridkv.ops.qgemm import fp4_mma  # noqa: E402
+from hybridkv.ops.qgemm import fp4_mma, fp8_mma  # noqa: E402
 from hybridkv.ops.qgemm import reference  # noqa: E402
 from hybridkv.ops.qgemm import scaled  # noqa: E402
 from hybridkv.ops.qgemm import triton as kernels  # noqa: E402
@@ -61,8 +61,8 @@ def bench(fn, cuda: bool, reps: int = 20) -> float:
 
 def fp8_rows(a, cuda: bool, dev: str) -> None:
     print("\n| linear | N × K | rows | triton ms | GB/s (weight) | TFLOP/s | dense bf16 ms | scaled_mm ms | "
-          "rel rms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "rel rms | fp8_mma ms | GB/s (fp8_mma) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes = set()
     for name, n, k in (SMOKE if a.smoke else FLASH):
         q, s = quant_fp8_weight(torch.randn(n, k, device=dev) * 0.02)
@@ -81,10 +81,16 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
             err = float((reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32)
                          - kernels.fp8_linear(x, q, s, out_dtype).float()).pow(2).mean().sqrt()
                         / reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32).pow(2).mean().sqrt())
+            mma = cuda and fp8_mma.usable(x, q, out_dtype)
+            t_m = bench(lambda: fp8_mma.fp8_linear(x, q, s, out_dtype), cuda) if mma else None
             print(f"| {name} | {n} × {k} | {m} | {t_k:.4f} | {n * k / t_k / 1e6:.0f} | {2 * m * n * k / t_k / 1e9:.1f} | "
-                  f"{t_d:.4f} | {'—' if t_s is None else f'{t_s:.4f}'} | {err:.1e} |", flush=True)
+                  f"{t_d:.4f} | {'—' if t_s is None else f'{t_s:.4f}'} | {err:.1e} | "
+                  f"{'—' if t_m is None else f'{t_m:.4f}'} | {'—' if t_m is None else f'{n * k / t_m / 1e6:.0f}'} |",
+                  flush=True)
             if a.sweep and m in a.sweep_rows:
                 sweep_fp8(x, q, s, out_dtype, cuda)
+                if mma:
+                    sweep_fp8_mma(x, q, s, out_dtype)
     for why in notes:
         print(f"scaled_mm: {why}")
     if cuda:
@@ -108,6 +114,19 @@ def sweep_fp8(x, q, s, out_dtype, cuda: bool) -> None:
     best.sort(key=lambda tc: tc[0])
     for t, cfg in best[:3]:
         print(f"    sweep {m}×{n}×{k}: {t:.4f} ms {cfg}")
+
+
+def sweep_fp8_mma(x, q, s, out_dtype) -> None:
+    m, (n, k) = x.shape[0], q.shape
+    best = []
+    for mt, wk in itertools.product([1, 2, 4], [1, 2, 4, 8, 16]):
+        if n % (16 * mt) or wk > k // 128:
+            continue
+        cfg = dict(MT=mt, WK=wk)
+        best.append((bench(lambda: fp8_mma.fp8_linear(x, q, s, out_dtype, cfg), True), cfg))
+    best.sort(key=lambda tc: tc[0])
+    for t, cfg in best[:3]:
+        print(f"    sweep fp8_mma {m}×{n}×{k}: {t:.4f} ms {cfg} (default {fp8_mma.config(n, k)})")
 
 
 def moe_rows(a, cuda: bool, dev: str) -> None:
@@ -152,35 +171,26 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
                 tiles_by_bm[bm] = grouped_moe.expert_tiles(sort, bm)
             return tiles_by_bm[bm]
 
-        xc = kernels.act_codes(xq)  # the FP8 operand form's input, made once per token as the MoE does
-
         def up(cfg=None, mode=None):
             cfg = cfg or kernels.grouped_config(p, inter, e_n, gated=True, mma=mma)
             return kernels.grouped_fp4(xq, tok, tiles(cfg["BM"]), (tables.w1, tables.s1), inter,
                                        x.dtype, w3=(tables.w3, tables.s3), route=route, limit=10.0, config=cfg,
-                                       fp4_dot=mode, codes=xc)
+                                       fp4_dot=mode)
         h = up()
-        hc = kernels.act_codes(fp8_round_trip(h, 128))
 
         def down(cfg=None, mode=None):
             cfg = cfg or kernels.grouped_config(p, dim, e_n, mma=mma)
             return kernels.grouped_fp4(h, None, tiles(cfg["BM"]), (tables.w2, tables.s2), dim,
-                                       x.dtype, config=cfg, fp4_dot=mode, codes=hc)
+                                       x.dtype, config=cfg, fp4_dot=mode)
         t_up, t_down = bench(up, cuda), bench(down, cuda)
-        if mma:        # the same launches without the tensor-core decode kernel, and in its bf16 form, in this run
+        if mma:        # the same launches without the tensor-core decode kernel, in this run
             before = (bench(lambda: up(kernels.grouped_config(p, inter, e_n, gated=True)), cuda),
                       bench(lambda: down(kernels.grouped_config(p, dim, e_n)), cuda))
-            cfg_up, cfg_down = (kernels.grouped_config(p, n, e_n, gated=gated, mma=True)
-                                for n, gated in ((inter, True), (dim, False)))
-            bf16_form = ((bench(lambda: up(dict(cfg_up, E4M3=False)), cuda),
-                          bench(lambda: down(dict(cfg_down, E4M3=False)), cuda)) if cfg_up.get("MMA") else None)
         by_mode = "".join(f" {bench(lambda m=m: up(mode=m), cuda):.4f} / {bench(lambda m=m: down(mode=m), cuda):.4f} |"
                           for m in a.fp4_dots)
         print(f"| {t} | {sel} | {ms:.4f} | {sel * per_expert / ms / 1e6:.0f} | "
               f"{t * topk * 3 * 2 * dim * inter / ms / 1e9:.1f} | {t_up:.4f} | {t_down:.4f} |{by_mode}"
-              + (f" without the MMA kernel: {before[0]:.4f} / {before[1]:.4f}" if mma else "")
-              + (f"; MMA kernel's bf16 form: {bf16_form[0]:.4f} / {bf16_form[1]:.4f}" if mma and bf16_form else ""),
-              flush=True)
+              + (f" without the MMA kernel: {before[0]:.4f} / {before[1]:.4f}" if mma else ""), flush=True)
         if a.sweep and t in a.sweep_rows:
             # tl.dot_scaled over address tables (or where the device check found pipelining
             # wrong) runs unpipelined whatever num_stages asks (`grouped_fp4`)
@@ -190,9 +200,8 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
                             for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
-                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st, E4M3=e8)
-                        for mt, wk, st, e8 in itertools.product([1, 2], [1, 2, 4, 8], [2, 3, 4], [False, True])
-                        if st * wk * mt <= 12]
+                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st)
+                        for mt, wk, st in itertools.product([1, 2], [1, 2, 4, 8], [2, 3, 4]) if st * wk * mt <= 12]
                 if mma else [],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                           for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
@@ -230,7 +239,7 @@ def main() -> int:
     a = ap.parse_args()
     a.fp4_dots = [int(m) for m in a.fp4_dots.split(",") if m]
     a.rows = [int(r) for r in a.rows.split(",") if r]
-    a.tokens = [int(r) for r in a.tokens.split(",")]
+    a.tokens = [int(r) for r in a.tokens.split(",") if r]
     a.sweep_rows = [int(r) for r in a.sweep_rows.split(",")]
     if a.smoke:
         a.rows, a.tokens = [1, 70], [1, 20]

@@ -46,6 +46,44 @@ def test_fp8_linear_at_v4_flash_shapes(n, k, rows):
     assert err < BF16_TOL
 
 
+@pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (8192, 1024)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_fp8_mma_linear_at_decode_rows(n, k, rows, x_dtype, out_dtype):
+    """The CUDA kernel on the FP8 tensor cores (`fp8_mma`, what `packed_fp8_linear` runs for at
+    most 8 rows) against the reference and, with float32 output, against the Triton kernel (the
+    same activation codes and scales: only the order of the float32 sums differs); every tile
+    configuration; repeated launches bit-equal. Inputs spread over four decades so that the
+    per-128 activation scales differ."""
+    from hybridkv.ops.qgemm import fp8_mma, packed_fp8_linear
+    g = torch.Generator(device=DEV).manual_seed(n + k + rows)
+    q, s = quant_fp8_weight(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+    x = (torch.randn(rows, k, device=DEV, generator=g)
+         * torch.logspace(-2, 2, k // 128, device=DEV).repeat_interleave(128)).to(x_dtype)
+    assert fp8_mma.usable(x, q, out_dtype)
+    want = reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32)
+    triton_out = kernels.fp8_linear(x, q, s, torch.float32)
+    for cfg in ({}, {"MT": 1, "WK": 1}, {"MT": 2, "WK": 4}, {"MT": 4, "WK": 16}):
+        got = fp8_mma.fp8_linear(x, q, s, out_dtype, cfg)
+        err = rel_rms(want, got)
+        print(f"fp8 mma {rows}x{k} @ {n} {x_dtype}->{out_dtype} {cfg}: rel rms {err:.2e} against the reference")
+        assert got.shape == (rows, n) and err < (BF16_TOL if out_dtype == torch.bfloat16 else 1e-4)
+        if out_dtype == torch.float32:
+            assert rel_rms(triton_out, got) < 1e-4
+        assert torch.equal(got, fp8_mma.fp8_linear(x, q, s, out_dtype, cfg))
+    assert torch.equal(packed_fp8_linear(x, q, s, out_dtype), fp8_mma.fp8_linear(x, q, s, out_dtype))
+
+
+def test_fp8_mma_linear_reads_an_unaligned_input_view():
+    from hybridkv.ops.qgemm import fp8_mma
+    q, s = quant_fp8_weight(torch.randn(512, 1024, device=DEV) * 0.02)
+    buf = torch.randn(2 * 1024 + 3, device=DEV).bfloat16()
+    x = buf[3:].view(2, 1024)                 # 6 bytes past an aligned address
+    got = fp8_mma.fp8_linear(x, q, s, torch.float32)
+    want = reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32)
+    assert rel_rms(want, got) < 1e-4
+
+
 @pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 8192)])
 @pytest.mark.parametrize("rows", [65, 4096])
 def test_prefill_rows_through_torchs_block_scaled_matmul(n, k, rows):

@@ -148,12 +148,7 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True, mma=mma)
     cfg_down = kernels.grouped_config(p, tables.dim, n_experts, mma=mma)
     shift = fp4_mma.scale_shift(tables.scale_max)
-    # each token's input quantised once: as e4m3 codes and scales where the MMA kernel's FP8 form reads
-    # them, else as its FP8 round trip in the activations' dtype
-    codes = cfg_up.get("MMA") and fp4_mma.e4m3_form(x, not tables.stacked, cfg_up)
-    x = x.contiguous()
-    xc = kernels.act_codes(x) if codes else None
-    xq = x if codes else fp8_round_trip(x, ACT_BLOCK)
+    xq = fp8_round_trip(x.contiguous(), ACT_BLOCK)           # each token's input quantised once
     if p <= combine_kernels.MAX_FUSED_PAIRS and cfg_down["BM"] == cfg_up["BM"]:
         # decode: the sort, the tile table and the sorted rows' tokens and weights in one launch
         token, route, inverse, tiles = combine_kernels.route(ids, weights, n_experts, cfg_up["BM"])
@@ -165,11 +160,9 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         tiles = expert_tiles(sort, cfg_up["BM"])
         tiles_down = tiles if cfg_down["BM"] == cfg_up["BM"] else expert_tiles(sort, cfg_down["BM"])
     h = kernels.grouped_fp4(xq, token, tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
-                            w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up, shift=shift, codes=xc)
-    down_codes = cfg_down.get("MMA") and fp4_mma.e4m3_form(h, not tables.stacked, cfg_down)
-    out = kernels.grouped_fp4(h if down_codes else fp8_round_trip(h, ACT_BLOCK), None, tiles_down,
-                              (tables.w2, tables.s2), tables.dim, out_dtype, config=cfg_down, shift=shift,
-                              codes=kernels.act_codes(h) if down_codes else None)
+                            w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up, shift=shift)
+    out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles_down, (tables.w2, tables.s2), tables.dim,
+                              out_dtype, config=cfg_down, shift=shift)
     return combine_kernels.combine(out, inverse, ids, plus, result_dtype)
 
 

@@ -4,7 +4,8 @@ round trip, exact dequantisation, one dense GEMM); on CUDA the Triton kernel rea
 itself. `HYBRIDKV_DENSE_WEIGHTS=1` keeps the old path on CUDA (a dense copy cached per weight, see
 `hybridkv.model.linear`), the baseline of the GPU benchmark. On CUDA, inputs of more than
 `triton.DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul where this torch computes
-it correctly (`scaled`), fewer rows (decode) through the Triton kernel (`triton`)."""
+it correctly (`scaled`), at most `fp8_mma.MAX_ROWS` rows through the CUDA kernel on the FP8 tensor cores
+(`fp8_mma`, sm_89 and newer), the rows between (and the interpreter) through the Triton kernel (`triton`)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int])
 
 def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The kernel path of `fp8_linear` (for inputs where `fp8_kernel_ok`)."""
+    from hybridkv.ops.qgemm import fp8_mma
     from hybridkv.ops.qgemm import triton as kernels
     k = weight.shape[1]
     x2 = x.reshape(-1, k)
+    if x.is_cuda and x2.shape[0] <= fp8_mma.MAX_ROWS and fp8_mma.usable(x2, weight, out_dtype):
+        return fp8_mma.fp8_linear(x2, weight, scale, out_dtype).view(*x.shape[:-1], weight.shape[0])
     if x.is_cuda and x2.shape[0] > kernels.DECODE_ROWS:
         from hybridkv.ops.qgemm import scaled
         y = scaled.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale, out_dtype)

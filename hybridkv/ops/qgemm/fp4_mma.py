@@ -323,214 +323,15 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
             store_out(Y, (long long)r * N + n, out);
         }
 }
-
-// ---- the FP8 operand form: codes widened to e4m3 on the FP8 tensor cores ----------------------
-// The low (even) or high (odd) nibbles of w as four e4m3 bytes, each the E2M1 value times 2^-6
-// (magnitude bits to e4m3 bits 2..4, sign to bit 7; 0.5 lands on an e4m3 subnormal, exactly)
-__device__ __forceinline__ u32 e4m3_even(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
-__device__ __forceinline__ u32 e4m3_odd(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
-
-__device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                 "{%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// byte I of the e8m0 scale word s as the float32 power of two (byte 0, 2^-127, flushes to zero)
-template <int I> __device__ __forceinline__ float e8m0_float(u32 s) {
-    return __uint_as_float((I < 3 ? s << (23 - 8 * I) : s >> 1) & 0x7F800000u);
-}
-
-#define ROW_WORDS 20        // a weight row's 64 bytes of a chunk in shared memory, padded: 4-byte reads conflict-free
-
-// acc[mt] += the chunk's four 32-code blocks of rows g and g+8 (rows: their words in shared memory,
-// at this thread's offset) times the activation codes xv, each block's float32 MMA result times its
-// weight scale, the chunk's sum times the tokens' activation scales xs
-__device__ __forceinline__ void chunk_mma_e4m3(float (*acc)[4], const u32* const* rows, const u32 (*s)[2],
-                                               const u32* xv, const float* xs) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#define BLOCK_MMA(I)                                                                                      \
-        {                                                                                                 \
-            const u32 wa = rows[2 * mt][4 * I], wb = rows[2 * mt + 1][4 * I];                             \
-            float t[4] = {0.f, 0.f, 0.f, 0.f};                                                            \
-            mma_e4m3(t, e4m3_even(wa), e4m3_even(wb), e4m3_odd(wa), e4m3_odd(wb), xv[2 * I], xv[2 * I + 1]); \
-            const float sa = e8m0_float<I>(s[mt][0]), sb = e8m0_float<I>(s[mt][1]);                       \
-            c[0] += t[0] * sa; c[1] += t[1] * sa; c[2] += t[2] * sb; c[3] += t[3] * sb;                   \
-        }
-        BLOCK_MMA(0) BLOCK_MMA(1) BLOCK_MMA(2) BLOCK_MMA(3)
-#undef BLOCK_MMA
-        acc[mt][0] += c[0] * xs[0]; acc[mt][1] += c[1] * xs[1];
-        acc[mt][2] += c[2] * xs[0]; acc[mt][3] += c[3] * xs[1];
-    }
-}
-
-// The same tiles and epilogue as grouped_fp4_mma, on the FP8 tensor cores (m16n8k32 e4m3): the
-// activations come as e4m3 codes XQ [rows, K] with float32 scales per 128 (XS), the weight codes are
-// widened to e4m3 (times 2^-6) in three or four instructions per eight codes, and each 32-input
-// block's MMA starts from zero so that its e8m0 scale multiplies its float32 result. A thread's
-// eight codes of a row in block i of a chunk are inputs 32i + 8tq .. +8 (the MMA's k order permuted
-// alike in both operands: even inputs in the first register, odd in the second).
-extern "C" __global__ void __launch_bounds__(32 * WK)
-grouped_fp4_mma_e4m3(const u8* XQ, const float* XS, const int* ROWS, const int* TILE_E, const int* TILE_S,
-                     const int* TILE_T, const u8* WP1, const u8* SP1, const u8* WP3, const u8* SP3,
-                     const float* ROUTE, void* Y, int N, int K, int ew_stride, int es_stride,
-                     int stride_xq, int xs_row, int xs_blk, double limit_d, int flags) {
-    __shared__ __align__(16) u32 wbuf[STAGES][WK][PIECES][8 * ROW_WORDS];
-    const bool gather = flags & 1, swiglu = flags & 2;
-    const int tile = blockIdx.x;
-    const int e = TILE_E[tile];
-    if (e < 0) return;
-    const int start = TILE_S[tile], cnt = TILE_T[tile] - start;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tq = lane & 3;
-    const int n0 = blockIdx.y * (16 * MT);
-    const u8* w[2] = {WP1 + (long long)e * ew_stride, WP3 + (long long)e * ew_stride};
-    const u8* sc[2] = {SP1 + (long long)e * es_stride, SP3 + (long long)e * es_stride};
-    const int np = swiglu ? 2 : 1;
-    const int kw = K / 2, ks = K / 32, chunks = K / 128;
-    const int mine = chunks > warp ? (chunks - warp + WK - 1) / WK : 0;
-    const bool tok_ok = g < cnt;
-    long long xrow = 0;
-    if (tok_ok) xrow = (long long)(gather ? ROWS[start + g] : start + g) * stride_xq;
-    // the activation scales of this thread's accumulator columns, tokens 2tq and 2tq + 1
-    const float* xs_tok[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const int t = 2 * tq + c;
-        xs_tok[c] = t < cnt ? XS + (long long)(gather ? ROWS[start + t] : start + t) * xs_row : nullptr;
-    }
-
-    float acc[2][MT][4];
-#pragma unroll
-    for (int p = 0; p < 2; ++p)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[p][mt][i] = 0.f;
-
-    auto issue = [&](int j) {
-        if (j < mine) {
-            const int off = (warp + j * WK) * 128;
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                if (p >= np) break;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const long long row = n0 + mt * 16 + g + 8 * h;
-                        cp_async16(&wbuf[j % STAGES][warp][(p * MT + mt) * 2 + h][g * ROW_WORDS + 4 * tq],
-                                   w[p] + row * kw + off / 2 + 16 * tq);
-                    }
-            }
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-    auto fetch = [&](int j, u32 (*s)[MT][2], u32* xv, float* xs) {
-        if (j >= mine) return;
-        const int off = (warp + j * WK) * 128;
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            if (p >= np) break;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    s[p][mt][h] = *(const u32*)(sc[p] + (long long)(n0 + mt * 16 + g + 8 * h) * ks + off / 32);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            uint2 v = make_uint2(0u, 0u);
-            if (tok_ok) v = __ldg((const uint2*)(XQ + xrow + off + 32 * i + 8 * tq));
-            xv[2 * i] = prmt(v.x, v.y, 0x6420u);
-            xv[2 * i + 1] = prmt(v.x, v.y, 0x7531u);
-        }
-#pragma unroll
-        for (int c = 0; c < 2; ++c) xs[c] = xs_tok[c] ? __ldg(xs_tok[c] + (long long)(off / 128) * xs_blk) : 0.f;
-    };
-
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) issue(j);
-    u32 s_cur[2][MT][2], s_next[2][MT][2], x_cur[8], x_next[8];
-    float xs_cur[2], xs_next[2];
-    fetch(0, s_cur, x_cur, xs_cur);
-    for (int j = 0; j < mine; ++j) {
-        issue(j + STAGES - 1);
-        fetch(j + 1, s_next, x_next, xs_next);
-        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            if (p >= np) break;
-            const u32* rows[2 * MT];
-#pragma unroll
-            for (int r = 0; r < 2 * MT; ++r) rows[r] = &wbuf[j % STAGES][warp][p * MT * 2 + r][g * ROW_WORDS + tq];
-            chunk_mma_e4m3(acc[p], rows, s_cur[p], x_cur, xs_cur);
-        }
-#pragma unroll
-        for (int p = 0; p < 2; ++p)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) { s_cur[p][mt][0] = s_next[p][mt][0]; s_cur[p][mt][1] = s_next[p][mt][1]; }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x_cur[i] = x_next[i];
-        xs_cur[0] = xs_next[0]; xs_cur[1] = xs_next[1];
-    }
-    float (*acc1)[4] = acc[0];
-    float (*acc3)[4] = acc[1];
-
-#if WK > 1
-    asm volatile("cp.async.wait_all;");
-    __syncthreads();
-    float (*red)[32][8 * MT] = reinterpret_cast<float (*)[32][8 * MT]>(&wbuf[0][0][0][0]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            red[warp][lane][mt * 8 + i] = acc1[mt][i];
-            red[warp][lane][mt * 8 + 4 + i] = acc3[mt][i];
-        }
-    __syncthreads();
-    if (warp != 0) return;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float a = red[0][lane][mt * 8 + i], b = red[0][lane][mt * 8 + 4 + i];
-            for (int w = 1; w < WK; ++w) { a += red[w][lane][mt * 8 + i]; b += red[w][lane][mt * 8 + 4 + i]; }
-            acc1[mt][i] = a; acc3[mt][i] = b;
-        }
-#endif
-    const float limit = (float)limit_d;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int token = 2 * tq + (i & 1);
-            if (token >= cnt) continue;
-            const int r = start + token;
-            const int n = n0 + mt * 16 + g + 8 * (i >> 1);
-            float out;
-            if (swiglu) {
-                float gate = round_out(acc1[mt][i] * 64.f), up = round_out(acc3[mt][i] * 64.f);
-                if (limit > 0.f) { up = fminf(fmaxf(up, -limit), limit); gate = fminf(gate, limit); }
-                out = ROUTE[r] * (gate / (1.f + __expf(-gate)) * up);
-            } else {
-                out = acc1[mt][i] * 64.f;
-            }
-            store_out(Y, (long long)r * N + n, out);
-        }
-}
 """
 
 _DTYPES_X = {torch.bfloat16: 0, torch.float32: 1}
 _DTYPES_Y = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _COMPILED: dict = {}
-# MT, WK, STAGES: the fastest at 1, 8 and 64 tokens (qgemm_kernels --sweep); E4M3: the FP8 operand form
-DEFAULT_CONFIG = {"MT": 2, "WK": 2, "STAGES": 2, "E4M3": os.environ.get("HYBRIDKV_FP4_OPERAND", "e4m3") == "e4m3"}
-KERNELS = {False: "grouped_fp4_mma", True: "grouped_fp4_mma_e4m3"}
-ROW_BYTES_E4M3 = 80        # ROW_WORDS × 4: a weight row's chunk in the FP8 form's shared memory
+DEFAULT_CONFIG = {"MT": 2, "WK": 2, "STAGES": 2}    # the fastest at 8 and 64 tokens (qgemm_kernels --sweep)
+# at most FEW_PAIRS sorted rows (one token's experts): twice the warps per weight row, as many blocks;
+# on the H200 at V4-Flash width 0.0268 / 0.0146 ms (up / down) against the default's 0.0306 / 0.0158
+FEW_PAIRS, FEW_PAIRS_CONFIG = 8, {"MT": 1, "WK": 4, "STAGES": 2}
 
 
 def enabled() -> bool:
@@ -558,43 +359,28 @@ def _capable(index: int | None) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def e4m3_capable(index: int | None) -> bool:
-    """Whether the device has the FP8 MMA the e4m3 form runs on (sm_89 and newer)."""
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-def e4m3_form(x: torch.Tensor, table: bool, config: dict | None = None) -> bool:
-    """Whether a launch of this kernel takes the FP8 operand form: asked for by the config (default
-    `DEFAULT_CONFIG`, i.e. unless `HYBRIDKV_FP4_OPERAND=bf16`), experts stacked (not address
-    tables) and a device with FP8 MMA."""
-    want = (config or {}).get("E4M3", DEFAULT_CONFIG["E4M3"])
-    return bool(want) and not table and x.is_cuda and e4m3_capable(x.device.index)
-
-
 def scale_shift(max_scale_byte: int) -> int:
     """S of the module docstring: how far the bf16 multipliers are lowered so that 2^(s-1-S) stays
     a finite bf16 for the largest scale byte of the weights."""
     return max(0, int(max_scale_byte) - 128)
 
 
-def _kernel(device: torch.device, x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int,
-            e4m3: bool = False):
+def _kernel(device: torch.device, x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int):
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, x_dtype, y_dtype, mt, wk, stages, e4m3)
+    key = (index, x_dtype, y_dtype, mt, wk, stages)
     if key not in _COMPILED:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the FP4 MMA kernel's first launch of a variant must run outside CUDA-graph capture "
                                "(it compiles it)")
         with torch.cuda.device(index):
             major, minor = torch.cuda.get_device_capability(index)
-            _COMPILED[key] = torch.cuda._compile_kernel(source(x_dtype, y_dtype, mt, wk, stages), KERNELS[e4m3],
+            _COMPILED[key] = torch.cuda._compile_kernel(source(x_dtype, y_dtype, mt, wk, stages), "grouped_fp4_mma",
                                                         compute_capability=f"{major}{minor}")
     return _COMPILED[key]
 
 
 def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int) -> str:
-    """The CUDA C++ of one variant, as compiled at first use (both kernels)."""
+    """The CUDA C++ of one variant, as compiled at first use."""
     return (f"#define XT {_DTYPES_X[x_dtype]}\n#define YT {_DTYPES_Y[y_dtype]}\n#define MT {mt}\n#define WK {wk}\n"
             f"#define STAGES {stages}\n") + SOURCE
 
@@ -602,50 +388,29 @@ def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages:
 def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     w1: tuple[torch.Tensor, torch.Tensor], n: int, y: torch.Tensor,
                     w3: tuple[torch.Tensor, torch.Tensor] | None, route: torch.Tensor | None, limit: float,
-                    strides: tuple[int, int], table: bool, shift: int, config: dict,
-                    codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    strides: tuple[int, int], table: bool, shift: int, config: dict) -> torch.Tensor:
     """The launch behind `triton.grouped_fp4` for tiles of at most `TILE_ROWS` rows (the caller
     checked the layout). config: MT (16-row weight tiles per warp, 1 or 2), WK (warps splitting K),
-    STAGES (shared-memory buffers each warp streams its weight bytes through), E4M3 (the FP8 operand
-    form, where `e4m3_form`). The FP8 form reads the activations as e4m3 codes and float32 scales
-    per 128 (`triton.act_codes` of x, exact for x already through its FP8 round trip): `codes`
-    when the caller has them, else made here (one more launch)."""
+    STAGES (shared-memory buffers each warp streams its weight bytes through)."""
     k = x.shape[-1]
     mt, wk, stages = (int(config.get(name, DEFAULT_CONFIG[name])) for name in ("MT", "WK", "STAGES"))
-    e4m3 = e4m3_form(x, table, config)
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or k % 128 or n % (16 * mt):
         raise ValueError(f"grouped FP4 MMA: x [{x.shape[0]}, {k}] (stride {x.stride(0)}), N {n}, MT {mt}: "
                          "K must be a multiple of 128, N of 16·MT, x rows 16-byte aligned")
-    buffers = stages * wk * mt * 2 * 2 * (ROW_BYTES_E4M3 * 8 if e4m3 else 16 * 32)
-    if mt not in (1, 2) or not 1 <= wk <= 8 or stages < 2 or buffers > 48 * 1024:
+    if mt not in (1, 2) or not 1 <= wk <= 8 or stages < 2 or stages * wk * 2 * mt * 2 * 16 * 32 > 48 * 1024:
         raise ValueError(f"grouped FP4 MMA: MT {mt} (1 or 2), WK {wk} (1..8), STAGES {stages} (≥ 2): the weight "
-                         f"buffers ({buffers} bytes) must fit in 48 KiB of shared memory")
+                         "buffers (STAGES·WK·MT·2 KiB) must fit in 48 KiB of shared memory")
     if x.dtype not in _DTYPES_X or y.dtype not in _DTYPES_Y:
         raise ValueError(f"grouped FP4 MMA: activations {x.dtype} / output {y.dtype} not supported")
     if not 0 <= shift < 128:
         raise ValueError(f"grouped FP4 MMA: scale shift {shift} out of range")
-    kern = _kernel(x.device, x.dtype, y.dtype, mt, wk, stages, e4m3)
+    kern = _kernel(x.device, x.dtype, y.dtype, mt, wk, stages)
     swiglu = w3 is not None
     flags = (1 if rows is not None else 0) | (2 if swiglu else 0) | (4 if table else 0)
     w3 = w3 if swiglu else w1
-    grid = (tiles[0].shape[0], n // (16 * mt), 1)
-    if e4m3:
-        if codes is None:
-            from hybridkv.ops.qgemm.triton import act_codes
-            codes = act_codes(x)
-        xq, xs = codes
-        if (xq.dtype != torch.float8_e4m3fn or xq.shape[-1] != k or xq.stride(-1) != 1 or xq.stride(0) % 8
-                or xq.data_ptr() % 8 or xs.dtype != torch.float32 or xs.shape[-1] != k // 128
-                or any(s.data_ptr() % 4 or s.stride(0) % 4 for s in (w1[1], w3[1]))):
-            raise ValueError("grouped FP4 MMA (e4m3): activation codes must be e4m3 [rows, K] with 8-byte aligned "
-                             "rows and float32 scales [rows, K/128]; the weight scales' experts 4-byte aligned")
-        args = [xq, xs, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0],
-                w3[1], route if swiglu else xs, y, int(n), int(k), int(strides[0]), int(strides[1]),
-                int(xq.stride(0)), int(xs.stride(0)), int(xs.stride(1)), float(limit), int(flags)]
-    else:
-        args = [x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0],
-                w3[1], route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]),
-                int(x.stride(0)), float(limit), int(shift), int(flags)]
     with torch.cuda.device(x.device):       # the loader launches on the current device's stream
-        kern(grid=grid, block=(32 * wk, 1, 1), args=args)
+        kern(grid=(tiles[0].shape[0], n // (16 * mt), 1), block=(32 * wk, 1, 1),
+             args=[x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0],
+                   w3[1], route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]),
+                   int(x.stride(0)), float(limit), int(shift), int(flags)])
     return y

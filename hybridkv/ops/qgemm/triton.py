@@ -462,7 +462,8 @@ def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool =
     faster than the 16-row tiles at 64 tokens for w1-w3 / w2, 1.5× / 1.2× than one row at 8,
     the same at 1: `benchmarks/qgemm_kernels.py --sweep --families mma`)."""
     if mma and pairs <= MMA_MAX_PAIRS:
-        return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **fp4_mma.DEFAULT_CONFIG)
+        few = pairs <= fp4_mma.FEW_PAIRS
+        return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **(fp4_mma.FEW_PAIRS_CONFIG if few else fp4_mma.DEFAULT_CONFIG))
     if pairs <= (experts // 2 if experts else 64):
         return dict(BM=1, BN=32 if gated else 64, num_warps=4)
     if pairs <= 512:
@@ -474,8 +475,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
                 w1: tuple[torch.Tensor, torch.Tensor], n: int, out_dtype: torch.dtype,
                 w3: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
                 limit: float = 0.0, config: dict | None = None, fp4_dot: int | None = None,
-                pipelined: bool | None = None, shift: int = 0,
-                codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                pipelined: bool | None = None, shift: int = 0) -> torch.Tensor:
     """Sorted rows P (x[rows[i]] for row i, or x's own rows with rows None) × their experts' packed
     weights -> [P, n] of out_dtype. x holds the activations already through their FP8 round trip
     per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are.
@@ -485,8 +485,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
     or int64 tables of each expert's weight and scale address. With w3 the SwiGLU of (w1, w3) times
     `route` [P] is returned. `pipelined` (default: what the device check found) lets the scaled-dot
     K loop over stacked experts pipeline. `shift`: the MMA kernel's scale shift
-    (`fp4_mma.scale_shift` of the experts' largest scale byte). `codes`: x as e4m3 codes and float32
-    scales per 128 (`act_codes`), which the MMA kernel's FP8 operand form reads (made there if absent)."""
+    (`fp4_mma.scale_shift` of the experts' largest scale byte)."""
     cfg = dict(config or grouped_config(rows.shape[0] if rows is not None else x.shape[0], n, gated=w3 is not None))
     p = rows.shape[0] if rows is not None else x.shape[0]
     k = x.shape[-1]
@@ -512,7 +511,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
             raise ValueError(f"grouped FP4 MMA: tiles of {cfg['BM']} rows > {fp4_mma.TILE_ROWS}")
         if max(ew, es) >= 2 ** 31:
             raise ValueError("grouped FP4 MMA: experts more than 2 GiB apart in their stack")
-        return fp4_mma.grouped_fp4_mma(x, rows, tiles, w1, n, y, w3, route, limit, (ew, es), table, shift, cfg, codes)
+        return fp4_mma.grouped_fp4_mma(x, rows, tiles, w1, n, y, w3, route, limit, (ew, es), table, shift, cfg)
     if cfg["BM"] == 1:
         cfg["BK"] = rows_bk
         return grouped_fp4_rows(x, rows, tiles, w1, n, out_dtype, y, w3, route, limit, (ew, es), table, cfg)

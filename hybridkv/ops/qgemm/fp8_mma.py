@@ -1,0 +1,294 @@
+"""FP8 linears at decode sizes (at most 8 rows) on the FP8 tensor cores, in CUDA C++ compiled at first
+use (NVRTC, through torch): the release's e4m3 weight with e8m0 scales per 128×128 tile, the input
+quantised to e4m3 per 128 values inside the kernel.
+
+At decode a linear is a stream of its weight bytes: what costs is the latency of getting them in
+flight, not the multiply. The Triton kernel (`triton.fp8_gemm_kernel`) reaches every SM with few
+rows only by splitting K over programs, whose partial sums a last-arriving program adds (a store,
+a fence, an atomic and a reload on the critical path), and pads the rows to a 16-row tile. Here
+one block owns 16·MT output rows over all of K, its WK warps split K and add their partial tiles in
+shared memory in a fixed order (deterministic, no second pass), and the rows are the MMA's B
+operand (`mma.sync.m16n8k32`, e4m3 in, float32 accumulation):
+
+- The weight is the A operand straight from memory: a thread loads 32 consecutive codes of rows g
+  and g+8 (two 16-byte loads each) per 128-input chunk and feeds them to four MMAs; the MMA's k
+  order only has to be permuted alike in both operands, so no byte is moved.
+- The input row of token g is quantised by the quad that multiplies it (amax over the chunk's 128
+  values by two shuffles, the power-of-two scale of `act_codes` bit for bit, round-to-nearest-even
+  to e4m3 with saturation): no separate quantisation launch.
+- Each chunk's four MMAs accumulate the 128-deep block; its float32 result is multiplied by the
+  weight tile's and the token's scales (both powers of two, so exactly as `fp8_gemm_kernel`'s
+  promotion) and added; the next chunk's weights and inputs are loaded before this one is used.
+
+Equal to the dequantise-then-GEMM reference within the FP8 tensor cores' accumulation (the GPU test
+measures it); the CPU keeps the reference path, the interpreter the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
+
+MAX_ROWS = 8               # rows per launch: the MMA's N
+SCALE_BLOCK = 128
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned char u8;
+
+__device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// two floats -> two e4m3 bytes (lo in the low byte), round to nearest even, saturated to ±448
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// this thread's 32 inputs of token row `row` from input `off` (raw bits: 16 words of bf16 pairs, or 32 floats)
+__device__ __forceinline__ void load_x(u32* xr, const void* X, long long row, int off, bool ok) {
+#if XT == 0
+    const uint4* p = (const uint4*)((const unsigned short*)X + row + off);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint4 v = ok ? __ldg(p + i) : make_uint4(0u, 0u, 0u, 0u);
+        xr[4 * i] = v.x; xr[4 * i + 1] = v.y; xr[4 * i + 2] = v.z; xr[4 * i + 3] = v.w;
+    }
+#else
+    const uint4* p = (const uint4*)((const float*)X + row + off);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        uint4 v = ok ? __ldg(p + i) : make_uint4(0u, 0u, 0u, 0u);
+        xr[4 * i] = v.x; xr[4 * i + 1] = v.y; xr[4 * i + 2] = v.z; xr[4 * i + 3] = v.w;
+    }
+#endif
+}
+
+__device__ __forceinline__ float x_at(const u32* xr, int i) {
+#if XT == 0
+    return (i & 1) ? bf16_hi(xr[i >> 1]) : bf16_lo(xr[i >> 1]);
+#else
+    return __uint_as_float(xr[i]);
+#endif
+}
+
+#if XT == 0
+#define XWORDS 16
+#else
+#define XWORDS 32
+#endif
+
+// the quad's 128 inputs -> this thread's 32 as e4m3 codes (8 words) and the chunk's scale, as
+// `act_codes`: s = 2^ceil(log2(max(amax, FLOOR) / 448)), codes = round(x / s)
+__device__ __forceinline__ float quantise(const u32* xr, u32* xq) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x_at(xr, i)));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float t = fmaxf(amax, FLOOR) * (1.0f / QMAX);
+    const u32 s_bits = (__float_as_uint(t) + 0x7FFFFFu) & 0x7F800000u;
+    const float inv = __uint_as_float(0x7F000000u - s_bits);
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        const u32 lo = e4m3x2(x_at(xr, 4 * w) * inv, x_at(xr, 4 * w + 1) * inv);
+        const u32 hi = e4m3x2(x_at(xr, 4 * w + 2) * inv, x_at(xr, 4 * w + 3) * inv);
+        xq[w] = lo | (hi << 16);
+    }
+    return __uint_as_float(s_bits);
+}
+
+#if YT == 0
+__device__ __forceinline__ void store_out(void* Y, long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    ((unsigned short*)Y)[i] = h;
+}
+#elif YT == 1
+__device__ __forceinline__ void store_out(void* Y, long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    ((unsigned short*)Y)[i] = h;
+}
+#else
+__device__ __forceinline__ void store_out(void* Y, long long i, float v) { ((float*)Y)[i] = v; }
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * WK)
+fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, int K, int stride_x,
+               int ws_stride, int stride_y) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const int n0 = blockIdx.x * (16 * MT);
+    const int chunks = K / 128;
+    const int mine = chunks > warp ? (chunks - warp + WK - 1) / WK : 0;     // chunks warp, warp + WK, ...
+    const bool tok_ok = g < M;
+    const long long xrow = tok_ok ? (long long)g * stride_x : 0;
+    const u8* ws_row = WS + (long long)(n0 / 128) * ws_stride;
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+
+    // a chunk's weights: rows g and g+8 of each 16-row tile, this thread's 32 bytes of each (8 words)
+    u32 w_cur[MT][2][8], w_next[MT][2][8], x_cur[XWORDS], x_next[XWORDS];
+    auto fetch = [&](int j, u32 (*w)[2][8], u32* xr) {
+        if (j >= mine) return;
+        const int off = (warp + j * WK) * 128 + tq * 32;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4* p = (const uint4*)(W + (long long)(n0 + mt * 16 + g + 8 * h) * K + off);
+                const uint4 a = __ldg(p), b = __ldg(p + 1);
+                w[mt][h][0] = a.x; w[mt][h][1] = a.y; w[mt][h][2] = a.z; w[mt][h][3] = a.w;
+                w[mt][h][4] = b.x; w[mt][h][5] = b.y; w[mt][h][6] = b.z; w[mt][h][7] = b.w;
+            }
+        load_x(xr, X, xrow, off, tok_ok);
+    };
+    fetch(0, w_cur, x_cur);
+    for (int j = 0; j < mine; ++j) {
+        fetch(j + 1, w_next, x_next);
+        u32 xq[8];
+        const float s = quantise(x_cur, xq);
+        // the scales of this thread's accumulator columns: tokens 2tq and 2tq + 1 (quads 2tq, 2tq + 1)
+        const float s0 = __shfl_sync(0xffffffffu, s, 8 * tq), s1 = __shfl_sync(0xffffffffu, s, 8 * tq + 4);
+        const float ws = __uint_as_float(((u32)ws_row[warp + j * WK]) << 23);
+        const float f0 = ws * s0, f1 = ws * s1;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                mma_e4m3(c, w_cur[mt][0][2 * i], w_cur[mt][1][2 * i], w_cur[mt][0][2 * i + 1],
+                         w_cur[mt][1][2 * i + 1], xq[2 * i], xq[2 * i + 1]);
+            acc[mt][0] += c[0] * f0; acc[mt][1] += c[1] * f1;
+            acc[mt][2] += c[2] * f0; acc[mt][3] += c[3] * f1;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) w_cur[mt][h][i] = w_next[mt][h][i];
+#pragma unroll
+        for (int i = 0; i < XWORDS; ++i) x_cur[i] = x_next[i];
+    }
+
+#if WK > 1
+    // the warps' partial tiles added in warp order
+    __shared__ float red[WK][32][4 * MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][lane][mt * 4 + i] = acc[mt][i];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float a = red[0][lane][mt * 4 + i];
+            for (int w = 1; w < WK; ++w) a += red[w][lane][mt * 4 + i];
+            acc[mt][i] = a;
+        }
+#endif
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int token = 2 * tq + (i & 1);
+            if (token < M) store_out(Y, (long long)token * stride_y + n0 + mt * 16 + g + 8 * (i >> 1), acc[mt][i]);
+        }
+}
+"""
+
+_DTYPES_X = {torch.bfloat16: 0, torch.float32: 1}
+_DTYPES_Y = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_COMPILED: dict = {}
+
+
+def enabled() -> bool:
+    """Whether decode-sized FP8 linears take this kernel on CUDA: yes unless `HYBRIDKV_FP8_MMA=0`
+    (then the Triton kernel, as before)."""
+    return os.environ.get("HYBRIDKV_FP8_MMA", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch.cuda, "_compile_kernel")
+
+
+def usable(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this kernel computes x2 [M, K] × weight [N, K]ᵀ: CUDA with FP8 MMA (sm_89 and newer)
+    and torch's NVRTC loader, at most `MAX_ROWS` rows, bf16 or float32 inputs, an e4m3 weight with
+    contiguous rows, K a multiple of 128 and N of 16."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    return (enabled() and x2.is_cuda and 0 < m <= MAX_ROWS and x2.dtype in _DTYPES_X and out_dtype in _DTYPES_Y
+            and weight.dtype == torch.float8_e4m3fn and weight.stride(-1) == 1 and weight.stride(0) == k
+            and weight.data_ptr() % 16 == 0 and k % SCALE_BLOCK == 0 and n % 16 == 0 and _capable(x2.device.index))
+
+
+def config(n: int, k: int) -> dict:
+    """MT (16-row tiles per block) and WK (warps splitting K) for an [n, k] weight: each warp takes
+    two or more of the 128-input chunks, at most 16 warps a block."""
+    chunks = k // SCALE_BLOCK
+    return {"MT": 1, "WK": max(1, min(16, chunks // 2))}
+
+
+def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int) -> str:
+    """The CUDA C++ of one variant, as compiled at first use."""
+    return (f"#define XT {_DTYPES_X[x_dtype]}\n#define YT {_DTYPES_Y[y_dtype]}\n#define MT {mt}\n#define WK {wk}\n"
+            f"#define FLOOR {FP8_AMAX_FLOOR!r}f\n#define QMAX {FP8_MAX!r}f\n") + SOURCE
+
+
+def _kernel(device: torch.device, x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, x_dtype, y_dtype, mt, wk)
+    if key not in _COMPILED:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the FP8 MMA linear's first launch of a variant must run outside CUDA-graph capture "
+                               "(it compiles it)")
+        with torch.cuda.device(index):
+            major, minor = torch.cuda.get_device_capability(index)
+            _COMPILED[key] = torch.cuda._compile_kernel(source(x_dtype, y_dtype, mt, wk), "fp8_linear_mma",
+                                                        compute_capability=f"{major}{minor}")
+    return _COMPILED[key]
+
+
+def fp8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+               cfg: dict | None = None) -> torch.Tensor:
+    """x2 [M, K] (M ≤ 8, where `usable`) -> [M, N] of out_dtype: act_quant_sim(x2) · dequant(weight)ᵀ
+    with the weight's e8m0 scales [ceil(N/128), K/128]."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    cfg = dict(config(n, k), **(cfg or {}))
+    mt, wk = int(cfg["MT"]), int(cfg["WK"])
+    if mt not in (1, 2, 4) or not 1 <= wk <= 16 or n % (16 * mt):
+        raise ValueError(f"FP8 MMA linear: MT {mt} (1, 2 or 4; N {n} a multiple of 16·MT), WK {wk} (1..16)")
+    if x2.stride(-1) != 1 or x2.data_ptr() % 16 or x2.stride(0) % 8:     # 16-byte loads of each row
+        x2 = torch.empty(m, k, dtype=x2.dtype, device=x2.device).copy_(x2)
+    sc = scale.view(torch.uint8)
+    if sc.dim() != 2 or sc.shape[0] * SCALE_BLOCK < n or sc.shape[1] * SCALE_BLOCK != k or sc.stride(-1) != 1:
+        raise ValueError(f"FP8 MMA linear: scales {tuple(sc.shape)} for a [{n}, {k}] weight (128×128 tiles)")
+    y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    kern = _kernel(x2.device, x2.dtype, out_dtype, mt, wk)
+    with torch.cuda.device(x2.device):       # the loader launches on the current device's stream
+        kern(grid=(n // (16 * mt), 1, 1), block=(32 * wk, 1, 1),
+             args=[x2, weight, sc, y, int(m), int(n), int(k), int(x2.stride(0)), int(sc.stride(0)), int(n)])
+    return y
