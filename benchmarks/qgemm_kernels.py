@@ -88,8 +88,9 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
                   f"{'—' if t_m is None else f'{t_m:.4f}'} | {'—' if t_m is None else f'{n * k / t_m / 1e6:.0f}'} |",
                   flush=True)
             if a.sweep and m in a.sweep_rows:
-                sweep_fp8(x, q, s, out_dtype, cuda)
-                if mma:
+                if "fp8-triton" in a.families.split(","):
+                    sweep_fp8(x, q, s, out_dtype, cuda)
+                if mma and "fp8-mma" in a.families.split(","):
                     sweep_fp8_mma(x, q, s, out_dtype)
     for why in notes:
         print(f"scaled_mm: {why}")
@@ -230,7 +231,9 @@ def main() -> int:
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--experts-used", type=int, default=0,
                     help="grouped FP4: route among this many experts only (0: all 256)")
-    ap.add_argument("--families", default="one-row,tiles,mma", help="the sweep's kernel families")
+    ap.add_argument("--families", default="one-row,tiles,mma,fp8-triton,fp8-mma",
+                    help="the sweep's kernel families (grouped FP4: one-row, tiles, mma; FP8 linears: fp8-triton, "
+                    "fp8-mma)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--separate-experts", action="store_true",
                     help="grouped FP4: each expert its own tensors (address tables) instead of stacked buffers")
