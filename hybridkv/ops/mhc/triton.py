@@ -21,6 +21,7 @@ MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` prog
 MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program beyond MIX_ONE_TOKEN tokens
 MIX_ONE_TOKEN = 16          # up to here a program per token and chunk (the fn chunk re-read from L2)
 MAX_PARTIAL_TOKENS = 64     # more tokens (prefill): the mixes come from a GEMM
+PRE_WARPS = 4               # warps of a `pre_kernel` program
 
 
 @triton.jit
@@ -180,7 +181,7 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
         mixes = mixes if partials else mixes.float().contiguous()
         pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
                                 post, comb, dim, chunk, nch, iters, eps, norm_eps, HC=hc, BLOCK=block,
-                                PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch), num_warps=4)
+                                PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch), num_warps=PRE_WARPS)
     return y, post, comb
 
 
