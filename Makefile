@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest processes (pytest-xdist; each test file runs whole in one of them): 2 fills CI's two cores
+TEST_WORKERS ?= 2
 
 .PHONY: demo test venv clean
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hybridkv demo
 
 test: $(STAMP)
-	@$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	@$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,18 @@
+import os
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch takes its share of the cores (not all of them each),
+    unless OMP_NUM_THREADS says otherwise; tests that need a thread count set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")
