@@ -7,9 +7,12 @@ dense-copy path runs) and the prefill path through torch's block-scaled matmul
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected.
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
 fastest (`--experts-used N` routes the tokens among N experts, several rows each) (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
-time of CUDA-graph replays (the decode step runs as a graph).
+time of CUDA-graph replays (the decode step runs as a graph). A launch replayed back to back finds
+a weight of up to tens of MiB still in the GPU's L2 (50 MB on an H200), which a decode step never
+does: `--cold` times each FP8 linear over copies of its weight that together exceed L2 several
+times, one launch a copy, so that every launch reads its weight from DRAM as in the engine.
 
-    python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--bandwidth 4.13e12]
+    python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--cold] [--bandwidth 4.13e12]
     python benchmarks/qgemm_kernels.py --smoke     # small shapes in Triton's interpreter (CPU)
 """
 
@@ -59,6 +62,24 @@ def bench(fn, cuda: bool, reps: int = 20) -> float:
     return (time.perf_counter() - t) / 2 * 1e3
 
 
+COLD_BYTES = 256 << 20      # --cold: the weight copies a timing cycles through, at least this many bytes
+
+
+def copies(first: tuple, cold: bool) -> list[tuple]:
+    """`first` (a tuple of tensors) and, with `cold`, as many clones as make COLD_BYTES."""
+    if not cold:
+        return [first]
+    n = -(-COLD_BYTES // sum(t.nbytes for t in first))
+    return [first] + [tuple(t.clone() for t in first) for _ in range(n - 1)]
+
+
+def bench_each(fn, items: list, cuda: bool) -> float:
+    """Device ms of fn(item), averaged over one launch per item in turn (one item: `bench`)."""
+    if len(items) == 1:
+        return bench(lambda: fn(items[0]), cuda)
+    return bench(lambda: [fn(it) for it in items], cuda) / len(items)
+
+
 def fp8_rows(a, cuda: bool, dev: str) -> None:
     print("\n| linear | N × K | rows | triton ms | GB/s (weight) | TFLOP/s | dense bf16 ms | scaled_mm ms | "
           "rel rms | fp8_mma ms | GB/s (fp8_mma) |")
@@ -67,11 +88,12 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
     for name, n, k in (SMOKE if a.smoke else FLASH):
         q, s = quant_fp8_weight(torch.randn(n, k, device=dev) * 0.02)
         dense = dequant_fp8_weight(q, s, (128, 128), torch.bfloat16 if cuda else torch.float32)
+        packed_copies, dense_copies = copies((q, s), a.cold and cuda), copies((dense,), a.cold and cuda)
         for m in a.rows:
             x = torch.randn(m, k, device=dev).to(dense.dtype)
             out_dtype = dense.dtype
-            t_k = bench(lambda: kernels.fp8_linear(x, q, s, out_dtype), cuda)
-            t_d = bench(lambda: torch.nn.functional.linear(x, dense), cuda)
+            t_k = bench_each(lambda w: kernels.fp8_linear(x, w[0], w[1], out_dtype), packed_copies, cuda)
+            t_d = bench_each(lambda w: torch.nn.functional.linear(x, w[0]), dense_copies, cuda)
             fn, why = (lambda: scaled.fp8_linear(x, q, s, out_dtype), None) if cuda else (None, "CPU")
             if cuda and scaled.layout(x.device)[0] is None:
                 fn, why = None, scaled.layout(x.device)[1]
@@ -82,7 +104,7 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
                          - kernels.fp8_linear(x, q, s, out_dtype).float()).pow(2).mean().sqrt()
                         / reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32).pow(2).mean().sqrt())
             mma = cuda and fp8_mma.usable(x, q, out_dtype)
-            t_m = bench(lambda: fp8_mma.fp8_linear(x, q, s, out_dtype), cuda) if mma else None
+            t_m = bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype), packed_copies, cuda) if mma else None
             print(f"| {name} | {n} × {k} | {m} | {t_k:.4f} | {n * k / t_k / 1e6:.0f} | {2 * m * n * k / t_k / 1e9:.1f} | "
                   f"{t_d:.4f} | {'—' if t_s is None else f'{t_s:.4f}'} | {err:.1e} | "
                   f"{'—' if t_m is None else f'{t_m:.4f}'} | {'—' if t_m is None else f'{n * k / t_m / 1e6:.0f}'} |",
@@ -91,7 +113,7 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
                 if "fp8-triton" in a.families.split(","):
                     sweep_fp8(x, q, s, out_dtype, cuda)
                 if mma and "fp8-mma" in a.families.split(","):
-                    sweep_fp8_mma(x, q, s, out_dtype)
+                    sweep_fp8_mma(x, packed_copies, out_dtype)
     for why in notes:
         print(f"scaled_mm: {why}")
     if cuda:
@@ -117,14 +139,14 @@ def sweep_fp8(x, q, s, out_dtype, cuda: bool) -> None:
         print(f"    sweep {m}×{n}×{k}: {t:.4f} ms {cfg}")
 
 
-def sweep_fp8_mma(x, q, s, out_dtype) -> None:
-    m, (n, k) = x.shape[0], q.shape
+def sweep_fp8_mma(x, weights: list[tuple], out_dtype) -> None:
+    m, (n, k) = x.shape[0], weights[0][0].shape
     best = []
     for mt, wk in itertools.product([1, 2, 4], [1, 2, 4, 8, 16]):
         if n % (16 * mt) or wk > k // 128:
             continue
         cfg = dict(MT=mt, WK=wk)
-        best.append((bench(lambda: fp8_mma.fp8_linear(x, q, s, out_dtype, cfg), True), cfg))
+        best.append((bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype, cfg), weights, True), cfg))
     best.sort(key=lambda tc: tc[0])
     for t, cfg in best[:3]:
         print(f"    sweep fp8_mma {m}×{n}×{k}: {t:.4f} ms {cfg} (default {fp8_mma.config(n, k)})")
@@ -228,6 +250,8 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,64,4096", help="FP8 linears' row counts ('' for none)")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cold", action="store_true",
+                    help="time the FP8 linears over weight copies that exceed L2 (DRAM reads, as in a decode step)")
     ap.add_argument("--sweep-rows", default="1,8", help="row / token counts the sweep runs at")
     ap.add_argument("--experts-used", type=int, default=0,
                     help="grouped FP4: route among this many experts only (0: all 256)")

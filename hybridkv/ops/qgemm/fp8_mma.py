@@ -248,8 +248,8 @@ def config(n: int, k: int) -> dict:
     """MT (16-row tiles per block) and WK (warps splitting K) for an [n, k] weight: more rows a block
     for wide weights, each warp four or more of the 128-input chunks, at most 8 warps. Fitted on the
     H200 at V4-Flash's FP8 linears (`benchmarks/qgemm_kernels.py --sweep --families fp8-mma`, 1 and 8
-    rows): wq_b 32768×1024 6.8 µs at MT 4, WK 2 against 10.2 at MT 1, WK 4; wo_b 4096×8192 7.6 against
-    10.6 at MT 2, WK 8 (against MT 1, WK 16); the 1-4K-row weights 3.4-4.0 µs."""
+    rows) with the weight left in L2 between launches: in the engine the fit moved a B=1 step's 43
+    launches from 0.345 to 0.337 ms only (docs/training-log.md); refit with `--cold`."""
     chunks = k // SCALE_BLOCK
     mt = 4 if n >= 16384 else (2 if n >= 4096 else 1)
     while n % (16 * mt):
