@@ -1,8 +1,13 @@
 """Decode speed against context length, through the engine: one request (or a batch) prefilled to
 each context, then timed decode steps. Prints a row per context as it lands:
 
-    context, prefill s, decode ms/step (median), tokens/s, drop against the shortest context,
-    device busy per step (CUDA, under torch.profiler) and the top operators by device time.
+    context, prefill s, decode ms/step, tokens/s, drop against the shortest context, device ms
+    per step (CUDA: the step's graph replayed back to back between device events), device busy per
+    step (CUDA, under torch.profiler) and the top operators by device time.
+
+The headline is free of the host's jitter: the timed steps run in `--passes` passes (each pass's
+median step), and a row gives the median of those with their spread; the device time beside it
+does not depend on the host at all.
 
 On CUDA the engine replays captured decode steps (engine/graphs.py); with --eager the same requests
 are also decoded with the paged kernels launched one by one, and with --reference through the
@@ -11,7 +16,7 @@ where the paged kernels do not apply), on the same cache.
 
     python benchmarks/decode_context.py --model DIR [--contexts 4k,128k,1m] [--batch 1] [--steps 64]
         [--device cuda] [--kv-format fp8] [--dtype bfloat16] [--chunk 8192] [--eager] [--reference] [--top 12]
-        [--host-profile N] [--json OUT]
+        [--host-profile N] [--passes 3] [--json OUT]
 
 A context of "1m" is clamped to the checkpoint's max_position_embeddings minus the decoded tokens.
 """
@@ -56,6 +61,12 @@ def timed_steps(engine, steps: int, device: str) -> list[float]:
     return out
 
 
+def passes_ms(engine, passes: int, steps: int, device: str) -> tuple[float, float, float]:
+    """(median, lowest, highest) over `passes` passes of each pass's median step time, in ms."""
+    medians = [1e3 * statistics.median(timed_steps(engine, steps, device)) for _ in range(passes)]
+    return statistics.median(medians), min(medians), max(medians)
+
+
 def replay_ms(eng, n: int = 20) -> float | None:
     """Elapsed device time of the most recently replayed decode graph (the last step's) replayed n
     times back to back (it rewrites the same step's cache rows with the same values), per replay."""
@@ -88,7 +99,8 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / "tests" / "fixtures" / "v4-tiny"))
     ap.add_argument("--contexts", default="4k,128k,1m")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per context")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per pass and context")
+    ap.add_argument("--passes", type=int, default=3, help="passes of --steps steps; the median pass counts")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -101,7 +113,9 @@ def main() -> int:
                     help="also print where the host's time goes (cProfile of N steps, by own time)")
     a = ap.parse_args()
     contexts = [_parse_count(c) for c in a.contexts.split(",")]
-    budget = WARM_STEPS + 3 * (a.steps + 6 + a.host_profile) + 16
+    if a.passes < 1 or a.steps < 1:
+        ap.error("--passes and --steps must be at least 1")
+    budget = WARM_STEPS + 3 * (a.passes * a.steps + 6 + a.host_profile) + 16
     llm = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), kv_format=a.kv_format,
               num_blocks=a.batch * (max(contexts) // 128 + 4) + 8, max_num_seqs=a.batch,
               max_num_batched_tokens=a.chunk, enable_prefix_caching=False)
@@ -138,11 +152,13 @@ def main() -> int:
             before = eng.stats.graph_steps
             if gr is not None:
                 timed_steps(eng, 2, a.device)           # captures this context's graph
-            step_s = statistics.median(timed_steps(eng, a.steps, a.device))
+            step_ms, low_ms, high_ms = passes_ms(eng, a.passes, a.steps, a.device)
             if gr is not None:
-                assert eng.stats.graph_steps - before == a.steps + 2, "a step ran outside the graph"
-            row = dict(context=ctx, batch=a.batch, path=name, prefill_s=prefill_s, step_ms=1e3 * step_s,
-                       tok_s=a.batch / step_s)
+                assert eng.stats.graph_steps - before == a.passes * a.steps + 2, "a step ran outside the graph"
+            row = dict(context=ctx, batch=a.batch, path=name, prefill_s=prefill_s, step_ms=step_ms,
+                       pass_ms=[low_ms, high_ms], tok_s=1e3 * a.batch / step_ms)
+            if gr is not None and cuda:
+                row["replay_ms"] = replay_ms(eng)
             if name == paths[0][0]:
                 base = base or row["tok_s"]
                 row["drop_pct"] = 100 * (1 - row["tok_s"] / base)
@@ -161,13 +177,16 @@ def main() -> int:
         eng.store.kernel_formats, eng.graphs = formats, graphs
         for s in seqs:
             eng.abort(s.request_id)
-    print("\n| context | path | prefill s | decode ms/step | tok/s | drop vs shortest | device ms/step |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| context | path | prefill s | decode ms/step (median of {a.passes} passes) | passes' range | tok/s | "
+          "drop vs shortest | device ms/step (replayed) | device busy ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         drop = f"{r['drop_pct']:.1f}%" if "drop_pct" in r else "—"
-        dev = f"{r['device_ms_per_step']:.2f}" if "device_ms_per_step" in r else "—"
-        print(f"| {r['context']:,} | {r['path']} | {r['prefill_s']:.1f} | {r['step_ms']:.2f} | {r['tok_s']:.1f} | "
-              f"{drop} | {dev} |")
+        replay = f"{r['replay_ms']:.2f}" if r.get("replay_ms") is not None else "—"
+        busy = f"{r['device_ms_per_step']:.2f}" if "device_ms_per_step" in r else "—"
+        low, high = r["pass_ms"]
+        print(f"| {r['context']:,} | {r['path']} | {r['prefill_s']:.1f} | {r['step_ms']:.2f} | {low:.2f}–{high:.2f} | "
+              f"{r['tok_s']:.1f} | {drop} | {replay} | {busy} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
