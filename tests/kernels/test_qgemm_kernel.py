@@ -334,6 +334,27 @@ def test_stacked_projections_equal_each_linear_alone(device, monkeypatch):
         assert rel_rms(b.float(), a.float()) < (1e-5 if a.dtype == torch.float32 else 4e-3)
 
 
+def test_fp8_mma_takes_cuda_decode_rows_only_and_tiles_every_v4_flash_linear():
+    """`fp8_mma.usable` never takes a CPU tensor (the reference and the interpreter keep their
+    paths); its tiles divide every V4-Flash FP8 linear (paired ones too) and odd widths fall back to
+    smaller tiles; one token's FP4 launches take the few-pairs tiles; the kernel's quantisation
+    constants are the reference's."""
+    from hybridkv.ops.qgemm import fp4_mma, fp8_mma
+    from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
+    q = torch.zeros(1024, 4096, dtype=torch.float8_e4m3fn)
+    assert not fp8_mma.usable(torch.zeros(1, 4096), q, torch.float32)
+    for n, k in ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (4096, 4096), (4096, 2048), (8192, 1024),
+                 (1536, 4096), (4112, 4096), (16400, 1024)):
+        cfg = fp8_mma.config(n, k)
+        assert n % (16 * cfg["MT"]) == 0 and 1 <= cfg["WK"] <= min(8, k // 128), (n, k, cfg)
+    assert fp8_mma.config(32768, 1024)["MT"] == 4 and fp8_mma.config(4112, 4096)["MT"] == 1
+    src = fp8_mma.source(torch.bfloat16, torch.bfloat16, 1, 8)
+    assert f"#define FLOOR {FP8_AMAX_FLOOR!r}f" in src and f"#define QMAX {FP8_MAX!r}f" in src
+    few = kernels.grouped_config(fp4_mma.FEW_PAIRS, 2048, 256, gated=True, mma=True)
+    more = kernels.grouped_config(fp4_mma.FEW_PAIRS + 1, 2048, 256, gated=True, mma=True)
+    assert (few["MT"], few["WK"]) == (1, 4) and (more["MT"], more["WK"]) == (2, 2) and few["BM"] == more["BM"]
+
+
 def test_decode_sizes_choose_the_tensor_core_kernel_only_where_it_runs():
     """`grouped_config` takes the MMA tiles (8 rows) only when asked (the caller checked
     `fp4_mma.usable`: CUDA, sm_80+), up to the fused routing's pair limit; CPU tensors never ask;
