@@ -329,8 +329,9 @@ _DTYPES_X = {torch.bfloat16: 0, torch.float32: 1}
 _DTYPES_Y = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _COMPILED: dict = {}
 DEFAULT_CONFIG = {"MT": 2, "WK": 2, "STAGES": 2}    # the fastest at 8 and 64 tokens (qgemm_kernels --sweep)
-# at most FEW_PAIRS sorted rows (one token's experts): twice the warps per weight row, as many blocks;
-# on the H200 at V4-Flash width 0.0268 / 0.0146 ms (up / down) against the default's 0.0306 / 0.0158
+# at most FEW_PAIRS sorted rows (one token's experts): one 16-row tile a block, split over four warps
+# (twice the blocks, four times the warps a weight row); on the H200 at V4-Flash width 0.0268 /
+# 0.0146 ms (up / down) against the default's 0.0306 / 0.0158
 FEW_PAIRS, FEW_PAIRS_CONFIG = 8, {"MT": 1, "WK": 4, "STAGES": 2}
 
 
