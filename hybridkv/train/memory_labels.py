@@ -166,35 +166,35 @@ def save_labels(labels: DocumentLabels, path: str | Path) -> Path:
     return path
 
 
-def labels_top_p(path: str | Path) -> float:
-    """The top-p a label file was made with, from its metadata alone (its tensors are not read)."""
+def _read(path: Path, tensors: bool) -> tuple[dict, dict]:
+    """(metadata, tensors: all of them with `tensors`, else none) of a label file, its format checked;
+    what cannot be read is a TrainingError naming the file."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
             meta = dict(f.metadata() or {})
-    except (OSError, SafetensorError) as e:
-        raise TrainingError(f"{path}: cannot read memory labels: {type(e).__name__}: {e}") from None
-    if meta.get("format") != FORMAT or "top_p" not in meta:
-        raise TrainingError(f"{path}: not a memory-label file of format {FORMAT} (format {meta.get('format')!r})")
-    return float(meta["top_p"])
-
-
-def load_labels(path: str | Path) -> DocumentLabels:
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = dict(f.metadata() or {})
-            if meta.get("format") != FORMAT:
+            if meta.get("format") != FORMAT or "top_p" not in meta:
                 raise TrainingError(f"{path}: not a memory-label file of format {FORMAT} "
                                     f"(format {meta.get('format')!r})")
-            layers = [int(x) for x in meta["layers"].split(",")]
-            t = {k: f.get_tensor(k) for k in f.keys()}
+            return meta, ({k: f.get_tensor(k) for k in f.keys()} if tensors else {})
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         if isinstance(e, TrainingError):
             raise
+        raise TrainingError(f"{path}: cannot read memory labels: {type(e).__name__}: {e}") from None
+
+
+def labels_top_p(path: str | Path) -> float:
+    """The top-p a label file was made with, from its metadata alone (its tensors are not read)."""
+    return float(_read(Path(path), tensors=False)[0]["top_p"])
+
+
+def load_labels(path: str | Path) -> DocumentLabels:
+    path = Path(path)
+    meta, t = _read(path, tensors=True)
+    try:
+        layers = [int(x) for x in meta["layers"].split(",")]
+    except (KeyError, ValueError) as e:
         raise TrainingError(f"{path}: cannot read memory labels: {type(e).__name__}: {e}") from None
     s = t["input_ids"].numel()
     p = t["label_pointers"]

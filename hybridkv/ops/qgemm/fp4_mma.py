@@ -33,17 +33,14 @@ order differs.
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 
 import torch
 
+from hybridkv.ops.qgemm import nvrtc
+
 TILE_ROWS = 8              # activation rows per tile: the MMA's N
 SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned char u8;
-
 // codes J and J+4 of w (bits 4J.. and 4J+16..) -> bf16x2 (low half: code J), each the E2M1 value
 // times 2^-126: magnitude bits to bf16 bits 6..8, sign to bit 15
 template <int J> __device__ __forceinline__ u32 e2m1_pair(u32 w) {
@@ -81,40 +78,6 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 __device__ __forceinline__ u32 scale_pair(u32 s, int shift) {
     u32 b = (s + 126u - (u32)shift) << 7;
     return b | (b << 16);
-}
-
-#if YT < 2
-// v rounded to the 16-bit output dtype, as stored
-__device__ __forceinline__ unsigned short out_bits(float v) {
-    unsigned short h;
-#if YT == 0
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#endif
-    return h;
-}
-#endif
-
-// v rounded to the output dtype, back in float32
-__device__ __forceinline__ float round_out(float v) {
-#if YT == 0
-    return __uint_as_float(((u32)out_bits(v)) << 16);
-#elif YT == 1
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(out_bits(v)));
-    return f;
-#else
-    return v;
-#endif
-}
-
-__device__ __forceinline__ void store_out(void* Y, long long i, float v) {
-#if YT < 2
-    ((unsigned short*)Y)[i] = out_bits(v);
-#else
-    ((float*)Y)[i] = v;
-#endif
 }
 
 // this thread's 32 activations at K offset `off` as 16 bf16x2 registers (zeros for a missing row)
@@ -325,9 +288,6 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
 }
 """
 
-_DTYPES_X = {torch.bfloat16: 0, torch.float32: 1}
-_DTYPES_Y = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_COMPILED: dict = {}
 DEFAULT_CONFIG = {"MT": 2, "WK": 2, "STAGES": 2}    # the fastest at 8 and 64 tokens (qgemm_kernels --sweep)
 # at most FEW_PAIRS sorted rows (one token's experts): one 16-row tile a block, split over four warps
 # (twice the blocks, four times the warps a weight row); on the H200 at V4-Flash width 0.0268 /
@@ -345,19 +305,9 @@ def usable(x: torch.Tensor, n_out: tuple[int, ...], k_in: tuple[int, ...]) -> bo
     """Whether this kernel takes activations x against weights of these output and input widths:
     CUDA with bf16 MMA (sm_80 and newer) and torch's NVRTC loader, bf16 or float32 activations,
     widths multiples of 32 and 128."""
-    return (enabled() and x.is_cuda and x.dtype in _DTYPES_X and _capable(x.device.index)
+    return (enabled() and x.is_cuda and x.dtype in nvrtc.DTYPES_X
+            and nvrtc.available(x.device.index, (8, 0), "the routed experts at decode")
             and all(n % 32 == 0 for n in n_out) and all(k % 128 == 0 for k in k_in))
-
-
-@functools.lru_cache(maxsize=None)
-def _capable(index: int | None) -> bool:
-    if torch.cuda.get_device_capability(index) < (8, 0):
-        return False
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        warnings.warn(f"torch {torch.__version__} has no NVRTC loader (torch.cuda._compile_kernel): the routed "
-                      "experts at decode run the slower Triton kernels", stacklevel=3)
-        return False
-    return True
 
 
 def scale_shift(max_scale_byte: int) -> int:
@@ -366,24 +316,9 @@ def scale_shift(max_scale_byte: int) -> int:
     return max(0, int(max_scale_byte) - 128)
 
 
-def _kernel(device: torch.device, x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, x_dtype, y_dtype, mt, wk, stages)
-    if key not in _COMPILED:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the FP4 MMA kernel's first launch of a variant must run outside CUDA-graph capture "
-                               "(it compiles it)")
-        with torch.cuda.device(index):
-            major, minor = torch.cuda.get_device_capability(index)
-            _COMPILED[key] = torch.cuda._compile_kernel(source(x_dtype, y_dtype, mt, wk, stages), "grouped_fp4_mma",
-                                                        compute_capability=f"{major}{minor}")
-    return _COMPILED[key]
-
-
 def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int) -> str:
     """The CUDA C++ of one variant, as compiled at first use."""
-    return (f"#define XT {_DTYPES_X[x_dtype]}\n#define YT {_DTYPES_Y[y_dtype]}\n#define MT {mt}\n#define WK {wk}\n"
-            f"#define STAGES {stages}\n") + SOURCE
+    return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, STAGES=stages)
 
 
 def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -401,17 +336,17 @@ def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[tor
     if mt not in (1, 2) or not 1 <= wk <= 8 or stages < 2 or stages * wk * 2 * mt * 2 * 16 * 32 > 48 * 1024:
         raise ValueError(f"grouped FP4 MMA: MT {mt} (1 or 2), WK {wk} (1..8), STAGES {stages} (≥ 2): the weight "
                          "buffers (STAGES·WK·MT·2 KiB) must fit in 48 KiB of shared memory")
-    if x.dtype not in _DTYPES_X or y.dtype not in _DTYPES_Y:
+    if x.dtype not in nvrtc.DTYPES_X or y.dtype not in nvrtc.DTYPES_Y:
         raise ValueError(f"grouped FP4 MMA: activations {x.dtype} / output {y.dtype} not supported")
     if not 0 <= shift < 128:
         raise ValueError(f"grouped FP4 MMA: scale shift {shift} out of range")
-    kern = _kernel(x.device, x.dtype, y.dtype, mt, wk, stages)
+    variant = (x.dtype, y.dtype, mt, wk, stages)
+    kern = nvrtc.kernel(x.device, "grouped_fp4_mma", variant, lambda: source(*variant))
     swiglu = w3 is not None
     flags = (1 if rows is not None else 0) | (2 if swiglu else 0) | (4 if table else 0)
     w3 = w3 if swiglu else w1
-    with torch.cuda.device(x.device):       # the loader launches on the current device's stream
-        kern(grid=(tiles[0].shape[0], n // (16 * mt), 1), block=(32 * wk, 1, 1),
-             args=[x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0],
-                   w3[1], route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]),
-                   int(x.stride(0)), float(limit), int(shift), int(flags)])
+    nvrtc.launch(kern, x.device, (tiles[0].shape[0], n // (16 * mt), 1), (32 * wk, 1, 1),
+                 [x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0], w3[1],
+                  route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]), int(x.stride(0)),
+                  float(limit), int(shift), int(flags)])
     return y

@@ -26,20 +26,17 @@ measures it); the CPU keeps the reference path, the interpreter the Triton kerne
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
+from hybridkv.ops.qgemm import nvrtc
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 
 MAX_ROWS = 8               # rows per launch: the MMA's N
 SCALE_BLOCK = 128
 
 SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned char u8;
-
 __device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
                  "{%8,%9}, {%0,%1,%2,%3};"
@@ -109,22 +106,6 @@ __device__ __forceinline__ float quantise(const u32* xr, u32* xq) {
     }
     return __uint_as_float(s_bits);
 }
-
-#if YT == 0
-__device__ __forceinline__ void store_out(void* Y, long long i, float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((unsigned short*)Y)[i] = h;
-}
-#elif YT == 1
-__device__ __forceinline__ void store_out(void* Y, long long i, float v) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((unsigned short*)Y)[i] = h;
-}
-#else
-__device__ __forceinline__ void store_out(void* Y, long long i, float v) { ((float*)Y)[i] = v; }
-#endif
 
 extern "C" __global__ void __launch_bounds__(32 * WK)
 fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, int K, int stride_x,
@@ -217,20 +198,10 @@ fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, 
 }
 """
 
-_DTYPES_X = {torch.bfloat16: 0, torch.float32: 1}
-_DTYPES_Y = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_COMPILED: dict = {}
-
-
 def enabled() -> bool:
     """Whether decode-sized FP8 linears take this kernel on CUDA: yes unless `HYBRIDKV_FP8_MMA=0`
     (then the Triton kernel, as before)."""
     return os.environ.get("HYBRIDKV_FP8_MMA", "1") != "0"
-
-
-@functools.lru_cache(maxsize=None)
-def _capable(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch.cuda, "_compile_kernel")
 
 
 def usable(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -239,9 +210,10 @@ def usable(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bo
     contiguous rows, K a multiple of 128 and N of 16."""
     m, k = x2.shape
     n = weight.shape[0]
-    return (enabled() and x2.is_cuda and 0 < m <= MAX_ROWS and x2.dtype in _DTYPES_X and out_dtype in _DTYPES_Y
+    return (enabled() and x2.is_cuda and 0 < m <= MAX_ROWS and x2.dtype in nvrtc.DTYPES_X and out_dtype in nvrtc.DTYPES_Y
             and weight.dtype == torch.float8_e4m3fn and weight.stride(-1) == 1 and weight.stride(0) == k
-            and weight.data_ptr() % 16 == 0 and k % SCALE_BLOCK == 0 and n % 16 == 0 and _capable(x2.device.index))
+            and weight.data_ptr() % 16 == 0 and k % SCALE_BLOCK == 0 and n % 16 == 0
+            and nvrtc.available(x2.device.index, (8, 9), "FP8 linears at decode"))
 
 
 def config(n: int, k: int) -> dict:
@@ -259,22 +231,7 @@ def config(n: int, k: int) -> dict:
 
 def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int) -> str:
     """The CUDA C++ of one variant, as compiled at first use."""
-    return (f"#define XT {_DTYPES_X[x_dtype]}\n#define YT {_DTYPES_Y[y_dtype]}\n#define MT {mt}\n#define WK {wk}\n"
-            f"#define FLOOR {FP8_AMAX_FLOOR!r}f\n#define QMAX {FP8_MAX!r}f\n") + SOURCE
-
-
-def _kernel(device: torch.device, x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, x_dtype, y_dtype, mt, wk)
-    if key not in _COMPILED:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the FP8 MMA linear's first launch of a variant must run outside CUDA-graph capture "
-                               "(it compiles it)")
-        with torch.cuda.device(index):
-            major, minor = torch.cuda.get_device_capability(index)
-            _COMPILED[key] = torch.cuda._compile_kernel(source(x_dtype, y_dtype, mt, wk), "fp8_linear_mma",
-                                                        compute_capability=f"{major}{minor}")
-    return _COMPILED[key]
+    return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, FLOOR=f"{FP8_AMAX_FLOOR!r}f", QMAX=f"{FP8_MAX!r}f")
 
 
 def fp8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -293,8 +250,8 @@ def fp8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_
     if sc.dim() != 2 or sc.shape[0] * SCALE_BLOCK < n or sc.shape[1] * SCALE_BLOCK != k or sc.stride(-1) != 1:
         raise ValueError(f"FP8 MMA linear: scales {tuple(sc.shape)} for a [{n}, {k}] weight (128×128 tiles)")
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
-    kern = _kernel(x2.device, x2.dtype, out_dtype, mt, wk)
-    with torch.cuda.device(x2.device):       # the loader launches on the current device's stream
-        kern(grid=(n // (16 * mt), 1, 1), block=(32 * wk, 1, 1),
-             args=[x2, weight, sc, y, int(m), int(n), int(k), int(x2.stride(0)), int(sc.stride(0)), int(n)])
+    variant = (x2.dtype, out_dtype, mt, wk)
+    kern = nvrtc.kernel(x2.device, "fp8_linear_mma", variant, lambda: source(*variant))
+    nvrtc.launch(kern, x2.device, (n // (16 * mt), 1, 1), (32 * wk, 1, 1),
+                 [x2, weight, sc, y, int(m), int(n), int(k), int(x2.stride(0)), int(sc.stride(0)), int(n)])
     return y
