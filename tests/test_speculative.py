@@ -127,20 +127,31 @@ def crossing_plan(seed: int):
     return plan
 
 
-def test_greedy_equals_non_speculative_with_rollbacks_across_entries(fixtures):
+@pytest.mark.parametrize("waves", [True, False], ids=["decode-waves", "segments"])
+def test_greedy_equals_non_speculative_with_rollbacks_across_entries(fixtures, waves, monkeypatch):
     """Ragged batch with oracle drafts (accept lengths 0..3 side by side, rejected tokens completing
     ratio-4 and ratio-128 entries): outputs and the cache state at the end equal a run without
-    speculation, entry by entry."""
+    speculation, entry by entry. The verify rows run as decode waves (several requests in one wave)
+    or, with batched decode off, as segments."""
     d, k = fixtures / "v4-tiny", 3
     prompts = prompts_of([5, 122, 250], seed=1)
     want_state, oracle_state = {}, {}
-    ref = run(make(d), prompts, 12, capture=want_state)
-    llm = make(d, speculative="mtp", num_speculative_tokens=k)
+    ref = run(make(d, batched_decode=waves), prompts, 12, capture=want_state)
+    llm = make(d, speculative="mtp", num_speculative_tokens=k, batched_decode=waves)
+    wave_sizes = []
+    build = spec.verify_waves
+
+    def counted(*args, **kw):
+        out = build(*args, **kw)
+        wave_sizes.extend(len(rows) for _, _, rows in out)
+        return out
+    monkeypatch.setattr("hybridkv.engine.core.verify_waves", counted)
     oracle = Oracle(llm.engine, ref, crossing_plan(k), llm.config.vocab_size)
     try:
         assert run(llm, prompts, 12, capture=oracle_state) == ref
     finally:
         oracle.close()
+    assert (max(wave_sizes) == 3) if waves else not wave_sizes
     st = llm.engine.stats
     assert st.spec_accepted_tokens > 0 and st.spec_accepted_tokens < st.spec_draft_tokens
     assert sum(st.spec_accepted_hist) == st.spec_drafts and st.spec_accepted_hist[k] > 0
@@ -159,17 +170,18 @@ def test_random_mtp_block_rejects_and_outputs_stay(fixtures):
     assert llm.engine.stats.spec_drafts >= 8
 
 
-def test_rollback_equals_the_state_the_kept_tokens_leave(fixtures):
+@pytest.mark.parametrize("waves", [True, False], ids=["decode-waves", "segments"])
+def test_rollback_equals_the_state_the_kept_tokens_leave(fixtures, waves, monkeypatch):
     """One verify step over positions 124..127 (k = 3) that keeps 124..125, with packed fp8/fp4
     entries: after the rollback the window rings and compressor states equal, bit for bit, those the
-    same forward leaves after position 125 (its segments cut there, each layer's state copied when
-    it reaches 125), and the stored entries position 127 completed (ratio 4 and ratio 128) are the
-    bytes stored before the step."""
+    same forward leaves after position 125 (each layer's state copied when it reaches 125: the verify
+    rows as decode waves, or as segments cut there with batched decode off), and the stored entries
+    position 127 completed (ratio 4 and ratio 128) are the bytes stored before the step."""
     d = fixtures / "v4-tiny-fp8"
     prompt = prompts_of([124], seed=2)[0]
     results = []
     for cut in (False, True):
-        llm = make(d, speculative="mtp", num_speculative_tokens=3, kv_format="fp8")
+        llm = make(d, speculative="mtp", num_speculative_tokens=3, kv_format="fp8", batched_decode=waves)
         eng, store = llm.engine, llm.engine.store
         seq = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
         eng.step()                                           # prefill: the first token, and a draft
@@ -180,7 +192,15 @@ def test_rollback_equals_the_state_the_kept_tokens_leave(fixtures):
         before = [{k: v[table].clone() for k, v in e.items()} for e in store.entries]
         cp = spec.VerifyCheckpoint.take(store, seq.cache, chunk.start, chunk.length)
         at_cut = {}
-        if cut:
+        if cut and waves:
+            done = spec.RecordingDecodeKV.done
+
+            def wave_done(dkv, layer_id):
+                if dkv.host_positions == [125]:
+                    at_cut[layer_id] = store.capture_state(slot, layer_id)
+                done(dkv, layer_id)
+            monkeypatch.setattr(spec.RecordingDecodeKV, "done", wave_done)
+        elif cut:
             chunk.segments = [(124, 2), (126, 2)]
             view = cp.view
 

@@ -27,7 +27,7 @@ from hybridkv.engine.sampling import Drawn, Sampled, SamplingParams, draw_rows, 
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
 from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
-                                         check_supported)
+                                         check_supported, verify_waves)
 from hybridkv.engine.tokenizer import Tokenizer, require
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.memory import PolicyContext, parse_policy
@@ -103,7 +103,7 @@ class EngineCore:
         self.speculative = self.ec.speculative is not None
         if self.speculative:
             check_supported(model, self.memory.offloads)
-        # verify steps are multi-token segments and drafting reads the streams: no decode graphs then
+        # verify rows are not captured and drafting reads the streams: no decode graphs then
         graphs = (self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
                   and self.device.type == "cuda" and not self.speculative)
         # CUDA-graph decode reserves a slot for its padding rows
@@ -398,6 +398,10 @@ class EngineCore:
         decodes = ([c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
                    if self.ec.batched_decode else [])
         decode_ids = {id(c) for c in decodes}
+        # verify chunks whose rows run as decode rows, wave after wave (`speculative.verify_waves`)
+        wave_ids = ({id(c) for c in chunks if c.draft and c.start >= c.seq.cache.frozen_until}
+                    if self.ec.batched_decode and not self.v41 else set())
+        verifies: list[tuple] = []
         row = 0
         ced = self.v41 and self.ec.ced_prefill and hidden is None
         decode_rows: list[int] = []
@@ -413,6 +417,14 @@ class EngineCore:
                 row += 1
                 continue
             seq = c.seq
+            if id(c) in wave_ids:
+                verifies.append((seq.cache, c.start, c.length, row, checkpoints[id(c)].rows))
+                ids.extend(c.input_ids())
+                spans[seq.request_id] = (row, c.length)
+                row += c.length
+                logit_rows.extend(range(row - c.length, row))
+                owners.append((seq.request_id, c.length))
+                continue
             unread = self._unread_boundaries(c) if ced else set()
             hook = self._snapshot_hook(seq, unread) if snapshots else None
             view = checkpoints[id(c)].view(hook) if c.draft else self.store.view(seq.cache, hook)
@@ -442,7 +454,13 @@ class EngineCore:
             on_done = (lambda sc, layer, end: hooks[id(sc)](layer, end)) if snapshots else None
             dkv = PagedDecodeKV(self.store, [c.seq.cache for c in decodes], positions, on_done)
             decode = (dkv, positions)
-        batch = ForwardBatch.build(items, self.device, decode, decode_rows)
+        waves = ()
+        if verifies:
+            wave_hooks = {id(c.seq.cache): self._snapshot_hook(c.seq) for c in chunks if id(c) in wave_ids} \
+                if snapshots else None
+            waves = verify_waves(self.store, verifies,
+                                 (lambda sc, layer, end: wave_hooks[id(sc)](layer, end)) if snapshots else None)
+        batch = ForwardBatch.build(items, self.device, decode, decode_rows, waves)
         if ced:
             batch.outputs = list(logit_rows)
         with torch.inference_mode():

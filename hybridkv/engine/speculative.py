@@ -2,11 +2,19 @@
 rejected draft tokens wrote into the hybrid cache.
 
 A decoding request at position n (its last token x_n sampled, not yet computed) carries up to k
-draft tokens d_1..d_k. The main model verifies x_n, d_1..d_k at positions n..n+k in one forward (a
-segment of k+1 tokens, cut at block boundaries like any chunk); the longest prefix of drafts the
-main model agrees with is accepted, plus the main model's own next token (greedy: d_i is accepted
-while it is the argmax; sampled: standard rejection sampling, so tokens follow the main model's
-distribution exactly). The request then emits a + 1 tokens and has computed positions n..n+a.
+draft tokens d_1..d_k. The main model verifies x_n, d_1..d_k at positions n..n+k in one forward; the
+longest prefix of drafts the main model agrees with is accepted, plus the main model's own next
+token (greedy: d_i is accepted while it is the argmax; sampled: standard rejection sampling, so
+tokens follow the main model's distribution exactly). The request then emits a + 1 tokens and has
+computed positions n..n+a.
+
+Verify rows as decode rows (`verify_waves`, with batched decode on): the row-wise work of the k+1
+rows (projections, MoE, mHC, norms) runs once over the flat batch, and each layer's attention runs
+them as k+1 decode groups one after another, wave j holding the j-th row of every verifying request.
+Each row thus goes through exactly the attention a plain decode step runs (window ring, compressor
+update, indexer top-k over the entries that exist at its position), and the verify rows of several
+requests share one batched pass per wave. With batched decode off, or where a prefix hit's frozen
+blocks reach the first verify position, the rows run as one segment of k+1 tokens instead.
 
 Drafting (`MTPDrafter`): the MTP block at position t reads the main model's last stream h_t and the
 embedding of token t+1 and predicts token t+2. After each step it runs over the positions the step
@@ -22,7 +30,7 @@ rejected positions q+1..n+k touched is then undone. Before the forward, the chec
 (a) the window-ring rows of positions n..n+k of every layer (slot pos % W of a rejected position held
 a row the next queries still read), (b) every compressor's partial-block state of the request, and
 (c) the stored compressed entries and indexer keys that positions n..n+k can complete. During the
-forward the request's view records each compressor's per-token input rows. After acceptance the
+forward the request's view (or its decode waves) records each compressor's per-token input rows. After acceptance the
 rejected positions' ring rows and the entries that only rejected tokens completed are written back
 from (a) and (c), and each compressor state is reset to (b) and fed the accepted positions' recorded
 rows again, which is the state the compressor reaches when it sees only those tokens (its update is
@@ -33,15 +41,18 @@ prefix cache registers blocks only up to the accepted positions. Copying costs t
 the compressor states per layer (KBs per request for tiny-v4; about 12 MB for V4-Flash's twenty
 128-row HCA states) and no second forward.
 
-Numerics: a verify step computes the request's rows as one multi-token segment where plain decoding
-runs one batched decode row per step, so the logits differ by float rounding, as between chunked
-prefill and decoding (relative 1e-5..1e-4 in float32; up to a few 1e-3 on a quantized checkpoint,
-whose FP8 activation round trips turn rounding into quantization steps). Greedy outputs therefore
-equal plain decoding's except where the top two logits tie within that (BENCHMARKS.md has the one
-case measured); the rollback itself is exact to the bit.
+Numerics: with decode waves a verify row's attention is a plain decode row's; what still differs is
+the row count of the row-wise GEMMs (B·(k+1) rows against B). Where those are batch-invariant (the
+GPU's deterministic mode) a verify row is a plain decode row to the bit. On the CPU, BLAS rounds a
+row differently by the number of rows (one, two or three, four and more; with several threads also
+by how the rows split between them), so logits differ by float rounding
+(relative 1e-6..1e-5 in float32; on a quantized checkpoint an FP8 activation round trip can turn that
+into a whole quantization step). Greedy outputs therefore equal plain decoding's except where the
+top two logits tie within that (BENCHMARKS.md has the case measured); the rollback itself is exact
+to the bit.
 
-Not combined with: V4.1 (no MTP), offloading memory policies, CUDA graphs (verify steps are
-multi-token segments and drafting needs the streams; the engine launches every step eagerly when
+Not combined with: V4.1 (no MTP), offloading memory policies, CUDA graphs (drafting needs the
+streams and verify rows are not captured yet; the engine launches every step eagerly when
 speculation is on).
 """
 
@@ -51,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.cache.paged import PagedKVStore, PagedLayerKV, PagedSeqKV, SeqCache
+from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, PagedLayerKV, PagedSeqKV, SeqCache
 from hybridkv.engine.sampling import SamplingParams, filtered_probs
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import ForwardBatch
@@ -134,6 +145,35 @@ class RecordingSeqKV(PagedSeqKV):
     def __init__(self, store: PagedKVStore, seq: SeqCache, on_layer_done, rows: dict):
         super().__init__(store, seq, on_layer_done)
         self._layers = [_RecordingLayerKV(store, seq, i, on_layer_done, rows) for i in range(store.num_layers)]
+
+
+class RecordingDecodeKV(PagedDecodeKV):
+    """One verify wave (each request's j-th verify row) as a decode group that records its
+    compressors' input rows into each request's checkpoint (`records[b]`: that request's
+    `VerifyCheckpoint.rows`), in position order across the waves."""
+
+    def __init__(self, store: PagedKVStore, seqs: list[SeqCache], positions: torch.Tensor, on_layer_done,
+                 records: list[dict]):
+        super().__init__(store, seqs, positions, on_layer_done)
+        self._records = records
+
+    def record_compressor_rows(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
+        for b, (rows, pos) in enumerate(zip(self._records, self.host_positions)):
+            rows.setdefault((layer_id, kind), []).append((pos, kv[b:b + 1], score[b:b + 1]))
+
+
+def verify_waves(store: PagedKVStore, verifies: list[tuple[SeqCache, int, int, int, dict]],
+                 on_layer_done=None) -> list[tuple[RecordingDecodeKV, torch.Tensor, list[int]]]:
+    """`ForwardBatch.build`'s waves for verify chunks run as decode rows. `verifies`: per request its
+    cache, first position, length, first row in the flat batch and its checkpoint's `rows`; wave j
+    holds the j-th row of every request longer than j."""
+    waves = []
+    for j in range(max(length for _, _, length, _, _ in verifies)):
+        live = [v for v in verifies if v[2] > j]
+        positions = torch.tensor([start + j for _, start, _, _, _ in live], dtype=torch.long)
+        dkv = RecordingDecodeKV(store, [v[0] for v in live], positions, on_layer_done, [v[4] for v in live])
+        waves.append((dkv, positions, [row + j for _, _, _, row, _ in live]))
+    return waves
 
 
 def _entry_kinds(store: PagedKVStore, layer_id: int) -> list[str]:

@@ -168,6 +168,11 @@ class Attention(nn.Module):
                     o[r] = self._attend_decode_v41(batch.decode.kv, q[r], kv[r], drows, share)
                 else:
                     o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows)
+        if batch.waves and self.v41:
+            raise NotImplementedError("verify waves are V4's (V4.1 checkpoints have no MTP block)")
+        for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
+            r = wave.rows
+            o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
         o = apply_rope(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -424,6 +429,9 @@ class Attention(nn.Module):
 
     def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score,
                          write=None) -> None:
+        record = getattr(dkv, "record_compressor_rows", None)   # verify rows, which may be rolled back
+        if record is not None:
+            record(self.layer_id, kind, rows_kv, rows_score)
         st_kv, st_score = dkv.compressor_state(self.layer_id, kind)
         which, entries = compressor.update_decode(st_kv, st_score, rows_kv, rows_score, dkv.positions, self.inv_freq,
                                                   write)

@@ -205,6 +205,9 @@ class DecodeKV(Protocol):
 
     def done(self, layer_id: int) -> None: ...
 
+    # Optional: `record_compressor_rows(layer_id, kind, kv, score)` is called with the rows' compressor
+    # inputs [B, width] before their update (a verify wave's; engine/speculative.py).
+
 
 class ContiguousKV:
     """All KV state of one request in plain per-layer tensors (no paging, no sharing)."""
@@ -272,6 +275,10 @@ class ForwardBatch:
     # rows whose outputs the caller reads (None: all); lets V4.1 skip decoder rows (`ced.py`)
     outputs: list[int] | None = None
     ced: object = None                              # the CedPlan of a V4.1 decoder sub-batch
+    # speculative verify rows (engine/speculative.py): requests feeding several consecutive tokens
+    # run them as decode groups, one wave after another in every layer (wave j: each request's j-th
+    # row), so that each row computes what one plain decode step computes
+    waves: list[DecodeGroup] = field(default_factory=list)
     _rope: dict = field(default_factory=dict, repr=False)
 
     def rope(self, inv_freq: torch.Tensor, key: object) -> torch.Tensor:
@@ -284,18 +291,27 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, items: list[tuple], device=None, decode: tuple[DecodeKV, torch.Tensor] | None = None,
-              decode_rows: list[int] | None = None) -> "ForwardBatch":
+              decode_rows: list[int] | None = None,
+              waves: list[tuple[DecodeKV, torch.Tensor, list[int]]] = ()) -> "ForwardBatch":
         """items: (kv, start_pos, length[, state_read]) per request, in row order. `decode`: a
         DecodeKV and the positions of its rows, which sit at `decode_rows` of the flat batch (default:
-        after the items' rows; the items fill the other rows in order, each contiguously)."""
+        after the items' rows; the items fill the other rows in order, each contiguously). `waves`:
+        (DecodeKV, positions, rows) of each verify wave, in wave order (rows given explicitly)."""
         n_dec = 0 if decode is None else int(decode[1].numel())
-        total = sum(it[2] for it in items) + n_dec
+        wave_rows = [r for _, _, rows in waves for r in rows]
+        total = sum(it[2] for it in items) + n_dec + len(wave_rows)
         if decode_rows is None:
             decode_rows = list(range(total - n_dec, total))
         if len(decode_rows) != n_dec or sorted(set(decode_rows)) != sorted(decode_rows) \
                 or any(not 0 <= r < total for r in decode_rows):
             raise ValueError(f"decode_rows {decode_rows} must be {n_dec} distinct rows of the {total}-row batch")
-        taken = set(decode_rows)
+        for dkv, wpos, rows in waves:
+            if len(rows) != int(wpos.numel()):
+                raise ValueError(f"a verify wave has {len(rows)} rows for {int(wpos.numel())} positions")
+        taken = set(decode_rows) | set(wave_rows)
+        if len(taken) != n_dec + len(wave_rows) or any(not 0 <= r < total for r in wave_rows):
+            raise ValueError(f"verify wave rows {wave_rows} must be distinct rows of the {total}-row batch, "
+                             f"apart from the decode rows")
         segments, pos, row = [], [None] * total, 0
         for kv, start_pos, length, *rest in items:
             if length <= 0:
@@ -315,7 +331,12 @@ class ForwardBatch:
                 pos[r] = p
             group = DecodeGroup(torch.tensor(decode_rows, dtype=torch.long, device=device), dkv,
                                 whole=decode_rows == list(range(total)))
-        return cls(segments, torch.tensor(pos, dtype=torch.long).to(device), group)
+        groups = []
+        for dkv, wpos, rows in waves:
+            for r, p in zip(rows, wpos.tolist()):
+                pos[r] = p
+            groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long, device=device), dkv))
+        return cls(segments, torch.tensor(pos, dtype=torch.long).to(device), group, waves=groups)
 
     @property
     def num_tokens(self) -> int:
