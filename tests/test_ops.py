@@ -8,8 +8,9 @@ import torch
 from hybridkv.ops.compress import pool_blocks
 from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import candidate_blocks, causal_topk, index_scores
-from hybridkv.ops.quant import (E2M1_VALUES, dequant_fp4_weight, dequant_fp8_weight, e2m1_round, fp4_round_trip,
-                                fp8_round_trip, pack_fp4, pow2_scale, quant_fp4, quant_fp8_weight, unpack_fp4)
+from hybridkv.ops.quant import (E2M1_VALUES, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, dequant_fp4_weight, dequant_fp8_weight,
+                                e2m1_round, fp4_round_trip, fp8_round_trip, pack_fp4, pow2_scale, quant_fp4,
+                                quant_fp8_weight, unpack_fp4)
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 from hybridkv.ops.sparse_attn import sparse_attn
@@ -21,6 +22,16 @@ def test_pow2_scale_is_ceil_log2():
     expect = torch.tensor([2.0 ** math.ceil(math.log2(float(a) * (1 / 448))) for a in amax.tolist()])
     assert torch.equal(got, expect)
     assert torch.equal(pow2_scale(torch.tensor([6.0, 12.0, 7.0]), 6.0), torch.tensor([1.0, 2.0, 2.0]))
+    # magnitudes the quantisers meet (down to their amax floors), powers of two and their
+    # neighbours, against frexp
+    g = torch.Generator().manual_seed(0)
+    a = torch.cat([torch.exp2(torch.empty(20000).uniform_(-20, 20, generator=g)), torch.exp2(torch.arange(-20.0, 21.0))])
+    a = torch.cat([a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e30))])
+    for qmax, floor in ((448.0, FP8_AMAX_FLOOR), (6.0, FP4_AMAX_FLOOR)):
+        a = torch.cat([a, torch.tensor([floor])])
+        x = a * torch.tensor(1.0 / qmax)
+        mant, exp = torch.frexp(x)
+        assert torch.equal(pow2_scale(a, qmax), torch.ldexp(torch.ones_like(x), torch.where(mant == 0.5, exp - 1, exp)))
 
 
 def test_e2m1_round_ties_to_even():

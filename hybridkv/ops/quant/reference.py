@@ -22,11 +22,11 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """2^ceil(log2(amax * (1/qmax))) in float32, bit-exact with the reference's integer trick."""
+    """2^ceil(log2(amax * (1/qmax))) in float32, bit-exact with the reference's integer trick: the
+    mantissa bits, if any is set, carry into the exponent and are then cleared. For normal floats,
+    amax/qmax ≥ 2^-126, which the callers' amax floors ensure (FP4's floor gives exactly 2^-126)."""
     x = amax.float() * (1.0 / qmax)     # the scalar is rounded to float32 as the reference's constant is
-    mant, exp = torch.frexp(x)  # x = mant * 2^exp, mant in [0.5, 1)
-    ceil_log2 = torch.where(mant == 0.5, exp - 1, exp)
-    return torch.ldexp(torch.ones_like(x), ceil_log2)
+    return ((x.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
