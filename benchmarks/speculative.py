@@ -2,6 +2,7 @@
 
     python benchmarks/speculative.py [--model models/tiny-v4] [--ks 1,2,3] [--batches 1,8]
                                      [--context 1024] [--cpu-time] [--mtp-stats 8] [--json OUT]
+                                     [--verify auto|waves|segments|both]
 
 Workloads, greedy: "needle" = pass-key and single-needle prompts (`hybridkv.tasks`), decoding their
 answers (the model stops at its EOS); "free text" = a haystack of filler sentences without a
@@ -162,6 +163,9 @@ def main() -> int:
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time")
     ap.add_argument("--mtp-stats", type=int, default=0, metavar="N", help="measure the MTP block on N rows")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--verify", choices=("auto", "waves", "segments", "both"), default="auto",
+                    help="how verify rows run (the engine's speculative_verify): auto (the default), as decode rows "
+                         "wave by wave, as one segment per request, or waves and segments side by side")
     ap.add_argument("--deterministic", action="store_true",
                     help="batch-invariant execution (hybridkv.ops.backend.deterministic): on a GPU in bf16, the "
                          "setting under which a verify forward of k+1 tokens rounds as k+1 one-token steps do")
@@ -182,38 +186,42 @@ def main() -> int:
           f"{date.today()}{', deterministic (batch-invariant)' if a.deterministic else ''}")
     results = []
     engines = {}
-    for k in ks:
-        opts = dict(speculative="mtp", num_speculative_tokens=k) if k else {}
-        engines[k] = LLM(a.model, device=a.device, num_blocks=16 * max(batches) * (a.context // 128 + 2),
-                         max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (a.context + 4), **opts)
-    print(f"{'workload':<10} {'batch':>5} {'k':>2} {'decode tok/s':>12} {'speedup':>8} {'accept len':>10} "
-          f"{'accept rate':>11} {'tokens':>6} {'same':>5}")
+    modes = ("waves", "segments") if a.verify == "both" else (a.verify,)
+    runs = [(0, "-")] + [(k, m) for k in ks if k for m in modes]
+    for k, mode in runs:
+        opts = dict(speculative="mtp", num_speculative_tokens=k, speculative_verify=mode) if k else {}
+        engines[k, mode] = LLM(a.model, device=a.device, num_blocks=16 * max(batches) * (a.context // 128 + 2),
+                               max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (a.context + 4),
+                               **opts)
+    print(f"{'workload':<10} {'batch':>5} {'k':>2} {'verify':>8} {'decode tok/s':>12} {'speedup':>8} "
+          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'same':>5}")
     sets = workloads(tok, a.context, max(batches), a.free_tokens)
     for batch in batches:
         for name, (prompts, params) in sets.items():
             base = None
-            for k in ks:
-                r = measure(engines[k], prompts[:max(batch, a.prompts)], params, batch, a.repeats)
+            for k, mode in runs:
+                r = measure(engines[k, mode], prompts[:max(batch, a.prompts)], params, batch, a.repeats)
                 if k == 0:
                     base = r
                 same = r["outputs"] == base["outputs"]
                 speedup = r["tokens_per_s"] / base["tokens_per_s"]
                 al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
                 ar = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
-                print(f"{name:<10} {batch:>5} {k:>2} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} {ar:>11} "
-                      f"{r['decode_tokens']:>6} {'yes' if same else 'NO':>5}", flush=True)
+                print(f"{name:<10} {batch:>5} {k:>2} {mode:>8} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} "
+                      f"{ar:>11} {r['decode_tokens']:>6} {'yes' if same else 'NO':>5}", flush=True)
                 if not r["repeats_agree"]:
                     print("    repeats of a group gave different outputs", flush=True)
                 if not same:
                     print(f"    outputs differ: {first_difference(r, base)}", flush=True)
-                results.append({"workload": name, "batch": batch, "k": k, "speedup": speedup, "same_outputs": same,
+                results.append({"workload": name, "batch": batch, "k": k, "verify": mode, "speedup": speedup,
+                                "same_outputs": same,
                                 **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
     out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic,
            "threads": torch.get_num_threads(),
            "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,
            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     if a.mtp_stats:
-        stats = mtp_stats(engines[0].model, tok, a.mtp_stats, a.context)
+        stats = mtp_stats(engines[0, "-"].model, tok, a.mtp_stats, a.context)
         out["mtp"] = stats
         for key, s in stats.items():
             print(f"MTP on {key} tokens ({s['tokens']}): loss {s['mtp_loss']:.3f}, top-1 {s['mtp_top1']:.3f}, "

@@ -132,12 +132,12 @@ def test_greedy_equals_non_speculative_with_rollbacks_across_entries(fixtures, w
     """Ragged batch with oracle drafts (accept lengths 0..3 side by side, rejected tokens completing
     ratio-4 and ratio-128 entries): outputs and the cache state at the end equal a run without
     speculation, entry by entry. The verify rows run as decode waves (several requests in one wave)
-    or, with batched decode off, as segments."""
+    or as segments."""
     d, k = fixtures / "v4-tiny", 3
     prompts = prompts_of([5, 122, 250], seed=1)
     want_state, oracle_state = {}, {}
-    ref = run(make(d, batched_decode=waves), prompts, 12, capture=want_state)
-    llm = make(d, speculative="mtp", num_speculative_tokens=k, batched_decode=waves)
+    ref = run(make(d), prompts, 12, capture=want_state)
+    llm = make(d, speculative="mtp", num_speculative_tokens=k, speculative_verify="waves" if waves else "segments")
     wave_sizes = []
     build = spec.verify_waves
 
@@ -175,13 +175,14 @@ def test_rollback_equals_the_state_the_kept_tokens_leave(fixtures, waves, monkey
     """One verify step over positions 124..127 (k = 3) that keeps 124..125, with packed fp8/fp4
     entries: after the rollback the window rings and compressor states equal, bit for bit, those the
     same forward leaves after position 125 (each layer's state copied when it reaches 125: the verify
-    rows as decode waves, or as segments cut there with batched decode off), and the stored entries
+    rows as decode waves, or as segments cut there), and the stored entries
     position 127 completed (ratio 4 and ratio 128) are the bytes stored before the step."""
     d = fixtures / "v4-tiny-fp8"
     prompt = prompts_of([124], seed=2)[0]
     results = []
     for cut in (False, True):
-        llm = make(d, speculative="mtp", num_speculative_tokens=3, kv_format="fp8", batched_decode=waves)
+        llm = make(d, speculative="mtp", num_speculative_tokens=3, kv_format="fp8",
+                   speculative_verify="waves" if waves else "segments")
         eng, store = llm.engine, llm.engine.store
         seq = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
         eng.step()                                           # prefill: the first token, and a draft
@@ -359,6 +360,27 @@ def test_bad_options_are_refused(fixtures):
         make(fixtures / "v4-tiny", speculative="eagle")
     with pytest.raises(ConfigError, match="offloads"):
         make(fixtures / "v4-tiny", speculative="mtp", memory_policy="recency-4", enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="speculative_verify 'rows'"):
+        make(fixtures / "v4-tiny", speculative="mtp", speculative_verify="rows")
+
+
+@pytest.mark.parametrize("n_requests,waves", [(1, False), (2, True)])
+def test_auto_verify_on_the_cpu_runs_waves_for_two_or_more_requests(fixtures, monkeypatch, n_requests, waves):
+    """speculative_verify 'auto' on the CPU: one verifying request runs its rows as a segment, two
+    or more as decode waves (which then hold every request)."""
+    sizes = []
+    build = spec.verify_waves
+
+    def counted(*args, **kw):
+        out = build(*args, **kw)
+        sizes.extend(len(rows) for _, _, rows in out)
+        return out
+    monkeypatch.setattr("hybridkv.engine.core.verify_waves", counted)
+    d = fixtures / "v4-tiny"
+    prompts = prompts_of([40, 70][:n_requests], seed=3)
+    ref = run(make(d), prompts, 6)
+    assert run(make(d, speculative="mtp", num_speculative_tokens=2), prompts, 6) == ref
+    assert (max(sizes) == 2) if waves else not sizes
 
 
 def test_command_line_flags():
@@ -374,6 +396,8 @@ def test_command_line_flags():
     ec = EngineConfig.from_args(p.parse_args(["--speculative-config", vllm]))
     assert (ec.speculative, ec.num_speculative_tokens) == ("mtp", 2)
     assert EngineConfig.from_args(p.parse_args([])).speculative is None
+    assert EngineConfig.from_args(p.parse_args([])).speculative_verify == "auto"
+    assert EngineConfig.from_args(p.parse_args(["--speculative-verify", "waves"])).speculative_verify == "waves"
     with pytest.raises(SystemExit):
         p.parse_args(["--speculative-config", '{"method": "ngram"}'])
 

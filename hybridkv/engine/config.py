@@ -25,6 +25,7 @@ from hybridkv.memory import parse_policy
 
 INDEXERS = ("native", "random")
 SPECULATIVE_METHODS = ("mtp",)
+SPECULATIVE_VERIFY = ("auto", "waves", "segments")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float": torch.float32}
@@ -69,6 +70,11 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)   # prefix-cache tiers below the device
     speculative: str | None = None       # "mtp": speculative decoding with the MTP block (engine/speculative.py)
     num_speculative_tokens: int = 1      # draft tokens per step with speculative decoding
+    # how verify rows run (engine/speculative.py): "waves" as decode rows, wave by wave (a row's
+    # attention is a plain decode step's); "segments" one segment per request; "auto": waves on CUDA,
+    # and on the CPU where two or more requests verify in a step (one request's rows cost less as a
+    # segment there: BENCHMARKS.md)
+    speculative_verify: str = "auto"
     ced_prefill: bool = True             # V4.1: decoder layers only over the rows a later step reads (model/ced.py)
     # decode rows of every request in one batched pass per layer; off: each runs as a one-token
     # segment (the path batched decode is tested and measured against)
@@ -106,6 +112,8 @@ class EngineConfig:
         parse_policy(self.memory_policy)     # a ConfigError naming the policies, now rather than at the first request
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"unknown speculative method {self.speculative!r}; use {', '.join(SPECULATIVE_METHODS)}")
+        if self.speculative_verify not in SPECULATIVE_VERIFY:
+            raise ConfigError(f"speculative_verify {self.speculative_verify!r}: use {', '.join(SPECULATIVE_VERIFY)}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.expert_parallel_size not in (None, 1, self.tensor_parallel_size):
@@ -192,6 +200,10 @@ class EngineConfig:
                             "(outputs unchanged; steps run without CUDA graphs) (default: off)")
         g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                        help="draft tokens per step with --speculative (default: %(default)s)")
+        g.add_argument("--speculative-verify", choices=SPECULATIVE_VERIFY, default=d.speculative_verify,
+                       help="how verify rows run: waves = as decode rows, wave by wave; segments = one segment per "
+                            "request; auto = waves on CUDA, and on the CPU when two or more requests verify "
+                            "(default: %(default)s)")
         g.add_argument("--speculative-config", action=_SpeculativeConfig, default=argparse.SUPPRESS,
                        metavar="JSON", help="vLLM's spelling: '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
         par = parser.add_argument_group("several processes")

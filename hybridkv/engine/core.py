@@ -401,6 +401,9 @@ class EngineCore:
         # verify chunks whose rows run as decode rows, wave after wave (`speculative.verify_waves`)
         wave_ids = ({id(c) for c in chunks if c.draft and c.start >= c.seq.cache.frozen_until}
                     if self.ec.batched_decode and not self.v41 else set())
+        if self.ec.speculative_verify == "segments" or (self.ec.speculative_verify == "auto" and len(wave_ids) < 2
+                                                        and self.device.type != "cuda"):
+            wave_ids = set()
         verifies: list[tuple] = []
         row = 0
         ced = self.v41 and self.ec.ced_prefill and hidden is None
