@@ -1,7 +1,9 @@
 """MTP speculative decoding on the GPU in bf16, deterministic (batch-invariant) mode: greedy
 speculative outputs equal plain decoding's token for token over prompts whose drafts cross
 compression blocks, which holds only if a verify forward of k+1 tokens rounds as k+1 one-token
-steps do (without that mode bf16 near-ties part them, BENCHMARKS.md)."""
+steps do (without that mode bf16 near-ties part them, BENCHMARKS.md). On CUDA the verify rows run
+as decode waves (`speculative_verify` auto), so their attention is the decode path's; as one
+segment per request it failed here (2026-12-02)."""
 
 from pathlib import Path
 
