@@ -127,8 +127,22 @@ def crossing_plan(seed: int):
     return plan
 
 
+@pytest.fixture
+def wave_sizes(monkeypatch) -> list[int]:
+    """The number of requests in every verify wave the engines build (appended as they run)."""
+    sizes = []
+    build = spec.verify_waves
+
+    def counted(*args, **kw):
+        out = build(*args, **kw)
+        sizes.extend(len(rows) for _, _, rows in out)
+        return out
+    monkeypatch.setattr("hybridkv.engine.core.verify_waves", counted)
+    return sizes
+
+
 @pytest.mark.parametrize("waves", [True, False], ids=["decode-waves", "segments"])
-def test_greedy_equals_non_speculative_with_rollbacks_across_entries(fixtures, waves, monkeypatch):
+def test_greedy_equals_non_speculative_with_rollbacks_across_entries(fixtures, waves, wave_sizes):
     """Ragged batch with oracle drafts (accept lengths 0..3 side by side, rejected tokens completing
     ratio-4 and ratio-128 entries): outputs and the cache state at the end equal a run without
     speculation, entry by entry. The verify rows run as decode waves (several requests in one wave)
@@ -138,14 +152,6 @@ def test_greedy_equals_non_speculative_with_rollbacks_across_entries(fixtures, w
     want_state, oracle_state = {}, {}
     ref = run(make(d), prompts, 12, capture=want_state)
     llm = make(d, speculative="mtp", num_speculative_tokens=k, speculative_verify="waves" if waves else "segments")
-    wave_sizes = []
-    build = spec.verify_waves
-
-    def counted(*args, **kw):
-        out = build(*args, **kw)
-        wave_sizes.extend(len(rows) for _, _, rows in out)
-        return out
-    monkeypatch.setattr("hybridkv.engine.core.verify_waves", counted)
     oracle = Oracle(llm.engine, ref, crossing_plan(k), llm.config.vocab_size)
     try:
         assert run(llm, prompts, 12, capture=oracle_state) == ref
@@ -365,22 +371,14 @@ def test_bad_options_are_refused(fixtures):
 
 
 @pytest.mark.parametrize("n_requests,waves", [(1, False), (2, True)])
-def test_auto_verify_on_the_cpu_runs_waves_for_two_or_more_requests(fixtures, monkeypatch, n_requests, waves):
+def test_auto_verify_on_the_cpu_runs_waves_for_two_or_more_requests(fixtures, wave_sizes, n_requests, waves):
     """speculative_verify 'auto' on the CPU: one verifying request runs its rows as a segment, two
     or more as decode waves (which then hold every request)."""
-    sizes = []
-    build = spec.verify_waves
-
-    def counted(*args, **kw):
-        out = build(*args, **kw)
-        sizes.extend(len(rows) for _, _, rows in out)
-        return out
-    monkeypatch.setattr("hybridkv.engine.core.verify_waves", counted)
     d = fixtures / "v4-tiny"
     prompts = prompts_of([40, 70][:n_requests], seed=3)
     ref = run(make(d), prompts, 6)
     assert run(make(d, speculative="mtp", num_speculative_tokens=2), prompts, 6) == ref
-    assert (max(sizes) == 2) if waves else not sizes
+    assert (max(wave_sizes) == 2) if waves else not wave_sizes
 
 
 def test_command_line_flags():
