@@ -232,12 +232,13 @@ def test_rollback_equals_the_state_the_kept_tokens_leave(fixtures, waves, monkey
             assert torch.equal(x, y), f"layer {i}"
 
 
+@pytest.mark.parametrize("verify", ["waves", "segments"])
 @pytest.mark.parametrize("policy", ["full", "checkpoint(256)", "zero"])
-def test_prefix_hits_and_chunked_prefill(fixtures, policy):
+def test_prefix_hits_and_chunked_prefill(fixtures, policy, verify):
     """The first request decodes across position 256 with oracle drafts (rejections included); the
     second request's prompt continues the first one's output, so it hits the block and the state
-    snapshot the first published while speculating; chunks of 100 tokens. Outputs and hits equal
-    the same runs without speculation."""
+    snapshot the first published while speculating (a wave's snapshot, or a segment's); chunks of
+    100 tokens. Outputs and hits equal the same runs without speculation."""
     d = fixtures / "v4-tiny"
     base, extra = prompts_of([250, 20], seed=3)
     opts = dict(window_policy=policy, max_num_batched_tokens=100)
@@ -245,7 +246,7 @@ def test_prefix_hits_and_chunked_prefill(fixtures, policy):
     ref = run(plain, [base], 16)
     second = base + ref["r0"][:10] + extra
     ref["r1"] = run(plain, [second], 8)["r0"]
-    llm = make(d, speculative="mtp", num_speculative_tokens=2, **opts)
+    llm = make(d, speculative="mtp", num_speculative_tokens=2, speculative_verify=verify, **opts)
     oracle = Oracle(llm.engine, {"r0": ref["r0"]}, crossing_plan(7), llm.config.vocab_size)
     try:
         assert run(llm, [base], 16) == {"r0": ref["r0"]}
