@@ -43,7 +43,24 @@ def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
     # continuations of the shipped model with the V4.1 twin (not yet trained)
     assert set(RECIPES) == {name for name, *_ in chain} | {"tiny-v41", "smoke", "smoke-v41", "tiny-v4-prose",
                                                            "tiny-v4-prose-keys", "tiny-v4-prose-uuid",
-                                                           "tiny-v41-prose"}
+                                                           "tiny-v41-prose", "tiny-v41-wide"}
+
+
+def test_tiny_v41_wide_scales_the_selection_to_v41s_finer_entries():
+    """tiny-v41-wide is tiny-v41 (data, curriculum, budget, layers) but for the selection: top-k
+    entries of ratio 1 cover what tiny-v4's top-64 entries of ratio 4 cover, and the candidate pool
+    is 32 times the top-k, V4.1-Flash's proportion (top-512 in 16,384 positions)."""
+    from hybridkv.config import ModelConfig
+    from hybridkv.presets import PRESETS
+
+    wide, base, v4 = get_recipe("tiny-v41-wide"), get_recipe("tiny-v41"), get_recipe("tiny-v4")
+    assert replace(wide, name=base.name, model=base.model) == base
+    changed = {k for k in wide.model if wide.model[k] != base.model.get(k)}
+    assert changed == {"index_topk", "candidate_topk_blocks"}
+    cfg, v4_cfg, flash = (ModelConfig.from_dict(m) for m in (wide.model, v4.model, PRESETS["v4.1-flash"]))
+    assert cfg.index_topk * min(r for r in cfg.compress_ratios if r) == v4_cfg.index_topk * 4
+    pool = lambda c: c.candidate_topk_blocks * c.candidate_block_size  # noqa: E731
+    assert pool(cfg) // cfg.index_topk == pool(flash) // flash.index_topk == 32
 
 
 @functools.cache

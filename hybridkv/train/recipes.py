@@ -10,7 +10,8 @@ optimisation settings.
   of the `tiny-v4-anypos` and `tiny-v4-long` exports (`python -m hybridkv.train.average A B
   --weight 0.5`) is the base of the prose recipes.
 - `tiny-v41`: tiny-v4's data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
-  V4.1 comparison, docs/v4-vs-v41.md).
+  V4.1 comparison, docs/v4-vs-v41.md). `tiny-v41-wide`: the same with a top-k and a candidate pool
+  scaled to V4.1's finer entries (not yet trained).
 - `tiny-v4-prose`: continues that average on its needle mix with half of every needle family's
   rows hiding the needles in real prose (`realtext_share`; the training part of
   `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same mix (half of each
@@ -300,6 +301,12 @@ TINY_V41_MODEL = {
 }
 
 
+# tiny-v41's model with the selection scaled to V4.1's finer entries: a top-k whose ratio-1 entries
+# cover the 256 tokens tiny-v4's top-64 ratio-4 entries cover, and a candidate pool 32 times the top-k
+# (1,024 blocks of 8), as V4.1-Flash pairs its top-512 with a pool of 16,384 positions
+TINY_V41_WIDE_MODEL = {**TINY_V41_MODEL, "index_topk": 256, "candidate_topk_blocks": 1024}
+
+
 def _tiny_v41() -> Recipe:
     """tiny-v4's data and curriculum on a DeepSeek-V4.1 model of about the same size; its longest
     stage is 16K x 1 (the training forward computes CSA logits densely, and ratio-1 layers have an
@@ -311,6 +318,12 @@ def _tiny_v41() -> Recipe:
     return Recipe(name="tiny-v41", model=TINY_V41_MODEL, vocab_size=r.vocab_size,
                   tokenizer_texts=r.tokenizer_texts, steps=r.steps, stages=stages, lr=r.lr, warmup=r.warmup,
                   log_every=r.log_every, task_weights=r.task_weights)
+
+
+def _tiny_v41_wide() -> Recipe:
+    """tiny-v41 (data, curriculum, budget) with `TINY_V41_WIDE_MODEL`'s selection: the next V4.1
+    experiment after tiny-v41 lost retrieval when its top-64 selection began (docs/v4-vs-v41.md)."""
+    return replace(_tiny_v41(), name="tiny-v41-wide", model=TINY_V41_WIDE_MODEL)
 
 
 def _tiny_v41_prose() -> Recipe:
@@ -339,6 +352,7 @@ RECIPES = {
     "smoke": _smoke, "smoke-v41": _smoke_v41, "tiny-v4": _tiny_v4,
     **{name: partial(c.recipe, name) for name, c in _CONTINUATIONS.items()},
     "tiny-v41": _tiny_v41,
+    "tiny-v41-wide": _tiny_v41_wide,
     **{name: partial(c.recipe, name) for name, c in _PROSE_CONTINUATIONS.items()},
     "tiny-v41-prose": _tiny_v41_prose,
 }
