@@ -114,6 +114,48 @@ def test_paged(kernels, device, fmt, block_t, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("block_t", [1, 2], ids=["decode-tiles", "prefill-tiles"])
+def test_paged_selects_among_resident_blocks_only(kernels, device, fmt, block_t, monkeypatch):
+    """With a memory policy's pages (−1: the block is on the host only), each token selects the top
+    entries of its resident blocks; slots they cannot fill are −1; the reference agrees."""
+    from hybridkv.ops.indexer_topk import indexer_topk_paged
+    g = torch.Generator().manual_seed(7)
+    h, d, bt, ratio, topk = 4, 64, 16, 4, 12
+    batch = random_batch([(0, 5), (150, 1), (90, 7), (303, 1)], num_blocks=48, block_tokens=bt, num_slots=4, gen=g)
+    t = batch.num_tokens
+    q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
+    w = torch.randn(t, h, generator=g)
+    keys = fp4_round_trip(hadamard_transform(torch.randn(48 * bt // ratio, d, generator=g)), 32)
+    pool = keys.reshape(48, bt // ratio, -1) if fmt != "fp4" else \
+        index_rows_to_blocks(pack_index_fp4(keys).reshape(48, bt // ratio, -1), d)
+    pages = torch.where(torch.rand(batch.block_tables.shape, generator=g) < 0.5, 1, -1).to(torch.int32)
+    pages[2] = -1                      # request 2: only host blocks but its last (always resident)
+    pages[2, 90 // bt] = 1
+    run = kernels._run
+    monkeypatch.setattr(kernels, "_run", lambda *a, **kw: run(*a, **{**kw, "block_t": block_t}))
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton" if device == "cpu" else "auto")
+    idx = indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt, d,
+                             resident=pages.to(device)).cpu()
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+    ref = indexer_topk_paged(q, w, batch, pool, topk, ratio, fmt, d, resident=pages)
+    per = bt // ratio
+    vis = (batch.positions.long() + 1) // ratio
+    for tok in range(t):
+        r = int(batch.token_req[tok])
+        cols = torch.arange(int(vis[tok]))
+        cols = cols[pages[r, cols // per] >= 0]            # the resident visible entries
+        rows = entry_rows(batch, torch.full_like(cols, r), cols, per)
+        s = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])
+        sel = [i for i in idx[tok].tolist() if i >= 0]
+        assert len(sel) == min(topk, cols.numel()) and all(pages[r, i // per] >= 0 for i in sel)
+        got = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1],
+                                     keys[entry_rows(batch, torch.full((len(sel),), r), torch.tensor(sel), per)])
+        assert torch.allclose(got.sort(descending=True).values, s.topk(len(sel)).values, rtol=1e-5, atol=1e-6)
+        assert sorted(i for i in ref[tok].tolist() if i >= 0) == sorted(sel)
+    assert (idx < 0).any()             # request 2's few resident entries leave slots empty
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
 def test_paged_long(kernels, device, fmt):
     """Requests with ≥ topk tiles of visible entries, through shuffled block tables (decode tiles)."""
     g = torch.Generator().manual_seed(5)

@@ -23,14 +23,24 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
-                       fmt: str = "bf16", head_dim: int | None = None, max_visible: int | None = None) -> torch.Tensor:
+                       fmt: str = "bf16", head_dim: int | None = None, max_visible: int | None = None,
+                       resident: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k compressed entries of each token of a paged batch among its visible ones (j < (pos+1)//ratio).
 
     pool [num_blocks, block_tokens // ratio, Ei]: "bf16" (float elements, Ei = head_dim) or "fp4"
     (68-B packed keys). Returns [T, topk] entry ids, −1 padded (int32 from the kernel, int64 from
     the reference). `max_visible` (an upper bound of the visible counts) avoids a host sync.
+    `resident` [R, ≥ blocks] (a memory policy's device pages, −1 = on the host only): only entries of
+    blocks with a page ≥ 0 are chosen; slots the resident entries do not fill are −1.
     """
     if use_triton(q):
         from hybridkv.ops.indexer_topk import triton as kernels
-        return kernels.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, max_visible)
-    return reference.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim)
+        idx = kernels.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, max_visible, resident)
+    else:
+        idx = reference.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, resident)
+    if resident is None:
+        return idx
+    # entries of host-only blocks score −inf: they fill the slots only when fewer resident entries exist
+    per = batch.block_tokens // ratio
+    page = resident.long()[batch.token_req.long().unsqueeze(1), idx.long().clamp(min=0) // per]
+    return torch.where((idx >= 0) & (page >= 0), idx, -1).to(idx.dtype)

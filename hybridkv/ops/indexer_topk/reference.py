@@ -53,8 +53,10 @@ def decode_keys(pool: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
-                       fmt: str = "bf16", head_dim: int | None = None) -> torch.Tensor:
-    """Per request: gather its visible keys through its block table, score, causal top-k. [T, topk], −1 padded."""
+                       fmt: str = "bf16", head_dim: int | None = None,
+                       resident: torch.Tensor | None = None) -> torch.Tensor:
+    """Per request: gather its visible keys through its block table, score (−inf for entries of
+    blocks whose `resident` page is < 0), causal top-k. [T, topk], −1 padded."""
     head_dim = head_dim or q.shape[-1]
     keys_all = decode_keys(pool, fmt, head_dim)
     vis = (batch.positions.long() + 1) // ratio
@@ -66,7 +68,11 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
         n = int(vis[toks].max())
         cols = torch.arange(n, device=q.device)
         rows = entry_rows(batch, torch.full_like(cols, r), cols, batch.block_tokens // ratio)
-        sel = causal_topk(index_scores(q[toks], weights[toks], keys_all[rows]), vis[toks], topk)
+        scores = index_scores(q[toks], weights[toks], keys_all[rows])
+        if resident is not None:
+            per = batch.block_tokens // ratio
+            scores = scores.masked_fill(resident[r].long()[cols // per] < 0, float("-inf"))
+        sel = causal_topk(scores, vis[toks], topk)
         out[toks, : sel.shape[1]] = sel
     return out
 

@@ -169,11 +169,13 @@ def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
 
 
 @triton.jit
-def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, KEYS, s_keys, TMAX, s_tmax,
-                        H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-                        TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
-                        EPB: tl.constexpr, PREC: tl.constexpr, RATIO: tl.constexpr):
-    """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows."""
+def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, RES, s_res, KEYS, s_keys,
+                        TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
+                        CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
+                        PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr, RATIO: tl.constexpr,
+                        RESIDENT: tl.constexpr):
+    """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows; with
+    RESIDENT, −inf for the entries of blocks whose RES page is < 0."""
     t = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
     vis = visible_entries(VIS, t, RATIO)
@@ -208,6 +210,8 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
             sc = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
             if FP4:
                 sc = sc * (smax << 23).to(tl.float32, bitcast=True)
+            if RESIDENT:
+                sc = tl.where(tl.load(RES + r * s_res + jc // EPB) >= 0, sc, float("-inf"))
             key = tl.where(jv, _ordered(sc), 0)
             tl.store(KEYS + t.to(tl.int64) * s_keys + j, key.to(tl.int32, bitcast=True), mask=jv)
             tmax = tl.max(tl.reshape(key, [BN // TILE_N, TILE_N]), 1)
@@ -216,13 +220,13 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
 
 
 @triton.jit
-def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT, KEYS,
-                      s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, RES, s_res, TILE_T0, TILE_CNT,
+                      KEYS, s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr,
                       WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
-                      RATIO: tl.constexpr):
+                      RATIO: tl.constexpr, RESIDENT: tl.constexpr):
     """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN a
-    multiple of TILE_N."""
+    multiple of TILE_N. RESIDENT: as in `score_decode_kernel`."""
     tile = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
     t0 = tl.load(TILE_T0 + tile)
@@ -259,6 +263,8 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
             sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
             if FP4:
                 sc = sc * (smax << 23).to(tl.float32, bitcast=True)[None, :]
+            if RESIDENT:
+                sc = tl.where((tl.load(RES + r * s_res + jc // EPB) >= 0)[None, :], sc, float("-inf"))
             valid = tmask[:, None] & (j[None, :] < vis_t[:, None])
             key = tl.where(valid, _ordered(sc), 0)
             tl.store(KEYS + (t0 + ti).to(tl.int64)[:, None] * s_keys + j[None, :], key.to(tl.int32, bitcast=True),
@@ -322,9 +328,10 @@ def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
 
 
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None, words=False, vis_ratio=0):
+         block_t=None, words=False, vis_ratio=0, resident=None):
     """vis: [T] visible entries per token, or with vis_ratio > 0 the tokens' positions (the kernels
-    compute (position + 1) // vis_ratio themselves)."""
+    compute (position + 1) // vis_ratio themselves). resident: [R, blocks] pages (paged only), entries
+    of blocks with a page < 0 scoring −inf."""
     t, h, _ = q.shape
     dev = q.device
     assert head_dim == triton.next_power_of_2(head_dim), "indexer head_dim must be a power of two"
@@ -354,7 +361,8 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
         tmax = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
         tlist = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
         cand = torch.empty(4 if split else 2, tn, n_max, dtype=torch.int32, device=dev)
-        common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b])
+        res = resident if resident is not None else bt
+        common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b], res, res.stride(0))
         if block_t == 1:
             cfg = DECODE_CFG
             assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
@@ -363,7 +371,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
                 tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BN=cfg["BN"], CHUNK=chunk,
                 TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, RATIO=vis_ratio,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                RESIDENT=resident is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         else:
             tile_t0, tile_n = _tiles(token_req[a:b], block_t)
             chunk = TILE_CFG["CHUNK"]
@@ -372,7 +380,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
                 keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
                 BN=TILE_CFG["BN"], CHUNK=chunk, TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
-                RATIO=vis_ratio, num_warps=TILE_CFG["num_warps"],
+                RATIO=vis_ratio, RESIDENT=resident is not None, num_warps=TILE_CFG["num_warps"],
                 num_stages=TILE_CFG["num_stages"])
         kpad = triton.next_power_of_2(topk)
         if split:
@@ -406,7 +414,8 @@ def indexer_topk(q, weights, keys, visible, topk):
                 1, keys.shape[1])
 
 
-def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None):
+def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
+                       resident=None):
     """See `hybridkv.ops.indexer_topk.indexer_topk_paged`."""
     epb = batch.block_tokens // ratio
     assert batch.positions.dtype == torch.int32
@@ -418,5 +427,7 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     words = fp4 and (head_dim or q.shape[-1]) == 128 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
     if words:
         flat = flat.view(torch.int32)
+    if resident is not None:
+        resident = resident.to(torch.int32).contiguous()
     return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, batch.positions, topk,
-                max_visible, fp4, True, epb, head_dim or q.shape[-1], words=words, vis_ratio=ratio)
+                max_visible, fp4, True, epb, head_dim or q.shape[-1], words=words, vis_ratio=ratio, resident=resident)

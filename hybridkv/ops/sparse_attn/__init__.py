@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hybridkv.ops.backend import use_triton
@@ -22,15 +24,20 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torc
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, new_kv: torch.Tensor,
                       ring: torch.Tensor | None, pool: torch.Tensor | None, idx: torch.Tensor | None = None,
                       ratio: int = 0, fmt: str = "bf16", head_dim: int | None = None, rope_dim: int = 0,
-                      window: int = 128, max_pos: int | None = None) -> torch.Tensor:
+                      window: int = 128, max_pos: int | None = None,
+                      tables: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every token of a paged batch over its window and compressed rows.
 
     q [T, H, D]; new_kv [T, E] the chunk's own rows; ring [num_slots, window, E]; pool
     [num_blocks, entries_per_block, E] (None for window-only layers); idx [T, K] compressed entry ids
     (CSA, −1 = none) or None with `ratio` set (HCA: all visible entries). Entries are `fmt` "bf16"
-    (float elements) or "fp8" (584-B packed, needs head_dim/rope_dim). Returns [T, H, D] float32.
+    (float elements) or "fp8" (584-B packed, needs head_dim/rope_dim). `tables` [R, blocks]: where
+    the pool holds each block's entries, when not at `batch.block_tables` (a memory policy's device
+    pages). Returns [T, H, D] float32.
     """
     head_dim = head_dim or q.shape[-1]
+    if tables is not None:
+        batch = dataclasses.replace(batch, block_tables=tables)
     if use_triton(q):
         from hybridkv.ops.sparse_attn import triton as kernels
         return kernels.sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx, ratio, fmt, head_dim,
