@@ -62,8 +62,8 @@ def test_paged_path_reads_packed_fp8_entries_and_fp4_keys():
 
 
 def test_the_paged_path_is_not_taken_where_its_rows_would_be_wrong():
-    """A window that starts after position 0 (bounded replay, state-less prefix hit) and memory
-    policies that keep entries off the device take the reference path."""
+    """A window that starts after position 0 (bounded replay, state-less prefix hit) takes the
+    reference path; in offload mode the paged path reads CSA main entries from the device pages."""
     cfg = load_config(FP8_FIXTURE)
     store = PagedKVStore(cfg, 16, 2, "fp8", torch.bfloat16)
     store.kernel_formats = ("fp8", "fp4")
@@ -78,7 +78,54 @@ def test_the_paged_path_is_not_taken_where_its_rows_would_be_wrong():
     dkv = PagedDecodeKV(store, [seq, SeqCache(1, [7, 8], window_start=0)], torch.tensor([383, 200]))
     assert dkv.kernel_args().max_pos == 383
     offload = PagedKVStore(cfg, 16, 2, "fp8", torch.bfloat16, resident_pages=8)
-    assert offload.kernel_formats is None
+    offload.kernel_formats = ("fp8", "fp4")
+    seq = SeqCache(0, [3, 4, 5], pages=[6, -1, 2])
+    args = PagedSeqKV(offload, seq).kernel_args(300, 20)
+    csa, n_csa = 1, len(offload.pages)                    # layer 1: the first CSA layer
+    assert args.pool(csa, "kv") is offload.page_rows and args.pool(csa, "index") is offload.entries[csa]["index"]
+    assert args.tables(csa, "kv").tolist() == [[6 * n_csa, -1, 2 * n_csa]]
+    assert args.tables(csa, "index").tolist() == [[3, 4, 5]] and args.resident(csa).tolist() == [[6, -1, 2]]
+    hca = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i) == 128)
+    assert args.pool(hca, "kv") is offload.entries[hca]["kv"] and args.resident(hca) is None
+
+
+def _offload_run(model, prompts, paged: bool, policy: str, **kw):
+    """`_generate` under an offloading memory policy, one request after the other (the second hits the
+    first one's cached blocks, whose CSA pages it loads from host memory); prefix caching on."""
+    llm = LLM(model, num_blocks=96, max_num_seqs=1, max_num_batched_tokens=512, memory_policy=policy, **kw)
+    if paged:
+        llm.engine.store.kernel_formats = ("fp8", "fp4") if kw.get("kv_format") == "fp8" else ("bf16", "bf16")
+    llm.engine.record_logits = True
+    outs, logits = [], {}
+    for p in prompts:
+        llm.engine.finished = {}
+        outs += llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))
+        logits.update({s.request_id: torch.stack(s.step_logits).float() for s in llm.engine.finished.values()})
+    return outs, logits, llm.engine.stats
+
+
+@pytest.mark.parametrize("model,kw", [(MODEL, {}), (FP8_FIXTURE, dict(kv_format="fp8", dtype=torch.bfloat16))],
+                         ids=["tiny-v4", "fp8-packed"])
+def test_offloading_policy_on_the_paged_path_equals_the_reference_path(model, kw):
+    """recency-256 keeps 2 or 3 of a 1,100-token prompt's 9 blocks resident: through the paged path
+    the CSA layers select among the resident blocks only and read their device pages, new entries
+    go into the pages, and each block's page is written back to host memory when the block completes.
+    The second request repeats the first's prompt and hits its blocks, whose pages come back from
+    those host copies. Outputs and logits equal the reference path's (which writes the host copy at
+    once)."""
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(10, 500, (1100,), generator=g).tolist()
+    prompts = [first, first + [7, 8, 9]]
+    ref, ref_logits, ref_stats = _offload_run(model, prompts, False, "recency-256", **kw)
+    paged, paged_logits, stats = _offload_run(model, prompts, True, "recency-256", **kw)
+    assert ref_stats.pages_evicted > 0 and stats.pages_evicted == ref_stats.pages_evicted
+    assert stats.cached_prompt_tokens == ref_stats.cached_prompt_tokens >= 1024
+    assert stats.pages_written_back >= 8 and ref_stats.pages_written_back == 0
+    for a, b in zip(ref, paged):
+        assert a.output_ids == b.output_ids
+    for rid, a in ref_logits.items():
+        rel = float((a - paged_logits[rid]).norm() / a.norm())
+        assert rel < 2e-2, (rid, rel)
 
 
 @pytest.mark.parametrize("mode", ["reference", "bogus"])

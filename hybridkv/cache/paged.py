@@ -166,6 +166,11 @@ class PagedKVStore:
             self._page_csa = torch.zeros(resident_pages, len(csa), per, kv.width, dtype=kv.storage_dtype,
                                          device=self.device)
             csa_slot = {layer: i for i, layer in enumerate(csa)}
+        # the paged kernels read and write one CSA layer's page rows through a table of rows of this
+        # view: page p of CSA layer i is its row block p·len(csa) + i (`page_tables`)
+        self.page_rows = self._page_csa.view(-1, *self._page_csa.shape[2:]) if csa else None
+        self._csa_slot = csa_slot if csa else {}
+        self._written_back = None        # CUDA: the event of the last page write-back
         self.entries: list[dict[str, torch.Tensor]] = []
         self.overlap: list[bool] = []
         self.states: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -195,11 +200,12 @@ class PagedKVStore:
     def _kernel_formats(self) -> tuple[str, str] | None:
         """(main, index) entry formats in which the paged Triton kernels read this store, or None when
         attention runs the reference path over gathered rows: off CUDA (unless forced, see
-        `hybridkv.ops.backend`), for V4.1 stores, in offload mode (CSA entries live in host memory and
-        device pages) and for packed shapes the kernels do not take (fp8: 64 rope dims, head_dim 2^k)."""
+        `hybridkv.ops.backend`), for V4.1 stores and for packed shapes the kernels do not take (fp8:
+        64 rope dims, head_dim 2^k). In offload mode the kernels read CSA main entries from the device
+        pages (`KernelArgs.pool`), and completed blocks are written back to host memory (`write_back`)."""
         c = self.config
         probe = torch.empty(0, device=self.device)
-        if c.family == "v4.1" or self.offload or not use_triton(probe):
+        if c.family == "v4.1" or not use_triton(probe):
             return None
         if c.index_head_dim & (c.index_head_dim - 1):
             return None
@@ -246,6 +252,9 @@ class PagedKVStore:
         from there (the hit restored the host pool; the memory policy then decides what stays)."""
         if not self.offload:
             return
+        if self._written_back is not None and len(seq.pages) < len(seq.block_table):
+            # a new page's writes come after any write-back still reading it from an earlier owner
+            torch.cuda.current_stream(self.device).wait_event(self._written_back)
         while len(seq.pages) < len(seq.block_table):
             b = len(seq.pages)
             page = self.page_pool.allocate()  # raises OutOfBlocks when the page pool is full
@@ -255,6 +264,45 @@ class PagedKVStore:
 
     def _load_page(self, page: int, block: int) -> None:
         self._page_csa[page].copy_(self._host_csa[block], non_blocking=True)
+
+    def page_tables(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor:
+        """Requests' page tables [R, blocks] (−1: host only) as tables of `page_rows` for one CSA layer."""
+        n = self._page_csa.shape[1]
+        return torch.where(pages >= 0, pages * n + self._csa_slot[layer_id], -1).to(torch.int32)
+
+    def write_back(self, seq: SeqCache, start_pos: int, end_pos: int) -> int:
+        """After a forward over positions [start_pos, end_pos) whose CSA main entries went only to the
+        device pages (the paged kernels in offload mode): copy the pages of the blocks it completed to
+        their host blocks, where recalls and prefix hits read them (a block is resident, so has a page,
+        while it fills). On CUDA on the copy stream after the forward, without waiting: loads queue
+        behind it there, reuse of a page waits for it (`attach_pages`), host readers call `sync_host`.
+        Returns the blocks written back."""
+        if not self.pages or self.kernel_formats is None:
+            return 0
+        bt = self.block_tokens
+        blocks = [b for b in range(start_pos // bt, end_pos // bt) if (b + 1) * bt > max(start_pos, seq.frozen_until)
+                  and seq.pages[b] >= 0]
+        if not blocks:
+            return 0
+        if self.device.type != "cuda":
+            for b in blocks:
+                self._host_csa[seq.block_table[b]].copy_(self._page_csa[seq.pages[b]])
+            return len(blocks)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            for b in blocks:
+                self._host_csa[seq.block_table[b]].copy_(self._page_csa[seq.pages[b]], non_blocking=True)
+            self._written_back = torch.cuda.Event()
+            self._written_back.record(self._copy_stream)
+        return len(blocks)
+
+    def sync_host(self) -> None:
+        """Wait until the written-back pages are in host memory (before reading it on the host)."""
+        if self._written_back is not None:
+            self._written_back.synchronize()
+            self._written_back = None
 
     def set_resident(self, seq: SeqCache, keep: set[int]) -> tuple[int, int]:
         """Make exactly the blocks in `keep` resident now (the recall below, waited for; one still in
@@ -524,7 +572,12 @@ class PagedSeqKV:
         if key not in self._kernel_args:
             batch = PagedBatch.build([(self.seq.slot, start_pos, length, self.seq.block_table)],
                                      self.store.block_tokens, self.store.device)
-            self._kernel_args[key] = KernelArgs(self.store, batch, start_pos + length - 1)
+            pages = None
+            if self.store.pages:
+                pages = torch.full(batch.block_tables.shape, -1, dtype=torch.int32)
+                pages[0, :len(self.seq.pages)] = torch.tensor(self.seq.pages, dtype=torch.int32)
+                pages = pages.to(self.store.device)
+            self._kernel_args[key] = KernelArgs(self.store, batch, start_pos + length - 1, pages)
         return self._kernel_args[key]
 
     def layer(self, layer_id: int) -> PagedLayerKV:
@@ -540,6 +593,23 @@ class KernelArgs:
     store: PagedKVStore
     batch: PagedBatch
     max_pos: int
+    pages: torch.Tensor | None = None     # offload mode: [R, blocks] int32 device pages (−1: host only)
+
+    def _paged(self, layer_id: int, kind: str) -> bool:
+        return self.pages is not None and kind == "kv" and layer_id in self.store.pages
+
+    def resident(self, layer_id: int) -> torch.Tensor | None:
+        """Which blocks' entries this layer may select ([R, blocks] pages, −1 = host only), or None."""
+        return self.pages if self._paged(layer_id, "kv") else None
+
+    def tables(self, layer_id: int, kind: str) -> torch.Tensor:
+        """Where `pool(layer_id, kind)` holds each block's entries: [R, blocks] int32."""
+        if not self._paged(layer_id, kind):
+            return self.batch.block_tables
+        cache = self.__dict__.setdefault("_page_tables", {})
+        if layer_id not in cache:
+            cache[layer_id] = self.store.page_tables(layer_id, self.pages)
+        return cache[layer_id]
 
     @property
     def main_format(self) -> str:
@@ -553,7 +623,9 @@ class KernelArgs:
         return self.store.ring[layer_id]
 
     def pool(self, layer_id: int, kind: str) -> torch.Tensor:
-        return self.store.entries[layer_id][kind]
+        """The entries the kernels read and write: the store's pool, or in offload mode a CSA layer's
+        device pages (`PagedKVStore.page_rows`, through `tables`)."""
+        return self.store.page_rows if self._paged(layer_id, kind) else self.store.entries[layer_id][kind]
 
     def encode_window(self, rows: torch.Tensor) -> torch.Tensor:
         """Window rows in their stored form (the kernels read a token's own row as it will be stored)."""
@@ -628,7 +700,8 @@ class PagedDecodeKV:
                 pos = self.positions.to(torch.int32)
                 batch = PagedBatch(rows, pos, self.slots.to(torch.int32), self.tables.to(torch.int32), pos, rows,
                                    self.store.block_tokens)
-                self._kernel_args = KernelArgs(self.store, batch, self._max_pos)
+                pages = self.page_tables.to(torch.int32) if self.page_tables is not None and self.store.pages else None
+                self._kernel_args = KernelArgs(self.store, batch, self._max_pos, pages)
         return self._kernel_args
 
     def write_window(self, layer_id: int, stored_rows: torch.Tensor) -> None:
@@ -682,12 +755,16 @@ class PagedDecodeKV:
     def write_entries(self, layer_id: int, kind: str, which: torch.Tensor, entry_ids: torch.Tensor,
                       rows: torch.Tensor) -> None:
         """append_entries with fixed shapes: entry entry_ids[i] of request which[i] is stored where the
-        id is not −1 (those rows leave the pool as it was). Paged, device-resident entries only."""
+        id is not −1 (those rows leave the pool as it was). The paged kernels' path only."""
         per = self._per_block(layer_id)
         keep = (entry_ids >= 0).unsqueeze(-1)
         e = entry_ids.clamp(min=0)
-        blocks, slots = self.tables[which, e // per], e % per
-        pool = self.store.entries[layer_id][kind]
+        if kind == "kv" and layer_id in self.store.pages:
+            # offload mode: into the device page (the block fills resident; `write_back` copies it out)
+            pool, tables = self.store.page_rows, self.store.page_tables(layer_id, self.page_tables)
+        else:
+            pool, tables = self.store.entries[layer_id][kind], self.tables
+        blocks, slots = tables[which, e // per].long(), e % per
         codec = self.store.codec[kind]
         codec.write(pool, blocks, slots, torch.where(keep, codec.encode(rows), codec.read(pool, blocks, slots)))
 

@@ -69,6 +69,7 @@ class EngineStats:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     pages_loaded: int = 0      # memory policy: resident CSA pages brought to the device
     pages_evicted: int = 0
+    pages_written_back: int = 0   # memory policy on the paged kernels: completed blocks' pages copied to host
     graph_steps: int = 0       # decode steps replayed from a CUDA graph (or run by its fixed-shape forward)
     queued_steps: int = 0      # of those, queued before the host read the previous step's tokens (async scheduling)
     spec_drafts: int = 0       # speculative verify steps (requests × steps with at least one draft token)
@@ -220,6 +221,8 @@ class EngineCore:
             return self._speculative_step(chunks)
         graph_steps = self.stats.graph_steps
         logits = self._forward(chunks)
+        for c in chunks:        # offload mode on the paged kernels: completed blocks' pages to host memory
+            self.stats.pages_written_back += self.store.write_back(c.seq.cache, c.start, c.start + c.length)
         emitting: list[Sequence] = []
         for c in chunks:
             seq = c.seq

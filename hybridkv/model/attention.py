@@ -256,16 +256,16 @@ class Attention(nn.Module):
     def _attend_kernels(self, kargs, q, stored_rows, rows) -> torch.Tensor:
         """Indexer top-k and sparse attention over the paged store; the tokens' own rows are
         `stored_rows`, earlier window rows come from the ring. [T, H, D] float32."""
-        lid, pool, idx = self.layer_id, None, None
+        lid, pool, idx, tables = self.layer_id, None, None, None
         if self.ratio:
-            pool = kargs.pool(lid, "kv")
+            pool, tables = kargs.pool(lid, "kv"), kargs.tables(lid, "kv")
             if self.indexer is not None:
                 idx = indexer_topk_paged(rows["idx_q"], rows["idx_w"], kargs.batch, kargs.pool(lid, "index"),
                                          self.indexer.topk, self.ratio, kargs.index_format, self.indexer.head_dim,
-                                         max_visible=(kargs.max_pos + 1) // self.ratio)
+                                         max_visible=(kargs.max_pos + 1) // self.ratio, resident=kargs.resident(lid))
         return sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored_rows, kargs.ring(lid), pool, idx,
                                  self.ratio, kargs.main_format, self.head_dim, self.rope_dim, self.window,
-                                 max_pos=kargs.max_pos)
+                                 max_pos=kargs.max_pos, tables=tables)
 
     def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share) -> torch.Tensor:
         layer_kv = seg.kv.layer(self.layer_id)
@@ -460,7 +460,7 @@ class Attention(nn.Module):
                               compressor.overlap, compressor.norm.weight, compressor.norm.eps,
                               dkv.block_start_rope(self.ratio, self.inv_freq, self.rope_key),
                               "index" if compressor.rotate else "main", kargs.pool(self.layer_id, kind), kargs.main_format if kind == "kv" else kargs.index_format,
-                              kargs.batch.block_tables, kargs.batch.block_tokens // self.ratio, compressor.out_dtype,
+                              kargs.tables(self.layer_id, kind), kargs.batch.block_tokens // self.ratio, compressor.out_dtype,
                               ape=compressor.ape)
 
     def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):
@@ -501,7 +501,7 @@ class Attention(nn.Module):
         fmt = None if kargs is None else (kargs.main_format if kind == "kv" else kargs.index_format)
         if fmt not in ("fp8", "fp4"):
             return None
-        pool = kargs.pool(self.layer_id, kind)
+        pool, tables = kargs.pool(self.layer_id, kind), kargs.tables(self.layer_id, kind)
         per_block = kargs.batch.block_tokens // self.ratio
 
         def write(block_rows, block_starts, requests, entry_ids=None):
@@ -513,8 +513,7 @@ class Attention(nn.Module):
                 block_starts, requests, entry_ids = block_starts[keep], requests[keep], entry_ids[keep]
             compress_paged(*block_rows, compressor.norm.weight, compressor.norm.eps,
                            rope_freqs(block_starts, self.inv_freq), "index" if compressor.rotate else "main", pool,
-                           fmt, kargs.batch.block_tables, requests, entry_ids.to(torch.int32), per_block,
-                           compressor.out_dtype)
+                           fmt, tables, requests, entry_ids.to(torch.int32), per_block, compressor.out_dtype)
         return write
 
     def _compressed_v4(self, seg: Segment, seg_id: int, layer_kv: LayerKV, positions, rows, share):

@@ -26,6 +26,7 @@ def layout_identity(store, model_identity: str) -> str:
 
 def block_record(store, block_id: int, key: bytes, tokens) -> Record:
     """A copy of one device block's entries of every layer (taken now: the block may be reused)."""
+    store.sync_host()        # offload mode: CSA main entries written back to host memory
     tensors = {f"{layer}.{kind}": pool[block_id].clone()
                for layer, ents in enumerate(store.entries) for kind, pool in ents.items()}
     tensors["tokens"] = torch.tensor(list(tokens), dtype=torch.int32)
