@@ -172,3 +172,36 @@ def test_fused_compressor_write_stores_the_bytes_of_the_unfused_path(start, leng
         assert torch.equal(pools[0][kind], pools[1][kind]), kind
         first_block = pools[1][kind][5]                   # block 0 of the request: entries 0..31
         assert bool((first_block == 0x11).all()) == (frozen >= 128)
+
+
+def test_memory_policy_page_traffic_in_the_snapshot_and_metrics():
+    """/metrics counts the pages an offloading policy moved and their bytes, from the engine's stats."""
+    from hybridkv.server.memory import memory_snapshot
+    from hybridkv.server.metrics import Metrics
+
+    llm = LLM(FP8_FIXTURE, num_blocks=32, max_num_seqs=1, max_num_batched_tokens=512, memory_policy="recency-256",
+              kv_format="fp8", dtype=torch.bfloat16)
+    eng = llm.engine
+    eng.store.kernel_formats = ("fp8", "fp4")
+    g = torch.Generator().manual_seed(5)
+    llm.generate([torch.randint(10, 500, (700,), generator=g).tolist()], SamplingParams(max_tokens=4))
+    mp = memory_snapshot(eng)["memory_policy"]
+    st = eng.stats
+    assert mp == {"name": "recency-256", "offloads": True, "page_bytes": eng.store.page_bytes(),
+                  "pages_loaded": st.pages_loaded, "pages_evicted": st.pages_evicted,
+                  "pages_written_back": st.pages_written_back}
+    assert st.pages_evicted > 0 and st.pages_written_back >= 5 and mp["page_bytes"] > 0
+    m = Metrics("tiny")
+    m.snapshot_source = lambda: memory_snapshot(eng)
+    series = {}
+    for line in m.render().decode().splitlines():
+        if line.startswith("hybridkv:memory_policy"):
+            head, value = line.rsplit(" ", 1)
+            metric, labels = head.rstrip("}").split("{")
+            series[metric, frozenset(labels.split(","))] = float(value)
+    base = {'model_name="tiny"', 'policy="recency-256"'}
+    for event in ("loaded", "evicted", "written_back"):
+        assert series["hybridkv:memory_policy_pages_total", frozenset(base | {f'event="{event}"'})] == \
+            getattr(st, "pages_" + event)
+    assert series["hybridkv:memory_policy_transfer_bytes_total", frozenset(base | {'direction="to_host"'})] == \
+        st.pages_written_back * mp["page_bytes"]

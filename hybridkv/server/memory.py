@@ -41,6 +41,15 @@ def device_tier(engine: EngineCore) -> dict[str, dict[str, int]]:
     return out
 
 
+def memory_policy_usage(engine: EngineCore) -> dict:
+    """The memory policy and, when it offloads CSA entries, the page traffic so far: pages recalled to
+    the device, evicted, written back to host memory (the paged kernels' path), and one page's bytes."""
+    st, store = engine.stats, engine.store
+    return {"name": str(engine.memory), "offloads": store.offload,
+            "page_bytes": store.page_bytes() if store.offload else 0, "pages_loaded": st.pages_loaded,
+            "pages_evicted": st.pages_evicted, "pages_written_back": st.pages_written_back}
+
+
 def memory_snapshot(engine: EngineCore) -> dict:
     pool, sched = engine.store.pool, engine.scheduler
     return {
@@ -55,6 +64,7 @@ def memory_snapshot(engine: EngineCore) -> dict:
         "slots": {"total": engine.store.max_slots, "free": engine.store.num_free_slots},
         "snapshot_budget": engine.prefix.snapshots.capacity,
         "window_policy": str(engine.policy),
+        "memory_policy": memory_policy_usage(engine),
         "kv_format": engine.store.fmt,
         "prefix_caching": engine.prefix.enabled,
     }

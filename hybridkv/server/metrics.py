@@ -90,6 +90,21 @@ class _SnapshotCollector:
         blocks.add_metric([name, "free"], b["total"] - b["active"])
         yield blocks
         yield from tier_families(name, snap.get("lower_tiers", {}))
+        mp = snap.get("memory_policy")
+        if mp and mp["offloads"]:
+            pages = CounterMetricFamily("hybridkv:memory_policy_pages",
+                                        "CSA pages a memory policy moved: recalled to the device (loaded), dropped "
+                                        "from it (evicted), copied to host memory when their block completed "
+                                        "(written_back).", labels=["model_name", "policy", "event"])
+            moved = CounterMetricFamily("hybridkv:memory_policy_transfer_bytes",
+                                        "Bytes of CSA pages copied between host memory and the device.",
+                                        labels=["model_name", "policy", "direction"])
+            for event in ("loaded", "evicted", "written_back"):
+                pages.add_metric([name, mp["name"], event], mp["pages_" + event])
+            moved.add_metric([name, mp["name"], "to_device"], mp["pages_loaded"] * mp["page_bytes"])
+            moved.add_metric([name, mp["name"], "to_host"], mp["pages_written_back"] * mp["page_bytes"])
+            yield pages
+            yield moved
         host = snap.get("host")
         if host:
             mem = GaugeMetricFamily("hybridkv:host_memory_bytes",
