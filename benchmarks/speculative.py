@@ -10,7 +10,8 @@ question, continued for `--free-tokens` tokens (ignore_eos). For every workload,
 (0 = no speculation): decode tokens/s (tokens after each request's first, over the decode steps'
 time; `--prompts` prompts in groups of the batch size, each group's fastest of `--repeats` runs),
 the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft acceptance
-rate, and whether the outputs equal plain decoding's.
+rate, whether the outputs equal plain decoding's, and how far the logits are from plain decoding's
+(the largest |difference| of each token's logits, max and median over the tokens both runs share).
 
 `--mtp-stats N` also measures the MTP block itself on N training-distribution rows of `--context`
 tokens (teacher forcing through the reference path): its loss (cross-entropy of token t+2 at
@@ -97,6 +98,19 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
                                                         eng.stats.spec_accepted_tokens), before))
     return {"decode_tokens": produced, "steps": steps, "seconds": dt, "drafts": drafts, "drafted": drafted,
             "accepted": accepted, "outputs": [s.output_ids for s in seqs], "logits": [s.step_logits for s in seqs]}
+
+
+def logit_gap(run: dict, base: dict) -> tuple[float, float] | None:
+    """Max and median over tokens of the largest |logit difference| from the plain run, over each
+    request's tokens up to the first that differs (where both saw the same context); None for the
+    plain run itself."""
+    gaps = []
+    for a, b, out, ref in zip(run["logits"], base["logits"], run["outputs"], base["outputs"]):
+        n = next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
+        gaps += [float((a[i] - b[i]).abs().max()) for i in range(n)]
+    if run is base or not gaps:
+        return None
+    return max(gaps), float(np.median(gaps))
 
 
 def first_difference(run: dict, base: dict) -> str:
@@ -194,7 +208,7 @@ def main() -> int:
                                max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (a.context + 4),
                                **opts)
     print(f"{'workload':<10} {'batch':>5} {'k':>2} {'verify':>8} {'decode tok/s':>12} {'speedup':>8} "
-          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'same':>5}")
+          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'same':>5} {'logit gap max/median':>21}")
     sets = workloads(tok, a.context, max(batches), a.free_tokens)
     for batch in batches:
         for name, (prompts, params) in sets.items():
@@ -207,14 +221,16 @@ def main() -> int:
                 speedup = r["tokens_per_s"] / base["tokens_per_s"]
                 al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
                 ar = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+                gap = logit_gap(r, base)
+                gaps = "-" if gap is None else f"{gap[0]:.1e}/{gap[1]:.1e}"
                 print(f"{name:<10} {batch:>5} {k:>2} {mode:>8} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} "
-                      f"{ar:>11} {r['decode_tokens']:>6} {'yes' if same else 'NO':>5}", flush=True)
+                      f"{ar:>11} {r['decode_tokens']:>6} {'yes' if same else 'NO':>5} {gaps:>21}", flush=True)
                 if not r["repeats_agree"]:
                     print("    repeats of a group gave different outputs", flush=True)
                 if not same:
                     print(f"    outputs differ: {first_difference(r, base)}", flush=True)
                 results.append({"workload": name, "batch": batch, "k": k, "verify": mode, "speedup": speedup,
-                                "same_outputs": same,
+                                "same_outputs": same, "logit_gap_max_median": gap,
                                 **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
     out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic,
            "threads": torch.get_num_threads(),

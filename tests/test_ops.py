@@ -25,7 +25,8 @@ def test_pow2_scale_is_ceil_log2():
     # magnitudes the quantisers meet (down to their amax floors), powers of two and their
     # neighbours, against frexp
     g = torch.Generator().manual_seed(0)
-    a = torch.cat([torch.exp2(torch.empty(20000).uniform_(-20, 20, generator=g)), torch.exp2(torch.arange(-20.0, 21.0))])
+    a = torch.cat([torch.exp2(torch.empty(20000).uniform_(-20, 20, generator=g)),
+                   torch.exp2(torch.arange(-20.0, 21.0))])
     a = torch.cat([a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e30))])
     for qmax, floor in ((448.0, FP8_AMAX_FLOOR), (6.0, FP4_AMAX_FLOOR)):
         a = torch.cat([a, torch.tensor([floor])])

@@ -700,7 +700,9 @@ class PagedDecodeKV:
                 pos = self.positions.to(torch.int32)
                 batch = PagedBatch(rows, pos, self.slots.to(torch.int32), self.tables.to(torch.int32), pos, rows,
                                    self.store.block_tokens)
-                pages = self.page_tables.to(torch.int32) if self.page_tables is not None and self.store.pages else None
+                pages = None
+                if self.page_tables is not None and self.store.pages:
+                    pages = self.page_tables.to(torch.int32)
                 self._kernel_args = KernelArgs(self.store, batch, self._max_pos, pages)
         return self._kernel_args
 
@@ -759,11 +761,8 @@ class PagedDecodeKV:
         per = self._per_block(layer_id)
         keep = (entry_ids >= 0).unsqueeze(-1)
         e = entry_ids.clamp(min=0)
-        if kind == "kv" and layer_id in self.store.pages:
-            # offload mode: into the device page (the block fills resident; `write_back` copies it out)
-            pool, tables = self.store.page_rows, self.store.page_tables(layer_id, self.page_tables)
-        else:
-            pool, tables = self.store.entries[layer_id][kind], self.tables
+        kargs = self.kernel_args()     # offload mode: a CSA layer's device page (`write_back` copies it out)
+        pool, tables = kargs.pool(layer_id, kind), kargs.tables(layer_id, kind)
         blocks, slots = tables[which, e // per].long(), e % per
         codec = self.store.codec[kind]
         codec.write(pool, blocks, slots, torch.where(keep, codec.encode(rows), codec.read(pool, blocks, slots)))

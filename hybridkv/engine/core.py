@@ -401,12 +401,8 @@ class EngineCore:
         decodes = ([c for c in chunks if c.length == 1 and c.start >= c.seq.cache.frozen_until]
                    if self.ec.batched_decode else [])
         decode_ids = {id(c) for c in decodes}
-        # verify chunks whose rows run as decode rows, wave after wave (`speculative.verify_waves`)
-        wave_ids = ({id(c) for c in chunks if c.draft and c.start >= c.seq.cache.frozen_until}
-                    if self.ec.batched_decode and not self.v41 else set())
-        if self.ec.speculative_verify == "segments" or (self.ec.speculative_verify == "auto" and len(wave_ids) < 2
-                                                        and self.device.type != "cuda"):
-            wave_ids = set()
+        waved = self._verify_waves(chunks)
+        wave_ids = {id(c) for c in waved}
         verifies: list[tuple] = []
         row = 0
         ced = self.v41 and self.ec.ced_prefill and hidden is None
@@ -456,16 +452,10 @@ class EngineCore:
         decode = None
         if decodes:
             positions = torch.tensor([c.start for c in decodes], dtype=torch.long)
-            hooks = {id(c.seq.cache): self._snapshot_hook(c.seq) for c in decodes} if snapshots else None
-            on_done = (lambda sc, layer, end: hooks[id(sc)](layer, end)) if snapshots else None
-            dkv = PagedDecodeKV(self.store, [c.seq.cache for c in decodes], positions, on_done)
+            dkv = PagedDecodeKV(self.store, [c.seq.cache for c in decodes], positions,
+                                self._group_hook(decodes) if snapshots else None)
             decode = (dkv, positions)
-        waves = ()
-        if verifies:
-            wave_hooks = {id(c.seq.cache): self._snapshot_hook(c.seq) for c in chunks if id(c) in wave_ids} \
-                if snapshots else None
-            waves = verify_waves(self.store, verifies,
-                                 (lambda sc, layer, end: wave_hooks[id(sc)](layer, end)) if snapshots else None)
+        waves = verify_waves(self.store, verifies, self._group_hook(waved) if snapshots else None) if verifies else ()
         batch = ForwardBatch.build(items, self.device, decode, decode_rows, waves)
         if ced:
             batch.outputs = list(logit_rows)
@@ -488,6 +478,22 @@ class EngineCore:
                 logits[owner] = out[i]
                 i += 1
         return logits
+
+    def _verify_waves(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The verify chunks whose rows run as decode rows, wave after wave (`speculative.verify_waves`):
+        V4 with batched decode, past their prefix hit's frozen blocks, as `speculative_verify` says (auto:
+        on CUDA always, on the CPU where two or more requests verify)."""
+        mode = self.ec.speculative_verify
+        if mode == "segments" or not self.ec.batched_decode or self.v41:
+            return []
+        waved = [c for c in chunks if c.draft and c.start >= c.seq.cache.frozen_until]
+        return waved if mode == "waves" or self.device.type == "cuda" or len(waved) >= 2 else []
+
+    def _group_hook(self, chunks: list[Chunk]):
+        """`on_layer_done(seq_cache, layer, end_pos)` of a decode group over these chunks' requests: each
+        request's snapshot hook."""
+        hooks = {id(c.seq.cache): self._snapshot_hook(c.seq) for c in chunks}
+        return lambda sc, layer, end: hooks[id(sc)](layer, end)
 
     def _graph_decode(self, decodes: list[Chunk], snapshots: bool,
                       ids: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:

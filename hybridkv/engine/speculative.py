@@ -33,8 +33,8 @@ rejected positions q+1..n+k touched is then undone. Before the forward, the chec
 (a) the window-ring rows of positions n..n+k of every layer (slot pos % W of a rejected position held
 a row the next queries still read), (b) every compressor's partial-block state of the request, and
 (c) the stored compressed entries and indexer keys that positions n..n+k can complete. During the
-forward the request's view (or its decode waves) records each compressor's per-token input rows. After acceptance the
-rejected positions' ring rows and the entries that only rejected tokens completed are written back
+forward the request's view (or its decode waves) records each compressor's per-token input rows.
+After acceptance the rejected positions' ring rows and the entries that only rejected tokens completed are written back
 from (a) and (c), and each compressor state is reset to (b) and fed the accepted positions' recorded
 rows again, which is the state the compressor reaches when it sees only those tokens (its update is
 a pure function of the state and the rows). Entries that accepted tokens completed were computed from

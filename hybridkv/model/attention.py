@@ -459,8 +459,10 @@ class Attention(nn.Module):
         compress_decode_paged(st_kv, st_score, dkv.slots, dkv.positions, rows_kv, rows_score, self.ratio,
                               compressor.overlap, compressor.norm.weight, compressor.norm.eps,
                               dkv.block_start_rope(self.ratio, self.inv_freq, self.rope_key),
-                              "index" if compressor.rotate else "main", kargs.pool(self.layer_id, kind), kargs.main_format if kind == "kv" else kargs.index_format,
-                              kargs.tables(self.layer_id, kind), kargs.batch.block_tokens // self.ratio, compressor.out_dtype,
+                              "index" if compressor.rotate else "main", kargs.pool(self.layer_id, kind),
+                              kargs.main_format if kind == "kv" else kargs.index_format,
+                              kargs.tables(self.layer_id, kind), kargs.batch.block_tokens // self.ratio,
+                              compressor.out_dtype,
                               ape=compressor.ape)
 
     def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):

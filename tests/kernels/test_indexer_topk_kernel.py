@@ -86,11 +86,11 @@ def test_token_result_does_not_depend_on_batch(kernels, device, monkeypatch):
     assert torch.equal(batch[2:3], alone)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
-@pytest.mark.parametrize("block_t", [1, 2], ids=["decode-tiles", "prefill-tiles"])
-def test_paged(kernels, device, fmt, block_t, monkeypatch):
-    g = torch.Generator().manual_seed(2)
-    h, d, bt, ratio, topk = 4, 64, 16, 4, 12
+def _paged_case(g: torch.Generator, fmt: str, kernels, block_t: int, monkeypatch):
+    """Four requests (prefill chunks and decode tokens) over shuffled blocks of 16 positions, ratio 4,
+    64-dim keys as floats or packed FP4, with the kernels' tiles forced to `block_t` tokens:
+    (batch, q, w, keys, pool)."""
+    h, d, bt, ratio = 4, 64, 16, 4
     batch = random_batch([(0, 5), (150, 1), (90, 7), (303, 1)], num_blocks=48, block_tokens=bt, num_slots=4, gen=g)
     t = batch.num_tokens
     q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
@@ -100,6 +100,15 @@ def test_paged(kernels, device, fmt, block_t, monkeypatch):
         index_rows_to_blocks(pack_index_fp4(keys).reshape(48, bt // ratio, -1), d)
     run = kernels._run
     monkeypatch.setattr(kernels, "_run", lambda *a, **kw: run(*a, **{**kw, "block_t": block_t}))
+    return batch, q, w, keys, pool
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("block_t", [1, 2], ids=["decode-tiles", "prefill-tiles"])
+def test_paged(kernels, device, fmt, block_t, monkeypatch):
+    d, bt, ratio, topk = 64, 16, 4, 12
+    batch, q, w, keys, pool = _paged_case(torch.Generator().manual_seed(2), fmt, kernels, block_t, monkeypatch)
+    t = batch.num_tokens
     idx = kernels.indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt,
                                      d).cpu()
     vis = (batch.positions.long() + 1) // ratio
@@ -120,19 +129,12 @@ def test_paged_selects_among_resident_blocks_only(kernels, device, fmt, block_t,
     entries of its resident blocks; slots they cannot fill are −1; the reference agrees."""
     from hybridkv.ops.indexer_topk import indexer_topk_paged
     g = torch.Generator().manual_seed(7)
-    h, d, bt, ratio, topk = 4, 64, 16, 4, 12
-    batch = random_batch([(0, 5), (150, 1), (90, 7), (303, 1)], num_blocks=48, block_tokens=bt, num_slots=4, gen=g)
+    d, bt, ratio, topk = 64, 16, 4, 12
+    batch, q, w, keys, pool = _paged_case(g, fmt, kernels, block_t, monkeypatch)
     t = batch.num_tokens
-    q = fp4_round_trip(hadamard_transform(torch.randn(t, h, d, generator=g)), 32)
-    w = torch.randn(t, h, generator=g)
-    keys = fp4_round_trip(hadamard_transform(torch.randn(48 * bt // ratio, d, generator=g)), 32)
-    pool = keys.reshape(48, bt // ratio, -1) if fmt != "fp4" else \
-        index_rows_to_blocks(pack_index_fp4(keys).reshape(48, bt // ratio, -1), d)
     pages = torch.where(torch.rand(batch.block_tables.shape, generator=g) < 0.5, 1, -1).to(torch.int32)
     pages[2] = -1                      # request 2: only host blocks but its last (always resident)
     pages[2, 90 // bt] = 1
-    run = kernels._run
-    monkeypatch.setattr(kernels, "_run", lambda *a, **kw: run(*a, **{**kw, "block_t": block_t}))
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton" if device == "cpu" else "auto")
     idx = indexer_topk_paged(q.to(device), w.to(device), batch.to(device), pool.to(device), topk, ratio, fmt, d,
                              resident=pages.to(device)).cpu()
