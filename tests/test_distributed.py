@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybridkv.engine.sharded import RankDivergence
+from hybridkv.engine.sharded import RankDivergence, ShardedEngine
 from hybridkv.distributed.group import Parallel, RankFailure
 from hybridkv.distributed.sharding import checkpoint_slices
 from hybridkv.engine import LLM, SamplingParams
@@ -55,6 +55,11 @@ def _decode(model_dir, rounds_of_prompts, **options):
             assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
             rounds.append([(o.output_ids, torch.stack(llm.engine.finished[o.request_id].step_logits),
                             o.cached_tokens) for o in outs])
+    if isinstance(llm.engine, ShardedEngine):
+        # closing frees the process group now: a handle kept until the interpreter's exit lets
+        # gloo's threads abort the process there
+        assert llm.engine.parallel.group is None and llm.engine.parallel.control is None
+        assert not torch.distributed.is_initialized()
     return rounds
 
 

@@ -164,8 +164,14 @@ def rank_device(device: str | torch.device, par: Parallel) -> torch.device:
     return _rank_device(dev, par.rank) if dev.type == "cuda" and not par.single else dev
 
 
-def leave() -> None:
-    """Leave the world this process joined (no-op if none)."""
+def leave(par: Parallel | None = None) -> None:
+    """Leave the world this process joined (no-op if none), and drop `par`'s handles on its groups.
+    The handles must go: a process group that a Python reference keeps alive past
+    destroy_process_group is freed by the interpreter's last garbage collection, while gloo's
+    worker threads still release tensors, which aborts the process at exit ("terminate called
+    without an active exception")."""
+    if par is not None:
+        par.group = par.control = None
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -178,7 +178,7 @@ def _worker_main(spec: LaunchSpec, rank: int, init_method: str, ready_fd: int, t
         log.error("rank %d stops: %s", rank, e)
         raise SystemExit(3) from None
     finally:
-        group.leave()
+        group.leave(par)
 
 
 def _exit_with_leader() -> None:
@@ -259,7 +259,7 @@ class ShardedEngine:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
-        group.leave()
+        group.leave(self.parallel)
 
 
 def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, object]:
@@ -276,7 +276,7 @@ def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, 
         # and every rank must compute what the others (and one process) compute
         threads = torch.get_num_threads()
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs, pipes = [], []
+    procs, pipes, par = [], [], None
     try:
         for r in range(1, spec.world):
             read_fd, write_fd = os.pipe()
@@ -294,7 +294,7 @@ def start(spec: LaunchSpec, threads: int | None = None) -> tuple[ShardedEngine, 
     except BaseException:
         for p in procs:
             p.kill()
-        group.leave()
+        group.leave(par)
         raise
     finally:
         for f in pipes:
@@ -338,7 +338,7 @@ def run_torchrun_worker(spec: LaunchSpec) -> bool:
         _join(engine, par, spec, "env://")
         serve_commands(engine, par)
     finally:
-        group.leave()
+        group.leave(par)
     return True
 
 
