@@ -107,3 +107,47 @@ def test_grouped_computation_equals_the_per_expert_loop(fp8, layer_id, tokens):
     if tokens == 1:
         assert (reference.sort_by_expert(ids, moe.n_experts).counts == 0).sum() == moe.n_experts - ids.shape[1]
     assert torch.equal(got, want)
+
+
+def _per_expert_loop(moe: MoE, x, weights, ids) -> torch.Tensor:
+    """Each of the layer's experts over its rows, one after another (the definition)."""
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(moe.expert_offset, moe.expert_offset + len(moe.experts)):
+        rows, slot = torch.where(ids == e)
+        if rows.numel():
+            y[rows] += moe.experts[e - moe.expert_offset](x[rows], weights[rows, slot, None]).float()
+    return y
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8-fp4"])
+@pytest.mark.parametrize("tokens", [1, 2, 37])
+def test_experts_of_one_rank_equal_the_per_expert_loop(fp8, tokens):
+    """Expert parallelism: a rank holding experts [4, 8) adds only their outputs (the other pairs
+    add zero), bit for bit as the loop over its experts."""
+    moe = _moe(2, fp8, seed=tokens)
+    moe.experts, moe.expert_offset = moe.experts[4:], 4
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=g)
+    with torch.no_grad():
+        weights, ids = moe.gate(x, torch.zeros(tokens, dtype=torch.long))
+        assert torch.equal(moe._routed_by_expert(x, weights, ids), _per_expert_loop(moe, x, weights, ids))
+        # a rank none of whose experts was chosen adds zero
+        elsewhere = ids % 4
+        assert torch.equal(moe._routed_by_expert(x, weights, elsewhere), torch.zeros_like(x))
+
+
+def test_routed_experts_give_the_per_expert_loop_gradients():
+    """Training runs the same path: its gradients (input, routing weights, expert weights) equal
+    the loop's."""
+    moe = _moe(2, False, seed=5)
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(11, moe.gate.weight.shape[1], generator=g)
+    grads = []
+    for fn in (moe._routed_by_expert, lambda *a: _per_expert_loop(moe, *a)):
+        moe.zero_grad()
+        x = x0.clone().requires_grad_()
+        weights, ids = moe.gate(x, torch.zeros(11, dtype=torch.long))
+        fn(x, weights, ids).square().sum().backward()
+        grads.append([x.grad, moe.gate.weight.grad] + [p.grad for e in moe.experts for p in e.parameters()])
+    for a, b in zip(*grads):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -94,6 +94,14 @@ class Linear(nn.Module):
         x = act_quant_sim(x, self.act_block)
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
 
+    def gemm_on_dense(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` is `F.linear(prepare_input(x), dense_weight())` in the compute dtype
+        (no packed kernel, no widening): a caller may then prepare an input shared by several such
+        linears once (the MoE's experts)."""
+        if self.fmt == "float":
+            return self.weight.dtype == self.compute_dtype
+        return not (self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "float" and self.weight.dtype != self.compute_dtype:
             return widened_linear(x, self.weight, self.compute_dtype)

@@ -89,16 +89,24 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = paired_forward(self.w1, self.w3, x)
-        if grouped_moe.swiglu_kernel_ok(gate):
-            return self.w2(grouped_moe.swiglu(gate, up, self.limit, weights, x.dtype))
-        gate, up = gate.float(), up.float()
-        if self.limit > 0:
-            up = up.clamp(-self.limit, self.limit)
-            gate = gate.clamp(max=self.limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        return self.w2(swiglu_rows(gate, up, self.limit, weights, x.dtype))
+
+
+def swiglu_rows(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """An expert's activation, row by row: silu(min(gate, limit)) · clamp(up, ±limit) (limit 0: no
+    clamps), times the routing weight [T, 1] if given, in float32, cast to out_dtype. One launch
+    where the Triton kernels run."""
+    if grouped_moe.swiglu_kernel_ok(gate):
+        return grouped_moe.swiglu(gate, up, limit, weights, out_dtype)
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = F.silu(gate) * up
+    if weights is not None:
+        h = weights * h
+    return h.to(out_dtype)
 
 
 _WARNED = False
@@ -160,17 +168,45 @@ class MoE(nn.Module):
         if static:
             y = self._routed_static(x, *self._local_routing(weights, ids))
         else:
-            y = torch.zeros_like(x, dtype=torch.float32)
-            counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
-            e0 = self.expert_offset
-            for e, n in enumerate(counts):
-                if n == 0 or not e0 <= e < e0 + len(self.experts):
-                    continue
-                rows, slot = torch.where(ids == e)
-                y[rows] += self.experts[e - e0](x[rows], weights[rows, slot, None]).float()  # rows are unique per expert
+            y = self._routed_by_expert(x, weights, ids)
         if self.shared_experts is not None:
             y += self.shared_experts(x).float()
         return y.to(x.dtype) if par.single else par.all_reduce(y).to(x.dtype)
+
+    def _routed_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum, float32 [T, dim]: each of this rank's experts that has tokens runs
+        once over its rows (one host synchronisation for the counts). Where the experts' linears
+        run on their dense weights, what does not depend on the expert runs once over every (token,
+        expert) pair — the input's FP8 quantisation, the SwiGLU, the quantisation of its output —
+        and each expert adds only its GEMMs: the per-expert loop's numbers bit for bit (those steps
+        are row-wise, each GEMM sees the rows it saw, and `combine` adds in the loop's order),
+        without the thirty-odd small operations per expert that bound a decode step on the CPU."""
+        e0, first = self.expert_offset, self.experts[0]
+        if not (first.w1.gemm_on_dense(x) and first.w3.gemm_on_dense(x) and first.w2.gemm_on_dense(x)):
+            y = torch.zeros_like(x, dtype=torch.float32)
+            counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+            for e in range(e0, e0 + len(self.experts)):
+                if counts[e]:
+                    rows, slot = torch.where(ids == e)   # rows are unique per expert
+                    y[rows] += self.experts[e - e0](x[rows], weights[rows, slot, None]).float()
+            return y
+        sort = grouped_moe.sort_by_expert(ids, self.n_experts)
+        offsets = sort.offsets.tolist()
+        lo, hi = offsets[e0], offsets[e0 + len(self.experts)]     # this rank's experts' rows
+        if lo == hi:
+            return torch.zeros_like(x, dtype=torch.float32)
+        segments = [(e, offsets[e0 + e] - lo, offsets[e0 + e + 1] - lo) for e in range(len(self.experts))
+                    if offsets[e0 + e] < offsets[e0 + e + 1]]
+        xin = first.w1.prepare_input(x)[sort.token[lo:hi]]
+        gate = torch.cat([F.linear(xin[a:b], self.experts[e].w1.dense_weight()) for e, a, b in segments])
+        up = torch.cat([F.linear(xin[a:b], self.experts[e].w3.dense_weight()) for e, a, b in segments])
+        h = first.w2.prepare_input(swiglu_rows(gate, up, first.limit, weights.reshape(-1)[sort.order[lo:hi], None],
+                                               x.dtype))
+        out = torch.cat([F.linear(h[a:b], self.experts[e].w2.dense_weight()) for e, a, b in segments]).float()
+        if hi - lo < ids.numel():     # other ranks' pairs add zero here
+            out = torch.zeros(ids.numel(), x.shape[-1], dtype=torch.float32, device=x.device).index_copy_(
+                0, torch.arange(lo, hi, device=x.device), out)
+        return grouped_moe.combine(out, sort, ids)
 
     def _routed_ordered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Expert parallel, bit-equal to one process: each (token, slot) pair's output from the rank
