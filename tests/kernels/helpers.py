@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.ops.kv_formats import pack_main_fp8
+from hybridkv.ops.kv_formats import pack_main_fp8, pack_v41_global, pack_v41_window
 from hybridkv.ops.paged import PagedBatch
-from hybridkv.ops.quant import fp8_round_trip
+from hybridkv.ops.quant import fp4_round_trip, fp8_round_trip
 
 
 # a test that drives the kernels with CPU tensors through the interpreter (HYBRIDKV_KERNELS=triton on
@@ -24,10 +24,17 @@ def rel_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float((ref - out).square().mean().sqrt() / ref.square().mean().sqrt().clamp(min=1e-30))
 
 
-def random_entries(n: int, head_dim: int, rope_dim: int, fmt: str, gen: torch.Generator) -> torch.Tensor:
+def random_entries(n: int, head_dim: int, rope_dim: int, fmt: str, gen: torch.Generator,
+                   pool: bool = False) -> torch.Tensor:
     """n entries already on the storage grid: float32 rows for "bf16" (kept fp32 for the interpreter),
-    packed uint8 rows for "fp8"."""
+    packed uint8 rows for "fp8", and for "v41" packed window rows, or global KV entries where `pool`
+    (a spread of magnitudes, so that the scales differ between blocks)."""
     x = torch.randn(n, head_dim, generator=gen)
+    if fmt == "v41":
+        x = x * torch.exp2(torch.randint(-6, 6, (n, head_dim // 16), generator=gen).float()).repeat_interleave(16, 1)
+        if pool:
+            return pack_v41_global(fp4_round_trip(x, 16, "e4m3"))
+        return pack_v41_window(fp8_round_trip(x, 32, pow2=True))
     if fmt != "fp8":
         return x
     x = torch.cat([fp8_round_trip(x[:, : head_dim - rope_dim], 64), x[:, head_dim - rope_dim:].bfloat16().float()], 1)

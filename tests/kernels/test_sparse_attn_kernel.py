@@ -68,7 +68,7 @@ def _paged_case(kind: str, fmt: str, device: str, segments, seed=0):
     pool = idx = None
     if ratio:
         epb = bt // ratio
-        pool = random_entries(24 * epb, d, rope, fmt, g).reshape(24, epb, -1)
+        pool = random_entries(24 * epb, d, rope, fmt, g, pool=True).reshape(24, epb, -1)
     if kind == "csa":
         vis = (batch.positions.long() + 1) // ratio
         k = 60
@@ -82,7 +82,7 @@ SEGMENTS = [(0, 5), (37, 1), (70, 9), (200, 1)]   # a first chunk, decodes, a la
 
 
 @pytest.mark.parametrize("cfg", [None, SPLIT_CFG, (64, 16, 24, 4, 1)], ids=["default", "split", "split-64-heads"])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "v41"])
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_paged_matches_reference(kernels, device, kind, fmt, cfg):
     batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case(kind, fmt, device, SEGMENTS)
@@ -155,3 +155,34 @@ def test_fp8_entry_decoding_is_exact(device, d):
     words = buf.view(torch.int32)
     _decode[(1,)](words.to(device), words.shape[1], out, D=d, ROPE=rope, BN=n)
     assert torch.equal(out.cpu(), unpack_main_fp8(buf, d, rope))
+
+
+@triton.jit
+def _decode_v41(BYTES, s_row, OUT, D: tl.constexpr, BN: tl.constexpr, POOL_ROWS: tl.constexpr):
+    rows = tl.arange(0, BN)
+    kv = attn_triton._load_rows(BYTES + rows * s_row, rows >= 0, D, 0, 2, tl.float32, D, POOL_ROWS)
+    tl.store(OUT + rows[:, None] * D + tl.arange(0, D)[None, :], kv)
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["window-row", "global-entry"])
+def test_v41_row_decoding_is_exact(device, pool):
+    """V4.1's packed rows decode bit-exactly: every e4m3 code but NaN (window rows) or every E2M1
+    code (global entries), under a spread of scales."""
+    from hybridkv.ops.kv_formats import unpack_v41_global, unpack_v41_window
+    g = torch.Generator().manual_seed(8)
+    d, n = 128, 16
+    buf = random_entries(n, d, 0, "v41", g, pool=pool)
+    if pool:
+        buf[:, :d // 2] = (torch.arange(n * d // 2) % 256).view(n, d // 2).to(torch.uint8)
+        scales = torch.exp2(torch.randint(-9, 8, (n, d // 16), generator=g).float()) * (
+            1 + torch.randint(0, 8, (n, d // 16), generator=g) / 8)
+        buf[:, d // 2:] = scales.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = torch.arange(n * d) % 256
+        codes[(codes & 0x7F) == 0x7F] = 0
+        buf[:, :d] = codes.view(n, d).to(torch.uint8)
+        buf[:, d:] = torch.randint(110, 140, (n, d // 32), dtype=torch.uint8, generator=g)
+    out = torch.empty(n, d, device=device)
+    _decode_v41[(1,)](buf.view(torch.int8).to(device), buf.shape[1], out, D=d, BN=n, POOL_ROWS=pool)
+    want = (unpack_v41_global if pool else unpack_v41_window)(buf, d)
+    assert torch.equal(out.cpu(), want)

@@ -31,7 +31,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
     q [T, H, D]; new_kv [T, E] the chunk's own rows; ring [num_slots, window, E]; pool
     [num_blocks, entries_per_block, E] (None for window-only layers); idx [T, K] compressed entry ids
     (CSA, −1 = none) or None with `ratio` set (HCA: all visible entries). Entries are `fmt` "bf16"
-    (float elements) or "fp8" (584-B packed, needs head_dim/rope_dim). `tables` [R, blocks]: where
+    (float elements), "fp8" (584-B packed, needs head_dim/rope_dim) or "v41" (V4.1's packed rows:
+    window rows in the ring and new rows, global KV entries in the pool; `hybridkv.ops.kv_formats`). `tables` [R, blocks]: where
     the pool holds each block's entries, when not at `batch.block_tables` (a memory policy's device
     pages). Returns [T, H, D] float32.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.ops.kv_formats import unpack_main_fp8
+from hybridkv.ops.kv_formats import unpack_main_fp8, unpack_v41_global, unpack_v41_window
 from hybridkv.ops.paged import entry_rows
 
 # Queries per gather tile: bounds the [tile, K, D] gathered copy of the KV rows.
@@ -50,11 +50,14 @@ def attention_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: 
     return p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
 
 
-def decode_entries(x: torch.Tensor, fmt: str, head_dim: int, rope_dim: int) -> torch.Tensor:
-    """Pool/ring/new rows in entry format `fmt` -> float32 [rows, head_dim]."""
+def decode_entries(x: torch.Tensor, fmt: str, head_dim: int, rope_dim: int, pool: bool = False) -> torch.Tensor:
+    """Pool/ring/new rows in entry format `fmt` -> float32 [rows, head_dim]. "v41" rows are window
+    rows (ring, new), or global KV entries where `pool`."""
     flat = x.reshape(-1, x.shape[-1])
     if fmt == "fp8":
         return unpack_main_fp8(flat, head_dim, rope_dim)
+    if fmt == "v41":
+        return (unpack_v41_global if pool else unpack_v41_window)(flat, head_dim)
     return flat.float()
 
 
@@ -70,7 +73,7 @@ def gather_paged(batch, new_kv, ring, pool, idx=None, ratio=0, fmt="bf16", head_
         parts.append(decode_entries(ring, fmt, head_dim, rope_dim))
     off_pool = sum(p.shape[0] for p in parts)
     if pool is not None:
-        parts.append(decode_entries(pool, fmt, head_dim, rope_dim))
+        parts.append(decode_entries(pool, fmt, head_dim, rope_dim, pool=True))
     rows = torch.cat(parts)
     pos = batch.positions.long()
     req = batch.token_req.long()

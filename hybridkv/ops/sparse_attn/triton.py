@@ -19,16 +19,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridkv.ops.qgemm.triton import _e2m1
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, OUT_T: tl.constexpr,
-               BLOCK_D: tl.constexpr = None):
-    """Rows [BN, BLOCK_D] as OUT_T from row base pointers `ptr` [BN]: int32 words of packed fp8 entries
-    (FP8, BLOCK_D = D), else elements (dims ≥ D zero)."""
+def _load_rows(ptr, valid, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, OUT_T: tl.constexpr,
+               BLOCK_D: tl.constexpr = None, POOL_ROWS: tl.constexpr = False):
+    """Rows [BN, BLOCK_D] as OUT_T from row base pointers `ptr` [BN]: FMT 1, int32 words of V4's packed
+    fp8 entries (BLOCK_D = D); FMT 2, int8 bytes of V4.1's packed rows (BLOCK_D = D): window rows, or
+    global KV entries where POOL_ROWS; FMT 0, elements (dims ≥ D zero)."""
     BN: tl.constexpr = ptr.shape[0]
-    if FP8:
+    if FMT == 2:
+        if POOL_ROWS:
+            # [E2M1 pairs, low nibble the even element: D/2][e4m3 scale per 16: D/16]
+            codes = tl.load(ptr[:, None] + tl.arange(0, D // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            vals = tl.reshape(tl.join(_e2m1(codes & 15), _e2m1((codes >> 4) & 15)), [BN, D])
+            sc = tl.load(ptr[:, None] + D // 2 + (tl.arange(0, D) // 16)[None, :], mask=valid[:, None], other=0)
+            scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            # [e4m3: D][ue8m0 scale per 32: D/32]
+            byte = tl.load(ptr[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
+            vals = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sc = tl.load(ptr[:, None] + D + (tl.arange(0, D) // 32)[None, :], mask=valid[:, None], other=0)
+            scale = ((sc.to(tl.int32) & 255) << 23).to(tl.float32, bitcast=True)
+        # exact in bf16 too: an e2m1 or e4m3 value times an e4m3 or power-of-two scale
+        return (vals * scale).to(OUT_T)
+    elif FMT == 1:
         NOPE: tl.constexpr = D - ROPE
         NB: tl.constexpr = D // 64                    # 64-wide dim blocks: NOPE // 64 nope blocks, then rope
         blk = tl.arange(0, NB)
@@ -79,7 +97,7 @@ def sparse_attn_kernel(
     NEW, s_new, RING, s_ring_slot, s_ring_row, POOL, s_pool_row, BT, s_bt, IDX, s_idx,
     TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX, split_rows,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
+    FMT: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
     PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -118,7 +136,7 @@ def sparse_attn_kernel(
                     new_ptr = NEW + (seg_row0 + tl.maximum(p - seg_start, 0)).to(tl.int64) * s_new
                     ring_ptr = RING + slot * s_ring_slot + (tl.maximum(p, 0) % WINDOW).to(tl.int64) * s_ring_row
                     valid = (p >= 0) & (v < end) & (v < WINDOW)
-                    kv = _load_rows(tl.where(p >= seg_start, new_ptr, ring_ptr), valid, D, ROPE, FP8, q.dtype, BLOCK_D)
+                    kv = _load_rows(tl.where(p >= seg_start, new_ptr, ring_ptr), valid, D, ROPE, FMT, q.dtype, BLOCK_D)
                     m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
             if MODE > 0:
                 # compressed rows: CSA the token's index list, HCA every visible entry
@@ -135,7 +153,7 @@ def sparse_attn_kernel(
                         row = blk.to(tl.int64) * EPB + jc % EPB
                     else:
                         row = jc.to(tl.int64)
-                    kv = _load_rows(POOL + row * s_pool_row, valid, D, ROPE, FP8, q.dtype, BLOCK_D)
+                    kv = _load_rows(POOL + row * s_pool_row, valid, D, ROPE, FMT, q.dtype, BLOCK_D, True)
                     m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
         else:
             # one loop over the whole row list (fewer registers live: packed fp8 with 64-head blocks)
@@ -166,7 +184,7 @@ def sparse_attn_kernel(
                     ptr = tl.where(in_win, tl.where(p >= seg_start, new_ptr, ring_ptr), ptr)
                     valid = tl.where(in_win, p >= 0, valid)
                 valid = valid & (v < end)
-                kv = _load_rows(ptr, valid, D, ROPE, FP8, q.dtype, BLOCK_D)
+                kv = _load_rows(ptr, valid, D, ROPE, FMT, q.dtype, BLOCK_D)   # FMT 0 or 1: one row format
                 m_i, l_i, acc = _update(q, kv, valid, m_i, l_i, acc, scale_log2, PREC)
         omask = hmask[:, None] & dmask[None, :]
         if FINAL:
@@ -293,14 +311,31 @@ def _words(x: torch.Tensor | None) -> torch.Tensor | None:
     return x.view(torch.int32)
 
 
+FORMAT_CODES = {"bf16": 0, "fp8": 1, "v41": 2}     # the kernels' FMT: float elements, V4 packed, V4.1 packed
+
+
+def _bytes(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Packed uint8 rows as int8 (the kernels bitcast bytes to e4m3), each row contiguous."""
+    if x is None:
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.view(torch.int8)
+
+
 def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, positions, slots,
-            seg_start, seg_row0, window, mode, ratio, epb, paged, fp8, head_dim, rope_dim, max_pos, cfg=None):
+            seg_start, seg_row0, window, mode, ratio, epb, paged, fmt, head_dim, rope_dim, max_pos, cfg=None):
     t, h, _ = q.shape
     dev = q.device
     block_d = triton.next_power_of_2(head_dim)
+    fmt_code = FORMAT_CODES[fmt]
+    fp8 = fmt_code == 1
     if fp8:
         assert rope_dim == 64 and head_dim == block_d >= 128, "packed fp8 entries: 64 rope dims, head_dim 2^k ≥ 128"
         new_kv, ring, pool = _words(new_kv), _words(ring), _words(pool)
+    elif fmt_code == 2:
+        assert head_dim == block_d >= 32, "packed V4.1 rows: head_dim 2^k ≥ 32"
+        new_kv, ring, pool = _bytes(new_kv), _bytes(ring), _bytes(pool)
     k_idx = idx.shape[1] if mode == 1 else 0
     if mode == 1:
         n_comp_max = k_idx
@@ -309,7 +344,7 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     else:
         n_comp_max = 0
     rows_max = window + n_comp_max
-    bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev, fp8)
+    bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev, fmt_code > 0)
     n_split = max(1, triton.cdiv(rows_max, split))
     out = torch.empty(t, h, head_dim, dtype=torch.float32, device=dev)
     if t == 0:
@@ -319,8 +354,9 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     idx_t = idx if mode == 1 else dummy
     new_t = new_kv if new_kv is not None else pool
     ring_t = ring if ring is not None else pool
-    common = dict(D=head_dim, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, WINDOW=window, MODE=mode,
-                  RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec, TWO_LOOPS=not (fp8 and bh >= 64))
+    # (one loop reads window and pool rows alike: V4.1's two row formats need the two loops)
+    common = dict(D=head_dim, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_H=bh, BLOCK_N=bn, FMT=fmt_code, WINDOW=window,
+                  MODE=mode, RATIO=max(ratio, 1), EPB=epb, PAGED=paged, PREC=prec, TWO_LOOPS=not (fp8 and bh >= 64))
     args_tail = (new_t, new_t.stride(0), ring_t, ring_t.stride(0) if ring is not None else 0,
                  ring_t.stride(1) if ring is not None else 0, pool, pool.stride(0),
                  block_tables if block_tables is not None else dummy,
@@ -351,7 +387,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torc
     t = q.shape[0]
     z = torch.zeros(t, dtype=torch.int32, device=q.device)
     return _launch(q, sink.float().contiguous(), scale, None, None, kv, None, idx.to(torch.int32), z,
-                   z, z, z, z, window=0, mode=1, ratio=0, epb=1, paged=False, fp8=False, head_dim=kv.shape[1],
+                   z, z, z, z, window=0, mode=1, ratio=0, epb=1, paged=False, fmt="bf16", head_dim=kv.shape[1],
                    rope_dim=0, max_pos=0, cfg=cfg)
 
 
@@ -359,7 +395,6 @@ def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio
                       rope_dim=0, window=128, max_pos=None, cfg=None):
     """See `hybridkv.ops.sparse_attn.sparse_attn_paged`. `cfg` overrides the launch shape
     (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages)."""
-    fp8 = fmt == "fp8"
     mode = 1 if idx is not None else (2 if ratio else 0)
     epb = batch.block_tokens // ratio if ratio else 1
     pool_flat = pool.reshape(-1, pool.shape[-1]) if pool is not None else new_kv
@@ -368,4 +403,4 @@ def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio
     return _launch(q, sink.float().contiguous(), scale, new_kv, ring, pool_flat, batch.block_tables,
                    None if idx is None else idx.to(torch.int32), batch.token_req, batch.positions, batch.slots,
                    batch.seg_start, batch.seg_row0, window=window, mode=mode, ratio=ratio, epb=epb, paged=True,
-                   fp8=fp8, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0, cfg=cfg)
+                   fmt=fmt, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0, cfg=cfg)
