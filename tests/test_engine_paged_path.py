@@ -25,7 +25,8 @@ def _generate(model, prompts, paged: bool, max_tokens: int, **kw):
     assert llm.engine.store.kernel_formats is None          # CPU: the reference path unless asked
     if paged:
         # the formats the paged ops read this store in (CUDA decides this itself; see PagedKVStore)
-        llm.engine.store.kernel_formats = ("fp8", "fp4") if kw.get("kv_format") == "fp8" else ("bf16", "bf16")
+        llm.engine.store.kernel_formats = {"fp8": ("fp8", "fp4"), "v41": ("v41", "fp4")}.get(kw.get("kv_format"),
+                                                                                            ("bf16", "bf16"))
     llm.engine.record_logits = True
     llm.engine.finished = {}
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -61,6 +62,26 @@ def test_paged_path_reads_packed_fp8_entries_and_fp4_keys():
     assert worst < 0.1
 
 
+V41_FIXTURE = ROOT / "tests" / "fixtures" / "v41-tiny"
+
+
+def test_v41_decode_reads_the_packed_layout_as_the_reference_path_does():
+    """V4.1 decode attention on the paged path (the window from each layer's ring, the selected global
+    entries from the kv source's pool, both in the packed "v41" layout) against the reference path:
+    a ragged decode group past the window (the ring wrapped) over Full, Reindex (candidate pool) and
+    Reuse layers of ratios 2 and 1."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (300, 170)]
+    kw = dict(kv_format="v41")
+    ref, ref_logits = _generate(V41_FIXTURE, prompts, False, 6, **kw)
+    paged, paged_logits = _generate(V41_FIXTURE, prompts, True, 6, **kw)
+    for rid, a in ref_logits.items():
+        b = paged_logits[rid]
+        assert torch.equal(a[0], b[0])                  # prefill: the reference path on both
+        rel = float((a[1:] - b[1:]).norm() / a[1:].norm())
+        assert rel < 1e-4, (rid, rel)
+
+
 def test_the_paged_path_is_not_taken_where_its_rows_would_be_wrong():
     """A window that starts after position 0 (bounded replay, state-less prefix hit) takes the
     reference path; in offload mode the paged path reads CSA main entries from the device pages."""
@@ -94,7 +115,8 @@ def _offload_run(model, prompts, paged: bool, policy: str, **kw):
     first one's cached blocks, whose CSA pages it loads from host memory); prefix caching on."""
     llm = LLM(model, num_blocks=96, max_num_seqs=1, max_num_batched_tokens=512, memory_policy=policy, **kw)
     if paged:
-        llm.engine.store.kernel_formats = ("fp8", "fp4") if kw.get("kv_format") == "fp8" else ("bf16", "bf16")
+        llm.engine.store.kernel_formats = {"fp8": ("fp8", "fp4"), "v41": ("v41", "fp4")}.get(kw.get("kv_format"),
+                                                                                            ("bf16", "bf16"))
     llm.engine.record_logits = True
     outs, logits = [], {}
     for p in prompts:

@@ -11,11 +11,14 @@ round trip (V4: FP8 nope dims in blocks of 64; V4.1: FP8 over all dims in blocks
 
 Two ways to the same math. Where the request's store offers the paged kernels (V4 on CUDA: see
 `PagedKVStore.kernel_formats`), the indexer scores the stored keys and attention reads the window
-ring, the token's own row and the selected entries where they live, in their stored format. The
-reference path gathers and decodes the rows first (CPU, V4.1, memory policies that keep entries
-off the device, the random-indexer ablation, attention-mass capture).
+ring, the token's own row and the selected entries where they live, in their stored format. V4.1
+decode groups over a store in the packed "v41" layout read the window and the selected global
+entries that way too (`_attend_kernels_v41`), their selection made as on the reference path. The
+reference path gathers and decodes the rows first (CPU, V4.1 prefill, memory policies that keep
+entries off the device, the random-indexer ablation, attention-mass capture).
 
-V4.1 batched decode (`_attend_decode_v41`) computes what a one-token segment computes, to the bit,
+On the reference path V4.1 batched decode (`_attend_decode_v41`) computes what a one-token segment
+computes, to the bit,
 not within a tolerance: V4.1's FP4/FP8 round trips turn a float32 round-off difference into a
 whole quantisation step wherever a value sits near a rounding midpoint. So a decode row keeps its
 place in the flat batch (the engine and `ced.plan`), the window is listed as a segment lists it,
@@ -388,7 +391,7 @@ class Attention(nn.Module):
         layer stores the entries its tokens complete; then the source's entries are selected by this
         layer's indexer (Full, Reindex) or by the last indexer's top-k of this decode group (Reuse)."""
         pos = dkv.positions
-        keys, valid = dkv.window(self.layer_id, kv)                        # [B, W, D], [B, W]
+        sel = None
         if self.ratio:
             if self.mode == "full":
                 self._append_global_kv_decode(dkv, rows)
@@ -402,6 +405,11 @@ class Attention(nn.Module):
                 if published is not None:
                     share.candidates[DECODE_GROUP] = published
                 share.topk[DECODE_GROUP] = sel
+        kargs = self._v41_kernel_args(dkv)
+        if kargs is not None:
+            return self._attend_kernels_v41(kargs, dkv, q, kv, sel)
+        keys, valid = dkv.window(self.layer_id, kv)                        # [B, W, D], [B, W]
+        if self.ratio:
             comp = dkv.gather_entries(self.kv_source, "kv", sel.clamp(min=0))
             # a one-token segment lists min(top-k, visible) entry columns (its selection's width)
             widths = self.window + n_entries.clamp(max=self.indexer_topk)
@@ -409,6 +417,30 @@ class Attention(nn.Module):
             valid = torch.cat([valid, sel >= 0], dim=1)
             return self._decode_attention(dkv, q, keys, valid, widths)
         return self._decode_attention(dkv, q, keys, valid)
+
+    def _v41_kernel_args(self, dkv: DecodeKV):
+        """The paged kernels' inputs for a V4.1 decode group (a store in the packed "v41" layout on
+        the kernels' path), or None where it takes the reference path."""
+        get = getattr(dkv, "kernel_args", None)
+        if get is None or getattr(dkv, "capture", None) is not None:
+            return None
+        kargs = get()
+        return kargs if kargs is not None and kargs.main_format == "v41" else None
+
+    def _attend_kernels_v41(self, kargs, dkv: DecodeKV, q, kv, sel: torch.Tensor | None) -> torch.Tensor:
+        """V4.1 decode attention read from the packed store: the window from this layer's ring (the
+        tokens' own rows as stored), the selected entries `sel` [B, k] (−1 = none) from the kv
+        source's pool. The selection itself ran over the source's index keys as on the reference
+        path."""
+        lid, src = self.layer_id, self.kv_source
+        stored = kargs.encode_window(kv)
+        dkv.write_window(lid, stored)        # ring row pos % W held pos − W, which no window reads any more
+        out = sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored, kargs.ring(lid),
+                                kargs.pool(src, "kv") if self.ratio else None, sel, self.ratio, "v41",
+                                self.head_dim, 0, self.window, max_pos=kargs.max_pos,
+                                tables=kargs.tables(src, "kv") if self.ratio else None)
+        dkv.done(lid)
+        return out
 
     def _append_global_kv_decode(self, dkv: DecodeKV, rows) -> None:
         """`_append_global_kv` for a decode group: the requests whose token completes a block store

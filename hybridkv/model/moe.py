@@ -7,8 +7,9 @@ path never uses it).
 Routed experts run three ways: with the grouped kernels on (FP4 experts; on CUDA unless
 `HYBRIDKV_GROUPED_FP4=0`, see `grouped_moe.cuda_kernel_enabled`), two grouped launches over the
 tokens sorted by expert that read the packed weights (no host synchronisation, so also inside the
-decode CUDA graph); otherwise one GEMM per expert that has tokens (the reference,
-host-synchronising), or in captured forwards `_routed_static` over dense expert weights.
+decode CUDA graph); otherwise each expert that has tokens over its rows (`_routed_by_expert`:
+host-synchronising; the row-wise steps once over all pairs), or in captured forwards
+`_routed_static` over dense expert weights.
 Deterministic mode and `HYBRIDKV_DENSE_WEIGHTS=1` keep the dense paths on CUDA."""
 
 from __future__ import annotations
