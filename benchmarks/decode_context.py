@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per pass and context")
     ap.add_argument("--passes", type=int, default=3, help="passes of --steps steps; the median pass counts")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8"])
+    ap.add_argument("--kv-format", default="native", choices=["native", "bf16", "fp8", "v41"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
     ap.add_argument("--eager", action="store_true", help="also time the paged kernels without CUDA graphs")

@@ -1,5 +1,6 @@
 """Random-weight checkpoints with a preset's real shapes load as release-format models and serve."""
 
+import pytest
 import torch
 
 from hybridkv.engine import LLM, SamplingParams
@@ -11,6 +12,26 @@ def test_shaped_config_keeps_the_pattern():
     c = shaped_config("v4-flash", layers=4, vocab=1024, experts=8, moe_inter=256)
     assert list(c.compress_ratios) == [0, 0, 4, 128, 0]
     assert (c.head_dim, c.hidden_size, c.index_topk, c.vocab_size) == (512, 4096, 512, 1024)
+
+
+def test_a_shorter_v41_stack_keeps_every_layer_mode():
+    """V4.1-Flash at fewer layers: its runs of ratio 2 and 1 shortened in proportion, the source
+    layers at the preset's offsets in each run; at the preset's depth, the preset itself."""
+    from hybridkv.presets import PRESETS
+    full = shaped_config("v4.1-flash", layers=40)
+    d = PRESETS["v4.1-flash"]
+    assert list(full.compress_ratios) == d["compress_ratios"]
+    assert (list(full.kv_source_layer_ids), list(full.index_source_layer_ids), full.candidate_source_layer_id) == \
+        (d["kv_source_layer_ids"], d["index_source_layer_ids"], d["candidate_source_layer_id"])
+    c = shaped_config("v4.1-flash", layers=20, vocab=1024, experts=8, moe_inter=256)
+    assert list(c.compress_ratios) == [0, 0] + [2] * 9 + [1] * 9 + [0, 0, 0]
+    kinds = [c.layer_kind(i) for i in range(20)]
+    assert kinds.count("full") == 3 and kinds.count("reindex") == 2 and kinds.count("reuse") == 13
+    assert c.candidate_source_layer_id == 11 and c.uses_candidates(15) and not c.uses_candidates(8)
+    four = shaped_config("v4.1-flash", layers=4)        # one layer of each ratio: both Full
+    assert [four.layer_kind(i) for i in range(4)] == ["swa", "swa", "full", "full"]
+    with pytest.raises(ValueError, match="window-only"):
+        shaped_config("v4.1-flash", layers=2)
 
 
 def test_random_fp8_checkpoint_loads_and_serves(tmp_path):

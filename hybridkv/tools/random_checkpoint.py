@@ -50,8 +50,8 @@ def shaped_config(preset: str, layers: int | None = None, vocab: int | None = No
                   moe_inter: int | None = None) -> ModelConfig:
     d = dict(PRESETS[preset])
     if layers is not None and d["model_type"] != "deepseek_v4":
-        raise ValueError(f"--layers reshapes V4 presets only ({preset} names its source layers by index)")
-    if layers is not None:
+        _shape_v41(d, layers)
+    elif layers is not None:
         ratios = list(d["compress_ratios"])
         n_all, mtp = len(ratios), d.get("num_nextn_predict_layers", 0)
         main = ratios[: n_all - mtp]
@@ -69,6 +69,46 @@ def shaped_config(preset: str, layers: int | None = None, vocab: int | None = No
     if moe_inter is not None:
         d["moe_intermediate_size"] = moe_inter
     return ModelConfig.from_dict(d)
+
+
+def _shape_v41(d: dict, layers: int) -> None:
+    """A V4.1 preset at `layers` backbone layers, in place: its window-only layers first, then each
+    run of one compression ratio (V4.1-Flash: 18 layers of ratio 2, then 20 of ratio 1) shortened in
+    proportion, and in each run the source layers at the preset's offsets from the run's start
+    (Full every 6 layers of the ratio-2 run; the ratio-1 run's first layer Full and the candidate
+    source, a Reindex layer every 4 after it), as far as the shorter run reaches. At the preset's
+    depth this is the preset."""
+    ratios = list(d["compress_ratios"])
+    mtp = d.get("num_nextn_predict_layers", 0)
+    main = ratios[: len(ratios) - mtp]
+    lead = next((i for i, r in enumerate(main) if r), len(main))
+    if layers <= lead:
+        raise ValueError(f"--layers {layers}: a V4.1 stack needs more than its {lead} window-only layers")
+    runs = []                                  # (ratio, first layer, length) in the preset
+    for i in range(lead, len(main)):
+        if runs and main[i] == runs[-1][0]:
+            runs[-1][2] += 1
+        else:
+            runs.append([main[i], i, 1])
+    rest, total = layers - lead, len(main) - lead
+    lengths = [max(1, round(n * rest / total)) for _, _, n in runs[:-1]]
+    lengths.append(rest - sum(lengths))
+    while lengths[-1] < 1:                      # too few layers for every run: drop the last ones
+        lengths.pop()
+        lengths[-1] += rest - sum(lengths)
+    new_ratios, kv, index, candidate, at = [0] * lead, [], [], None, lead
+    for (ratio, first, _), n in zip(runs, lengths):
+        new_ratios += [ratio] * n
+        for name, ids in (("kv", kv), ("index", index)):
+            src = d["kv_source_layer_ids" if name == "kv" else "index_source_layer_ids"]
+            ids += [at + i - first for i in src if first <= i < first + n]
+        if d.get("candidate_source_layer_id") is not None and first <= d["candidate_source_layer_id"] < first + n:
+            candidate = at + d["candidate_source_layer_id"] - first
+        at += n
+    d["compress_ratios"] = new_ratios + ratios[len(main):]
+    d["num_hidden_layers"] = layers
+    d["kv_source_layer_ids"], d["index_source_layer_ids"] = kv, index
+    d["candidate_source_layer_id"] = candidate
 
 
 class _Part(nn.Module):
