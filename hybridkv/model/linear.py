@@ -103,9 +103,9 @@ class Linear(nn.Module):
         return not (self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "float" and self.weight.dtype != self.compute_dtype:
-            return widened_linear(x, self.weight, self.compute_dtype)
-        if self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block):
+        if not self.gemm_on_dense(x):
+            if self.fmt == "float":
+                return widened_linear(x, self.weight, self.compute_dtype)
             return packed_fp8_linear(x, self.weight, self.scale, self.compute_dtype)
         y = F.linear(self.prepare_input(x), self.dense_weight())
         return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)

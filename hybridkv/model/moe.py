@@ -205,8 +205,8 @@ class MoE(nn.Module):
                                                x.dtype))
         out = torch.cat([F.linear(h[a:b], self.experts[e].w2.dense_weight()) for e, a, b in segments]).float()
         if hi - lo < ids.numel():     # other ranks' pairs add zero here
-            out = torch.zeros(ids.numel(), x.shape[-1], dtype=torch.float32, device=x.device).index_copy_(
-                0, torch.arange(lo, hi, device=x.device), out)
+            mine, out = out, out.new_zeros(ids.numel(), x.shape[-1])
+            out[lo:hi] = mine
         return grouped_moe.combine(out, sort, ids)
 
     def _routed_ordered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
