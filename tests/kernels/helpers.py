@@ -52,3 +52,18 @@ def random_batch(segments: list[tuple[int, int]], num_blocks: int, block_tokens:
         blocks, perm = perm[:need], perm[need:]
         items.append((slots[r], start, length, blocks))
     return PagedBatch.build(items, block_tokens=block_tokens, device=device)
+
+
+def decode_after_prefill(engine, formats: tuple[str, str] | None, monkeypatch, prefilled=None) -> None:
+    """Run `engine`'s first step (the prefills, on the reference path; `prefilled(engine)` checks
+    its state then), then its remaining decode steps through the paged kernels in the interpreter,
+    reading the store in `formats`, or on the reference path where formats is None."""
+    engine.step()
+    if prefilled is not None:
+        prefilled(engine)
+    if formats is not None:
+        engine.store.kernel_formats = formats
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    while engine.has_unfinished():
+        engine.step()
+    monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import interpreter_only
+from helpers import decode_after_prefill, interpreter_only
 from hybridkv.engine import LLM, SamplingParams
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
@@ -20,14 +20,11 @@ def _decode(kernels: bool, monkeypatch):
     g = torch.Generator().manual_seed(4)
     seq = eng.add_request(torch.randint(10, 500, (509,), generator=g).tolist(),
                           SamplingParams(max_tokens=5, ignore_eos=True))
-    eng.step()                                   # the prefill through the reference path
-    assert eng.stats.pages_evicted > 0          # 2 of the 4 blocks left resident
-    if kernels:
-        eng.store.kernel_formats = ("fp8", "fp4")
-        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
-    while eng.has_unfinished():
-        eng.step()
-    monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)
+
+    def two_of_four_blocks_resident(engine):
+        assert engine.stats.pages_evicted > 0
+
+    decode_after_prefill(eng, ("fp8", "fp4") if kernels else None, monkeypatch, two_of_four_blocks_resident)
     return seq.output_ids, torch.stack(seq.step_logits).float(), eng.stats.pages_written_back
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import interpreter_only
+from helpers import decode_after_prefill, interpreter_only
 from hybridkv.engine import LLM, SamplingParams
 
 V41_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v41-tiny"
@@ -19,13 +19,7 @@ def _decode(kernels: bool, monkeypatch):
     g = torch.Generator().manual_seed(5)
     seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
                             SamplingParams(max_tokens=4, ignore_eos=True)) for n in (200, 141)]
-    eng.step()                                   # the prefills through the reference path
-    if kernels:
-        eng.store.kernel_formats = ("v41", "fp4")
-        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
-    while eng.has_unfinished():
-        eng.step()
-    monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)
+    decode_after_prefill(eng, ("v41", "fp4") if kernels else None, monkeypatch)
     return [s.output_ids for s in seqs], [torch.stack(s.step_logits).float() for s in seqs]
 
 
