@@ -56,7 +56,8 @@ from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
 from decode_context import replay_ms, sync, timed_steps  # noqa: E402  (this folder is on sys.path)
 
-GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
+# the linear layers' kernels (widen: prefill's FP4 experts widened for the grouped GEMM, their cost)
+GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|widen|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
 # operator families of a step's kernels, first match wins (kernel names: Triton's function names,
 # torch's ATen kernel names, cuBLAS' nvjet/sm90 names)
 FAMILIES = [
@@ -176,8 +177,8 @@ def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[st
 def workload(a) -> tuple[list[tuple[int, int]], list[int]]:
     """The decode cells (batch, context) within --max-tokens (the others named as left out) and the
     prefill lengths the options ask for."""
-    batches = [int(b) for b in a.batches.split(",")]
-    contexts = [_parse_count(c) for c in a.contexts.split(",")]
+    batches = [int(b) for b in a.batches.split(",") if b]          # "": prefill only
+    contexts = [_parse_count(c) for c in a.contexts.split(",") if c]
     cells = [(b, c) for b in batches for c in contexts] + ([(1, 1 << 20)] if a.million else [])
     if a.max_tokens:
         for b, c in cells:

@@ -16,8 +16,8 @@ MODEL = ROOT / "models" / "tiny-v4"
 FP8_FIXTURE = ROOT / "tests" / "fixtures" / "v4-tiny-fp8"
 
 
-def _generate(model, prompts, max_tokens, **kw):
-    llm = LLM(model, device="cuda", dtype=torch.bfloat16, num_blocks=512, max_num_seqs=len(prompts),
+def _generate(model, prompts, max_tokens, dtype=torch.bfloat16, **kw):
+    llm = LLM(model, device="cuda", dtype=dtype, num_blocks=512, max_num_seqs=len(prompts),
               max_num_batched_tokens=8192, **kw)
     llm.engine.record_logits = True
     llm.engine.finished = {}
@@ -67,17 +67,36 @@ def test_engine_logits_do_not_depend_on_the_batch_in_deterministic_mode():
 
 def test_v41_decode_reads_the_packed_layout(monkeypatch):
     """V4.1 in its packed layout decodes through the kernels (window and selected global entries read
-    packed; prefill and the indexer's selection stay on the reference path): logits close to the
-    reference path's (whose other ops also run their plain-torch definitions)."""
+    packed; prefill and the indexer's selection stay on the reference path). The fixture's random
+    weights make the model chaotic in bf16: its bf16 reference path is 0.33 from its own float32
+    logits at 900 tokens (CPU too), so the kernels are held to what they change. Float32: kernels
+    against the whole reference path (H200, 2026-12-04: at most 7.4e-3 a step, the same tokens).
+    bf16: the kernels against the same run with the store offering no kernel formats (the reference
+    attention, every other op as before; below 1e-5 measured)."""
+    from hybridkv.cache import paged as paged_store
+    from hybridkv.model import attention
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (900, 300)]
     v41 = ROOT / "tests" / "fixtures" / "v41-tiny"
-    formats, _, paged = _generate(v41, prompts, 8, kv_format="v41")
-    assert formats == ("v41", "fp4")
-    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
-    formats, _, ref = _generate(v41, prompts, 8, kv_format="v41")
+    calls = []
+    through_kernels = attention.Attention._attend_kernels_v41
+    monkeypatch.setattr(attention.Attention, "_attend_kernels_v41",
+                        lambda self, *a, **k: calls.append(1) or through_kernels(self, *a, **k))
+    formats, out32, paged32 = _generate(v41, prompts, 6, kv_format="v41", dtype=torch.float32)
+    assert formats == ("v41", "fp4") and calls
+    _, out16, paged16 = _generate(v41, prompts, 6, kv_format="v41")
+    with monkeypatch.context() as m:
+        m.setattr(paged_store.PagedKVStore, "_kernel_formats", lambda self: None)
+        formats, ref_out16, ref16 = _generate(v41, prompts, 6, kv_format="v41")
     assert formats is None
-    for a, b in zip(ref, paged):
-        rel = float((a - b).norm() / a.norm())
-        print(f"logits, relative difference: {rel:.2e}")
-        assert rel < 5e-2
+    assert [o.output_ids for o in out16] == [o.output_ids for o in ref_out16]
+    for a, b in zip(ref16, paged16):
+        assert float((a - b).norm() / a.norm()) < 1e-3
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+    formats, ref_out32, ref32 = _generate(v41, prompts, 6, kv_format="v41", dtype=torch.float32)
+    assert formats is None
+    assert [o.output_ids for o in out32] == [o.output_ids for o in ref_out32]
+    for a, b in zip(ref32, paged32):
+        rel = (a - b).norm(dim=-1) / a.norm(dim=-1)
+        print(f"float32 logits by step, relative difference: {', '.join(f'{x:.1e}' for x in rel.tolist())}")
+        assert rel.max() < 2e-2

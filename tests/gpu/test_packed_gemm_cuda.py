@@ -132,13 +132,19 @@ def _flash_moe(experts=256, layer_id=5):
     return moe
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 2048])
-def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens,widen", [(1, "1"), (8, "1"), (64, "1"), (2048, "0"), (2048, "1")])
+def test_grouped_moe_matches_the_per_expert_loop_at_v4_flash_width(tokens, widen, monkeypatch):
+    """Decode sizes through the tensor-core FP4 kernel; 2048 tokens through the 64-row tiles
+    (`HYBRIDKV_FP4_WIDEN=0`) and through the experts widened for torch's grouped GEMM."""
     monkeypatch.setenv("HYBRIDKV_GROUPED_FP4", "1")
+    monkeypatch.setenv("HYBRIDKV_FP4_WIDEN", widen)
+    monkeypatch.setattr(grouped_moe, "WIDEN_MIN_ROWS_PER_EXPERT", 32)     # 2048 tokens: 48 rows an expert
     moe = _flash_moe()
     x = torch.randn(tokens, 4096, device=DEV).bfloat16()
     with torch.no_grad():
         weights, ids = moe.gate(x, torch.zeros(tokens, dtype=torch.long, device=DEV))
+        assert grouped_moe.widen_ok(x, ids.numel(), moe.expert_tables(x), torch.bfloat16) == (
+            tokens == 2048 and widen == "1")
         want = grouped_moe.reference.routed_experts(
             x.float(), weights, ids, moe.n_experts,
             lambda e, r, w: _dense_expert(moe.experts[e], r, w))

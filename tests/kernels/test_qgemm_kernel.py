@@ -370,3 +370,75 @@ def test_decode_sizes_choose_the_tensor_core_kernel_only_where_it_runs():
     proj = [[(torch.randint(-128, 128, (64, 128), generator=g, dtype=torch.int8),
               torch.full((64, 8), 2.0 ** (e - 3)).to(torch.float8_e8m0fnu)) for e in range(3)] for _ in range(3)]
     assert grouped_moe.expert_tables(*proj).scale_max == 126     # the largest scale, 2^-1
+
+
+def test_widened_experts_equal_the_dequantised_weights(device):
+    """`fp4_widen.widen_experts` writes the chosen experts' weights in bf16 bit for bit as the
+    reference dequantises them (exact: E2M1 times a power of two), w3's rows below w1's when paired,
+    from stacked experts with a gap between them, odd widths included."""
+    from hybridkv.ops.qgemm.fp4_widen import widen_experts
+    from hybridkv.ops.quant import dequant_fp4_weight
+    g = torch.Generator().manual_seed(5)
+    e, n, k = 5, 48, 320
+    store = torch.randint(0, 256, (e, n * k // 2 + 64), generator=g, dtype=torch.uint8)
+    codes = store[:, : n * k // 2].view(e, n, k // 2)                    # 64 spare bytes between experts
+    scales = torch.randint(110, 135, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    store3 = torch.randint(0, 256, (e, n * k // 2 + 64), generator=g, dtype=torch.uint8)
+    codes3 = store3[:, : n * k // 2].view(e, n, k // 2)
+    scales3 = torch.randint(110, 135, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    chosen = torch.tensor([4, 0, 2])
+
+    def dense(c, s, i):
+        return dequant_fp4_weight(c[i].view(torch.int8), s[i].view(torch.float8_e8m0fnu), 32, torch.bfloat16)
+
+    args = [t.to(device) for t in (codes, scales, chosen)]
+    got = widen_experts(*args).cpu()
+    assert got.shape == (3, n, k) and got.dtype == torch.bfloat16
+    for j, i in enumerate(chosen.tolist()):
+        assert torch.equal(got[j], dense(codes, scales, i))
+    buf = torch.full((4 * 2 * n * k,), float("nan"), dtype=torch.bfloat16, device=device)
+    both = widen_experts(*args, out=buf, second=(codes3.to(device), scales3.to(device))).cpu()
+    assert both.shape == (3, 2 * n, k)
+    for j, i in enumerate(chosen.tolist()):
+        assert torch.equal(both[j, :n], dense(codes, scales, i))
+        assert torch.equal(both[j, n:], dense(codes3, scales3, i))
+    with pytest.raises(ValueError, match="at least"):
+        widen_experts(*args, out=buf[:10])
+
+
+@pytest.mark.parametrize("scratch_experts", [1, 2, 6])
+def test_widened_prefill_matches_the_per_expert_loop(device, scratch_experts):
+    """The prefill path (experts widened a group at a time, torch's grouped GEMM, the SwiGLU and
+    the FP8 round trip between) against the per-expert loop in bf16, with one expert nobody chose
+    and groups of 1, 2 and all experts; the shared expert's output added in the sum back."""
+    moe = _fp4_moe(11, experts=6, topk=2, device=device)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(90, 256, generator=g) * 4).bfloat16().to(device)
+    with torch.no_grad():
+        weights, ids = moe.gate(x.float(), torch.zeros(90, dtype=torch.long, device=device))
+        ids = torch.where(ids == 3, torch.full_like(ids, 1), ids)         # expert 3 gets no tokens
+        ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 2) % 6, ids[:, 1])
+        ids = torch.where(ids == 3, torch.full_like(ids, 5), ids)
+        assert not (ids == 3).any() and (ids[:, 0] != ids[:, 1]).all()
+        projections = [[(getattr(e, w).weight, getattr(e, w).scale) for e in moe.experts] for w in ("w1", "w3", "w2")]
+        tables = grouped_moe.expert_tables(*projections)
+        plus = torch.randn(90, 256, generator=g).bfloat16().to(device)
+        limit = moe.experts[0].limit
+        per_expert = 3 * tables.inter * tables.dim * 2
+        got = grouped_moe.routed_experts_widened(x, weights, ids, tables, limit, plus=plus,
+                                                 scratch_bytes=scratch_experts * per_expert)
+        want = grouped_moe.reference.routed_experts(x.float(), weights, ids, moe.n_experts,
+                                                    lambda e, r, w: _bf16_expert(moe.experts[e], r, w, limit))
+    assert got.dtype == torch.float32 and got.shape == (90, 256)
+    err = rel_rms(want + plus.float(), got)
+    assert err < 2e-3
+
+
+def _bf16_expert(ex, rows, route, limit):
+    """An expert's definition with the bf16 model's rounding points (each projection's output,
+    the SwiGLU product before its FP8 round trip)."""
+    def lin(m, v):
+        return reference.fp4_linear(v, m.weight, m.scale, m.act_block, torch.float32).bfloat16().float()
+    gate, up = lin(ex.w1, rows), lin(ex.w3, rows)
+    up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+    return lin(ex.w2, (route * (torch.nn.functional.silu(gate) * up)).bfloat16().float())

@@ -143,6 +143,8 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     from hybridkv.ops.qgemm import fp4_mma
     n_experts = tables.w1.shape[0]
     p = ids.numel()
+    if widen_ok(x, p, tables, out_dtype):
+        return routed_experts_widened(x, weights, ids, tables, limit, plus=plus, result_dtype=result_dtype)
     mma = out_dtype in (torch.bfloat16, torch.float32) and fp4_mma.usable(x, (tables.inter, tables.dim),
                                                                             (tables.dim, tables.inter))
     cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True, mma=mma)
@@ -164,6 +166,66 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles_down, (tables.w2, tables.s2), tables.dim,
                               out_dtype, config=cfg_down, shift=shift)
     return combine_kernels.combine(out, inverse, ids, plus, result_dtype)
+
+
+# Widening pays once the experts average enough rows. H200, V4-Flash's width, 16K tokens in 8192-token
+# chunks (192 rows an expert): a widened expert cost 37 µs (its bf16 bytes written, then read by
+# the GEMM), a row 0.12 µs in the grouped GEMM against 0.335 µs in the grouped FP4 kernel; the
+# MoE's device time 244 against 263 ms, but the wall time no better (the counts' host read stalls
+# the queue once a layer). From 384 rows an expert (16K-token chunks) the same costs give 1.5×.
+WIDEN_MIN_ROWS_PER_EXPERT = 384
+WIDEN_SCRATCH_BYTES = 512 << 20        # the widened experts' scratch, at most (at least one expert)
+
+
+def widen_ok(x: torch.Tensor, pairs: int, tables: ExpertTables, out_dtype: torch.dtype) -> bool:
+    """Whether `routed_experts_fp4` widens the experts (`routed_experts_widened`): prefill-sized
+    launches (`WIDEN_MIN_ROWS_PER_EXPERT` pairs an expert or more) in bf16 on CUDA of stacked experts,
+    outside CUDA-graph capture (it reads the per-expert counts on the host), where torch has its
+    grouped GEMM; `HYBRIDKV_FP4_WIDEN=0` keeps the grouped FP4 kernel's tiles (a benchmark baseline)."""
+    return (x.is_cuda and pairs >= WIDEN_MIN_ROWS_PER_EXPERT * tables.w1.shape[0] and out_dtype == torch.bfloat16
+            and tables.stacked
+            and hasattr(torch, "_grouped_mm") and os.environ.get("HYBRIDKV_FP4_WIDEN", "1") != "0"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
+                           limit: float, plus: torch.Tensor | None = None,
+                           result_dtype: torch.dtype = torch.float32,
+                           scratch_bytes: int = WIDEN_SCRATCH_BYTES) -> torch.Tensor:
+    """`routed_experts_fp4` for prefill, in bf16: the experts that have tokens, a group at a time
+    (as many as `scratch_bytes` holds widened), widened to bf16 (`fp4_widen`), then per group one
+    grouped GEMM for w1 and w3 side by side, the SwiGLU times the routing weight, the FP8 round trip
+    and one grouped GEMM for w2. One host synchronisation (the per-expert counts). The same
+    definition as the FP4 kernels: each projection's output rounded to bf16, activations through
+    their FP8 round trip per 128 values; only the accumulation order differs."""
+    from hybridkv.ops.grouped_moe import triton as combine_kernels
+    from hybridkv.ops.qgemm.fp4_widen import widen_experts
+    from hybridkv.ops.quant.triton import fp8_round_trip
+    n_experts, dim, inter = tables.w1.shape[0], tables.dim, tables.inter
+    sort = sort_by_expert(ids, n_experts)
+    counts = sort.counts.tolist()
+    chosen = [e for e in range(n_experts) if counts[e]]
+    per_expert = 3 * inter * dim * 2                         # w1, w3 and w2 widened, bytes
+    group = max(1, min(len(chosen), scratch_bytes // per_expert))
+    xq = fp8_round_trip(x.contiguous().to(torch.bfloat16), ACT_BLOCK)
+    route = weights.reshape(-1)[sort.order].float()
+    out = torch.empty(ids.numel(), dim, dtype=torch.bfloat16, device=x.device)
+    up_buf = torch.empty(group * 2 * inter * dim, dtype=torch.bfloat16, device=x.device)
+    down_buf = torch.empty(group * dim * inter, dtype=torch.bfloat16, device=x.device)
+    offsets = sort.offsets.tolist()
+    chosen_dev = torch.nonzero(sort.counts).flatten()
+    for g0 in range(0, len(chosen), group):
+        experts = chosen[g0:g0 + group]
+        lo, hi = offsets[experts[0]], offsets[experts[-1] + 1]     # their rows: contiguous in expert order
+        ids_dev = chosen_dev[g0:g0 + group]
+        ends = (sort.offsets[ids_dev + 1] - lo).int()            # each expert's last row + 1, in the group
+        w13 = widen_experts(tables.w1, tables.s1, ids_dev, up_buf, second=(tables.w3, tables.s3))
+        rows = xq.index_select(0, sort.token[lo:hi])
+        gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=ends)
+        h = swiglu(gate_up[:, :inter], gate_up[:, inter:], limit, route[lo:hi, None], torch.bfloat16)
+        w2 = widen_experts(tables.w2, tables.s2, ids_dev, down_buf)
+        out[lo:hi] = torch._grouped_mm(fp8_round_trip(h, ACT_BLOCK), w2.transpose(-2, -1), offs=ends)
+    return combine_kernels.combine(out, sort.inverse, ids, plus, result_dtype)
 
 
 def gate_kernel_ok(scores: torch.Tensor, v41: bool, score_func: str) -> bool:
