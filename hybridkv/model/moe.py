@@ -161,7 +161,9 @@ class MoE(nn.Module):
         tables = self.expert_tables(x)
         if tables is not None:   # the shared expert's output added in the routed sum's last launch
             first = self.experts[0]
-            plus = self.shared_experts(x) if self.shared_experts is not None else None
+            shared = self.shared_experts
+            # launched where it keeps the device busy while the host waits (prefill's widened experts)
+            plus = (lambda: shared(x)) if shared is not None else None
             y = grouped_moe.routed_experts_fp4(x, *self._local_routing(weights, ids), tables, first.limit,
                                                first.w1.compute_dtype, plus=plus,
                                                result_dtype=x.dtype if par.single else torch.float32)

@@ -410,7 +410,8 @@ def test_widened_experts_equal_the_dequantised_weights(device):
 def test_widened_prefill_matches_the_per_expert_loop(device, scratch_experts):
     """The prefill path (experts widened a group at a time, torch's grouped GEMM, the SwiGLU and
     the FP8 round trip between) against the per-expert loop in bf16, with one expert nobody chose
-    and groups of 1, 2 and all experts; the shared expert's output added in the sum back."""
+    and groups of 1, 2 and all experts; the shared expert's output added in the sum back (given, or
+    a callable giving it)."""
     moe = _fp4_moe(11, experts=6, topk=2, device=device)
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(90, 256, generator=g) * 4).bfloat16().to(device)
@@ -425,7 +426,8 @@ def test_widened_prefill_matches_the_per_expert_loop(device, scratch_experts):
         plus = torch.randn(90, 256, generator=g).bfloat16().to(device)
         limit = moe.experts[0].limit
         per_expert = 3 * tables.inter * tables.dim * 2
-        got = grouped_moe.routed_experts_widened(x, weights, ids, tables, limit, plus=plus,
+        got = grouped_moe.routed_experts_widened(x, weights, ids, tables, limit,
+                                                 plus=(lambda: plus) if scratch_experts == 1 else plus,
                                                  scratch_bytes=scratch_experts * per_expert)
         want = grouped_moe.reference.routed_experts(x.float(), weights, ids, moe.n_experts,
                                                     lambda e, r, w: _bf16_expert(moe.experts[e], r, w, limit))

@@ -2,13 +2,16 @@
 experts, 128-wide activation blocks; on CUDA only with `cuda_kernel_enabled`) two launches compute
 every routed expert: w1 and w3 with the SwiGLU and the
 routing weight, then w2, each reading the packed FP4 weights; sorting, tiling and the weighted
-sum back are torch operations without host synchronisation (CUDA-graph capturable). Elsewhere
+sum back are torch operations without host synchronisation (CUDA-graph capturable). Prefill
+chunks large enough (`widen_ok`) widen the experts with tokens to bf16 a group at a time for
+torch's grouped GEMM instead (`routed_experts_widened`, one host read of the row offsets). Elsewhere
 `reference.routed_experts`: one dense GEMM per expert segment."""
 
 from __future__ import annotations
 
 import array
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,10 +134,11 @@ def grouped_kernel_ok(x: torch.Tensor, act_block: int, dim: int, inter: int) -> 
 
 
 def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
-                       limit: float, out_dtype: torch.dtype, plus: torch.Tensor | None = None,
+                       limit: float, out_dtype: torch.dtype, plus: torch.Tensor | Callable | None = None,
                        result_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [T, D], routing weights [T, k], ids [T, k] -> [T, D] of result_dtype: the routed experts'
-    float32 sum (plus `plus` [T, D], the shared expert's output, when given), in two grouped
+    float32 sum (plus `plus` [T, D], the shared expert's output, when given; a callable giving it is
+    called where its launches overlap a host wait), in two grouped
     launches over the sorted pairs and one that adds each token's rows; for decode sizes the
     sorting and tiling are one more launch (`triton.route`)."""
     from hybridkv.ops.grouped_moe import triton as combine_kernels
@@ -145,6 +149,8 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     p = ids.numel()
     if widen_ok(x, p, tables, out_dtype):
         return routed_experts_widened(x, weights, ids, tables, limit, plus=plus, result_dtype=result_dtype)
+    if callable(plus):
+        plus = plus()
     mma = out_dtype in (torch.bfloat16, torch.float32) and fp4_mma.usable(x, (tables.inter, tables.dim),
                                                                             (tables.dim, tables.inter))
     cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True, mma=mma)
@@ -189,13 +195,14 @@ def widen_ok(x: torch.Tensor, pairs: int, tables: ExpertTables, out_dtype: torch
 
 
 def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
-                           limit: float, plus: torch.Tensor | None = None,
+                           limit: float, plus: torch.Tensor | Callable | None = None,
                            result_dtype: torch.dtype = torch.float32,
                            scratch_bytes: int = WIDEN_SCRATCH_BYTES) -> torch.Tensor:
     """`routed_experts_fp4` for prefill, in bf16: the experts that have tokens, a group at a time
     (as many as `scratch_bytes` holds widened), widened to bf16 (`fp4_widen`), then per group one
     grouped GEMM for w1 and w3 side by side, the SwiGLU times the routing weight, the FP8 round trip
-    and one grouped GEMM for w2. One host synchronisation (the per-expert counts). The same
+    and one grouped GEMM for w2. One host synchronisation (the experts' row offsets; a callable
+    `plus` is launched before the host waits for them, so the device has work meanwhile). The same
     definition as the FP4 kernels: each projection's output rounded to bf16, activations through
     their FP8 round trip per 128 values; only the accumulation order differs."""
     from hybridkv.ops.grouped_moe import triton as combine_kernels
@@ -203,17 +210,25 @@ def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     from hybridkv.ops.quant.triton import fp8_round_trip
     n_experts, dim, inter = tables.w1.shape[0], tables.dim, tables.inter
     sort = sort_by_expert(ids, n_experts)
-    counts = sort.counts.tolist()
-    chosen = [e for e in range(n_experts) if counts[e]]
-    per_expert = 3 * inter * dim * 2                         # w1, w3 and w2 widened, bytes
-    group = max(1, min(len(chosen), scratch_bytes // per_expert))
+    host = torch.empty(n_experts + 1, dtype=torch.int64, pin_memory=x.is_cuda)
+    host.copy_(sort.offsets, non_blocking=True)
+    arrived = torch.cuda.Event() if x.is_cuda else None
+    if arrived is not None:
+        arrived.record()
+    if callable(plus):
+        plus = plus()
     xq = fp8_round_trip(x.contiguous().to(torch.bfloat16), ACT_BLOCK)
     route = weights.reshape(-1)[sort.order].float()
+    if arrived is not None:
+        arrived.synchronize()          # the device still has the work queued above
+    offsets = host.tolist()
+    chosen = [e for e in range(n_experts) if offsets[e + 1] > offsets[e]]
+    chosen_dev = torch.tensor(chosen, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    per_expert = 3 * inter * dim * 2                         # w1, w3 and w2 widened, bytes
+    group = max(1, min(len(chosen), scratch_bytes // per_expert))
     out = torch.empty(ids.numel(), dim, dtype=torch.bfloat16, device=x.device)
     up_buf = torch.empty(group * 2 * inter * dim, dtype=torch.bfloat16, device=x.device)
     down_buf = torch.empty(group * dim * inter, dtype=torch.bfloat16, device=x.device)
-    offsets = sort.offsets.tolist()
-    chosen_dev = torch.nonzero(sort.counts).flatten()
     for g0 in range(0, len(chosen), group):
         experts = chosen[g0:g0 + group]
         lo, hi = offsets[experts[0]], offsets[experts[-1] + 1]     # their rows: contiguous in expert order

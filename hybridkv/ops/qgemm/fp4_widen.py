@@ -22,42 +22,34 @@ import triton.language as tl
 from hybridkv.ops.qgemm.layout import FP4_BLOCK, _e8m0
 from hybridkv.ops.qgemm.triton import _e2m1
 
-BLOCK_N = 32
 BLOCK_BYTES = 128       # packed bytes (256 inputs) a program widens per row
 
 
 @triton.jit
-def widen_kernel(W, S, W2, S2, IDS, OUT, N, KB, ew_stride, es_stride,
+def widen_kernel(W, S, W2, S2, IDS, OUT32, N, KB, ew_stride, es_stride,
                  TWO: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, SB: tl.constexpr):
-    """OUT[g, n, :] = the widened row n of expert IDS[g] (rows N..2N from W2/S2 when TWO); SB packed
-    bytes share a scale."""
+    """OUT32[g, n, j] = the bf16 pair (even input in the low half) of packed byte j of row n of
+    expert IDS[g]; rows N..2N from W2/S2 when TWO (BN divides N, so a program reads one of them).
+    SB packed bytes share a scale. Each code pair leaves as one int32: no shuffle, one wide store."""
     g = tl.program_id(2)
     e = tl.load(IDS + g).to(tl.int64)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    first = tl.program_id(0) * BN
+    w, s = W, S
+    if TWO:
+        if first >= N:
+            w, s = W2, S2
+    rn = first + tl.arange(0, BN)
+    src_n = tl.where(rn >= N, rn - N, rn).to(tl.int64)
     rb = tl.program_id(1) * BB + tl.arange(0, BB)
-    src_n = rn
-    if TWO:
-        second = rn >= N
-        src_n = tl.where(second, rn - N, rn)
     ok = (src_n < N)[:, None] & (rb < KB)[None, :]
-    off_b = e * ew_stride + src_n.to(tl.int64)[:, None] * KB + rb[None, :]
-    off_s = e * es_stride + src_n.to(tl.int64)[:, None] * (KB // SB) + (rb // SB)[None, :]
-    if TWO:
-        sec = second[:, None]
-        b = tl.where(sec, tl.load(W2 + off_b, mask=ok & sec, other=0), tl.load(W + off_b, mask=ok & ~sec, other=0))
-        sc = tl.where(sec, tl.load(S2 + off_s, mask=ok & sec, other=127), tl.load(S + off_s, mask=ok & ~sec, other=127))
-    else:
-        b = tl.load(W + off_b, mask=ok, other=0)
-        sc = tl.load(S + off_s, mask=ok, other=127)
-    b = b.to(tl.int32) & 255
+    b = tl.load(w + e * ew_stride + src_n[:, None] * KB + rb[None, :], mask=ok, other=0).to(tl.int32) & 255
+    sc = tl.load(s + e * es_stride + src_n[:, None] * (KB // SB) + (rb // SB)[None, :], mask=ok, other=127)
     scale = _e8m0(sc)
-    lo = (_e2m1(b & 15) * scale).to(tl.bfloat16)
-    hi = (_e2m1(b >> 4) * scale).to(tl.bfloat16)
-    vals = tl.interleave(lo, hi)                                      # [BN, 2·BB]: even, odd, even, ...
+    lo = (_e2m1(b & 15) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = (_e2m1(b >> 4) * scale).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
     rows = (TWO + 1) * N
-    col = tl.program_id(1) * 2 * BB + tl.arange(0, 2 * BB)
-    dst = OUT + (g.to(tl.int64) * rows + rn.to(tl.int64)[:, None]) * (2 * KB) + col[None, :]
-    tl.store(dst, vals, mask=(rn < rows)[:, None] & (col < 2 * KB)[None, :])
+    dst = OUT32 + (g.to(tl.int64) * rows + rn.to(tl.int64)[:, None]) * KB + rb[None, :]
+    tl.store(dst, lo | (hi << 16), mask=ok)
 
 
 def widen_experts(codes: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor, out: torch.Tensor | None = None,
@@ -85,7 +77,8 @@ def widen_experts(codes: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
     if g == 0:
         return y
     w2, s2 = second if second is not None else (codes, scales)
-    grid = (triton.cdiv(rows, BLOCK_N), triton.cdiv(kb, BLOCK_BYTES), g)
-    widen_kernel[grid](codes, scales, w2, s2, experts, y, n, kb, codes.stride(0), scales.stride(0),
-                       TWO=second is not None, BN=BLOCK_N, BB=BLOCK_BYTES, SB=FP4_BLOCK // 2)
+    bn = min(32, n & -n)                 # the largest power of two (up to 32) dividing N
+    grid = (rows // bn, triton.cdiv(kb, BLOCK_BYTES), g)
+    widen_kernel[grid](codes, scales, w2, s2, experts, y.view(torch.int32), n, kb, codes.stride(0), scales.stride(0),
+                       TWO=second is not None, BN=bn, BB=BLOCK_BYTES, SB=FP4_BLOCK // 2)
     return y
