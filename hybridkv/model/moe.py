@@ -247,7 +247,8 @@ class MoE(nn.Module):
         pair's expert weights are gathered and applied as a batched matrix-vector product (reads only
         the selected experts). Many pairs, and always in deterministic mode (one arithmetic whatever
         the batch): every expert runs over every token as one GEMM per projection, pairs that were not
-        routed weigh 0, and w2 sums over the experts inside its GEMM. Float32 [T, dim]."""
+        routed weigh 0, and w2 sums over the experts inside its GEMM (in deterministic mode: per
+        expert, added as `_routed_by_expert` adds, `_expert_order_sum`). Float32 [T, dim]."""
         w1, w3, w2 = self.stacked_weights()      # [E·inter, dim] ×2, [dim, E·inter]
         first = self.experts[0]
         n, inter = len(self.experts), first.w1.out_features
@@ -258,20 +259,39 @@ class MoE(nn.Module):
             xs = xin.repeat_interleave(k, 0).unsqueeze(-1)                              # [T·k, dim, 1]
             gate = torch.bmm(w1.view(n, inter, -1)[flat], xs).squeeze(-1).float()       # [T·k, inter]
             up = torch.bmm(w3.view(n, inter, -1)[flat], xs).squeeze(-1).float()
-            route = weights.reshape(-1, 1)
-        else:
-            gate = F.linear(xin, w1).float().view(t, n, inter)
-            up = F.linear(xin, w3).float().view(t, n, inter)
-            # (adds: under expert parallelism several zero-weight pairs share local expert 0)
-            route = torch.zeros(t, n, dtype=weights.dtype, device=x.device).scatter_add_(1, ids, weights).unsqueeze(-1)
-        if first.limit > 0:
-            up = up.clamp(-first.limit, first.limit)
-            gate = gate.clamp(max=first.limit)
-        h = first.w2.prepare_input((route * (F.silu(gate) * up)).to(x.dtype))
-        if h.dim() == 2:
+            if first.limit > 0:
+                up = up.clamp(-first.limit, first.limit)
+                gate = gate.clamp(max=first.limit)
+            h = first.w2.prepare_input((weights.reshape(-1, 1) * (F.silu(gate) * up)).to(x.dtype))
             w2e = w2.view(w2.shape[0], n, inter).transpose(0, 1)[flat]                  # [T·k, dim, inter]
             return torch.bmm(w2e, h.unsqueeze(-1)).squeeze(-1).float().view(t, k, -1).sum(1)
-        return F.linear(h.flatten(1), w2).float()
+        # (adds: under expert parallelism several zero-weight pairs share local expert 0)
+        route = torch.zeros(t, n, dtype=weights.dtype, device=x.device).scatter_add_(1, ids, weights)
+        # each projection's output in x's dtype and the SwiGLU of `swiglu_rows`, as `_routed_by_expert`
+        h = swiglu_rows(F.linear(xin, w1).view(t * n, inter), F.linear(xin, w3).view(t * n, inter), first.limit,
+                        route.view(t * n, 1), x.dtype)
+        h = first.w2.prepare_input(h).view(t, n, inter)
+        if not is_deterministic():
+            return F.linear(h.flatten(1), w2).float()          # w2 sums over the experts inside its GEMM
+        return self._expert_order_sum(h, w2, ids)
+
+    def _expert_order_sum(self, h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode: w2 of every expert over every token, each output in h's dtype, then
+        each token's chosen experts added in expert order from zero in float32 — the arithmetic of
+        `_routed_by_expert` and `grouped_moe.combine`, so that a decode row captured in a CUDA graph
+        and the same row run eagerly (a verify wave, a step beside a prefill chunk) agree to the bit
+        where the GEMMs are batch-invariant. h [T, E, inter] -> float32 [T, dim]."""
+        t, n, inter = h.shape
+        per = torch.bmm(h.transpose(0, 1), w2.view(w2.shape[0], n, inter).permute(1, 2, 0))   # [E, T, dim]
+        order = ids.sort(dim=1).values
+        tokens = torch.arange(t, device=h.device)
+        y = torch.zeros(t, w2.shape[0], dtype=torch.float32, device=h.device)
+        for j in range(ids.shape[1]):
+            part = per[order[:, j], tokens].float()
+            if j:   # an expert once (expert parallelism's zero-weight copies of local expert 0)
+                part = part * (order[:, j] != order[:, j - 1]).unsqueeze(-1)
+            y = y + part
+        return y
 
     def expert_tables(self, x: torch.Tensor) -> grouped_moe.ExpertTables | None:
         """The grouped kernels' per-expert weight addresses when they run for x (FP4 experts on

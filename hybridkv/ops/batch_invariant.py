@@ -93,15 +93,16 @@ def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
     return y
 
 
-def enable(on: bool) -> None:
-    """Install (or remove) the batch-invariant CUDA implementations."""
+def enable(on: bool, dispatch_key: str = "CUDA") -> None:
+    """Install (or remove) the batch-invariant implementations for `dispatch_key`: CUDA in the
+    deterministic mode; the interpreter tests install them for CPU tensors."""
     global _LIB
     if on and _LIB is None:
         lib = torch.library.Library("aten", "IMPL")
-        lib.impl("mm", lambda a, b: mm(a, b), "CUDA")
-        lib.impl("addmm", _addmm, "CUDA")
-        lib.impl("bmm", _bmm, "CUDA")
-        lib.impl("mean.dim", _mean_dim, "CUDA")
+        lib.impl("mm", lambda a, b: mm(a, b), dispatch_key)
+        lib.impl("addmm", _addmm, dispatch_key)
+        lib.impl("bmm", _bmm, dispatch_key)
+        lib.impl("mean.dim", _mean_dim, dispatch_key)
         _LIB = lib
     elif not on and _LIB is not None:
         _LIB._destroy()

@@ -3,7 +3,10 @@ speculative outputs equal plain decoding's token for token over prompts whose dr
 compression blocks, which holds only if a verify forward of k+1 tokens rounds as k+1 one-token
 steps do (without that mode bf16 near-ties part them, BENCHMARKS.md). On CUDA the verify rows run
 as decode waves (`speculative_verify` auto), so their attention is the decode path's; as one
-segment per request it failed here (2026-12-02)."""
+segment per request it failed here (2026-12-02), and as waves too (2026-12-04: tokens parted at
+the 22nd), since plain decoding replays CUDA graphs, whose MoE ran every expert over every token
+and summed in w2's GEMM, while the eager verify forward ran each expert over its rows: the MoE now
+has one arithmetic in deterministic mode (`MoE._expert_order_sum`; not yet re-run here)."""
 
 from pathlib import Path
 
