@@ -17,10 +17,14 @@ _LIB: torch.library.Library | None = None
 
 
 @triton.jit
-def _mm_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn, BM: tl.constexpr, BN: tl.constexpr,
+def _mm_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn, sab, sbb, scb, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, PREC: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)       # bmm: one matrix product per batch index
+    A += batch * sab
+    B += batch * sbb
+    C += batch * scb
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -46,21 +50,27 @@ def _row_mean_kernel(X, Y, N, sx, BLOCK: tl.constexpr):
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    m, k = a.shape
-    n = b.shape[1]
-    c = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
-    if m == 0 or n == 0:
-        return c
+    """a [M, K] @ b [K, N], or batched a [G, M, K] @ b [G, K, N] in one launch (each product's
+    elements computed exactly as a 2-D product of the same rows computes them)."""
+    batched = a.dim() == 3
+    a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
+    g, m, k = a3.shape
+    n = b3.shape[2]
+    c = torch.empty(g, m, n, dtype=out_dtype or a.dtype, device=a.device)
+    out = c if batched else c[0]
+    if g == 0 or m == 0 or n == 0:
+        return out
     if k == 0:
-        return c.zero_()
+        return out.zero_()
     f32 = a.dtype == torch.float32 or b.dtype == torch.float32
     if a.dtype != b.dtype:
-        a, b = a.float(), b.float()
+        a3, b3 = a3.float(), b3.float()
     bm, bn, bk = (64, 64, 32) if f32 else (128, 128, 64)
-    _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0),
-                                                         b.stride(1), c.stride(0), c.stride(1), BM=bm, BN=bn, BK=bk,
-                                                         PREC="ieee" if f32 else "tf32", num_warps=4 if f32 else 8)
-    return c
+    _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), g)](
+        a3, b3, c, m, n, k, a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2), c.stride(1), c.stride(2),
+        a3.stride(0), b3.stride(0), c.stride(0), BM=bm, BN=bn, BK=bk, PREC="ieee" if f32 else "tf32",
+        num_warps=4 if f32 else 8)
+    return out
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
@@ -73,8 +83,7 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 
 
 def _bmm(a, b):
-    return torch.stack([mm(a[i], b[i]) for i in range(a.shape[0])]) if a.shape[0] else a.new_empty(0, a.shape[1],
-                                                                                                   b.shape[2])
+    return mm(a, b)
 
 
 def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
