@@ -202,8 +202,8 @@ class PagedKVStore:
         attention runs the reference path over gathered rows: off CUDA (unless forced, see
         `hybridkv.ops.backend`) and for packed shapes the kernels do not take (fp8: 64 rope dims,
         head_dim 2^k; v41: head_dim 2^k). V4.1 stores in their packed layout ("v41") run decode
-        attention on the kernels; V4.1 prefill, its indexer and V4.1 stores in other layouts take the
-        reference path. In offload mode the kernels read CSA main entries from the device
+        attention and its indexer scoring on the kernels; V4.1 prefill and V4.1 stores in other
+        layouts take the reference path. In offload mode the kernels read CSA main entries from the device
         pages (`KernelArgs.pool`), and completed blocks are written back to host memory (`write_back`)."""
         c = self.config
         probe = torch.empty(0, device=self.device)

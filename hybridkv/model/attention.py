@@ -43,7 +43,7 @@ from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm
 from hybridkv.ops.compress import compress_decode_ok, compress_decode_paged, compress_paged
-from hybridkv.ops.indexer_topk import indexer_topk_paged
+from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
 from hybridkv.ops.window import write_window_fp8
 from hybridkv.ops.sparse_attn.reference import attention_probs
@@ -392,6 +392,7 @@ class Attention(nn.Module):
         layer's indexer (Full, Reindex) or by the last indexer's top-k of this decode group (Reuse)."""
         pos = dkv.positions
         sel = None
+        kargs = self._v41_kernel_args(dkv)
         if self.ratio:
             if self.mode == "full":
                 self._append_global_kv_decode(dkv, rows)
@@ -399,13 +400,18 @@ class Attention(nn.Module):
             if self.indexer is None:
                 sel = share.topk[DECODE_GROUP]
             else:
-                index_keys = dkv.entries(self.kv_source, "index", n_entries)        # [B, N, di]
                 pool = share.candidates.get(DECODE_GROUP) if self.indexer.uses_candidates else None
-                sel, published = self.indexer.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
+                if kargs is not None:       # scored over the stored keys in place; the choice as below
+                    scores = paged_scores(rows["idx_q"], rows["idx_w"], kargs.batch,
+                                          kargs.pool(self.kv_source, "index"), self.ratio, kargs.index_format,
+                                          self.indexer.head_dim, max_visible=(kargs.max_pos + 1) // self.ratio)
+                    sel, published = self.indexer.select_scored(scores, pos, pool)
+                else:
+                    index_keys = dkv.entries(self.kv_source, "index", n_entries)        # [B, N, di]
+                    sel, published = self.indexer.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
                 if published is not None:
                     share.candidates[DECODE_GROUP] = published
                 share.topk[DECODE_GROUP] = sel
-        kargs = self._v41_kernel_args(dkv)
         if kargs is not None:
             return self._attend_kernels_v41(kargs, dkv, q, kv, sel)
         keys, valid = dkv.window(self.layer_id, kv)                        # [B, W, D], [B, W]
@@ -430,8 +436,8 @@ class Attention(nn.Module):
     def _attend_kernels_v41(self, kargs, dkv: DecodeKV, q, kv, sel: torch.Tensor | None) -> torch.Tensor:
         """V4.1 decode attention read from the packed store: the window from this layer's ring (the
         tokens' own rows as stored), the selected entries `sel` [B, k] (−1 = none) from the kv
-        source's pool. The selection itself ran over the source's index keys as on the reference
-        path."""
+        source's pool. The selection was scored over the source's stored index keys by the paged
+        kernels (`paged_scores`) and chosen by the indexer's own rules (`LatentIndexer.select_scored`)."""
         lid, src = self.layer_id, self.kv_source
         stored = kargs.encode_window(kv)
         dkv.write_window(lid, stored)        # ring row pos % W held pos − W, which no window reads any more

@@ -84,6 +84,13 @@ class LatentIndexer(nn.Module):
         scores = (torch.einsum("bhd,bnd->bhn", q.float(), keys.float()).relu_() * w.float().unsqueeze(-1)).sum(1)
         return self._choose(mask_invisible(scores, visible), visible, pool)
 
+    def select_scored(self, scores: torch.Tensor, positions: torch.Tensor,
+                      pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`select_batched` from scores the paged kernels computed over the stored keys
+        (`indexer_topk.paged_scores`: [B, N], −inf beyond each request's visible entries)."""
+        visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
+        return self._choose(mask_invisible(scores, visible), visible, pool)
+
     def _choose(self, scores: torch.Tensor, visible: torch.Tensor,
                 pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Masked scores -> (top-k ids in position order, the published candidate pool or None)."""

@@ -67,12 +67,13 @@ def test_engine_logits_do_not_depend_on_the_batch_in_deterministic_mode():
 
 def test_v41_decode_reads_the_packed_layout(monkeypatch):
     """V4.1 in its packed layout decodes through the kernels (window and selected global entries read
-    packed; prefill and the indexer's selection stay on the reference path). The fixture's random
-    weights make the model chaotic in bf16: its bf16 reference path is 0.33 from its own float32
-    logits at 900 tokens (CPU too), so the kernels are held to what they change. Float32: kernels
-    against the whole reference path (H200, 2026-12-04: at most 7.4e-3 a step, the same tokens).
-    bf16: the kernels against the same run with the store offering no kernel formats (the reference
-    attention, every other op as before; below 1e-5 measured)."""
+    packed, the indexer scored over the stored keys; prefill stays on the reference path). The
+    fixture's random weights make the model chaotic in bf16: its bf16 reference path is 0.33 from
+    its own float32 logits at 900 tokens (CPU too), so the kernels are held to what they change.
+    Float32: kernels against the whole reference path. bf16: the kernels against the same run with
+    the store offering no kernel formats (reference attention and selection, every other op as
+    before). Measured on the H200 (2026-12-04) before the indexer scoring moved to the kernels: at
+    most 7.4e-3 a step in float32 with the same tokens, below 1e-5 in bf16."""
     from hybridkv.cache import paged as paged_store
     from hybridkv.model import attention
     g = torch.Generator().manual_seed(1)

@@ -274,3 +274,28 @@ def test_fp4_keys_as_scaled_fp16_are_exact(device, d):
     out = torch.empty(n, d, device=device)
     _decode16[(1,)](pool.to(device), pool.shape[1], out, D=d, WORDS=words, EPB=epb, BN=n)
     assert torch.equal(out.cpu(), unpack_index_fp4(buf, d))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_paged_scores_are_the_reference_scores(kernels, device, fmt, monkeypatch):
+    """`paged_scores` (the decode scoring launch alone, its keys turned back into floats): each row's
+    scores over the entries its block table reaches equal the reference's (the FP4 keys' products
+    exact in fp16, sums in fp32), −inf beyond a row's visible entries; the reference `paged_scores`
+    equals them too."""
+    from hybridkv.ops import indexer_topk
+    d, ratio = 64, 4
+    batch, q, w, keys, pool = _paged_case(torch.Generator().manual_seed(5), fmt, kernels, 1, monkeypatch)
+    got = kernels.paged_scores(q.to(device), w.to(device), batch.to(device), pool.to(device), ratio, fmt, d).cpu()
+    vis = (batch.positions.long() + 1) // ratio
+    assert got.shape == (batch.num_tokens, int(vis.max()))
+    for tok in range(batch.num_tokens):
+        v = int(vis[tok])
+        cols = torch.arange(v)
+        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, 16 // ratio)
+        want = reference.index_scores(q[tok:tok + 1], w[tok:tok + 1], keys[rows])[0]
+        assert torch.allclose(got[tok, :v], want, rtol=1e-5, atol=1e-5)
+        assert torch.isneginf(got[tok, v:]).all()
+    ref = reference.paged_scores(q, w, batch, pool, ratio, fmt, d)
+    assert torch.allclose(ref, got, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+    assert torch.equal(indexer_topk.paged_scores(q, w, batch, pool, ratio, fmt, d), ref)

@@ -22,6 +22,18 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     return reference.causal_topk(reference.index_scores(q, weights, keys), visible, topk)
 
 
+def paged_scores(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, ratio: int = 4, fmt: str = "bf16",
+                 head_dim: int | None = None, max_visible: int | None = None) -> torch.Tensor:
+    """Indexer scores Σ_h w_h·relu(q_h·k) of one decode token per row of a paged batch over the
+    compressed entries it sees: float32 [T, max_visible], −inf beyond a row's visible entries
+    ((pos + 1) // ratio). For callers that select with rules of their own (V4.1's candidate pool);
+    `indexer_topk_paged` selects in the kernels. `pool`/`fmt` as there."""
+    if use_triton(q):
+        from hybridkv.ops.indexer_topk import triton as kernels
+        return kernels.paged_scores(q, weights, batch, pool, ratio, fmt, head_dim, max_visible)
+    return reference.paged_scores(q, weights, batch, pool, ratio, fmt, head_dim, max_visible)
+
+
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
                        fmt: str = "bf16", head_dim: int | None = None, max_visible: int | None = None,
                        resident: torch.Tensor | None = None) -> torch.Tensor:

@@ -77,6 +77,24 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
     return out
 
 
+def paged_scores(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, ratio: int = 4,
+                 fmt: str = "bf16", head_dim: int | None = None, max_visible: int | None = None) -> torch.Tensor:
+    """Each row's scores over its request's visible entries, gathered through its block table:
+    float32 [T, max_visible], −inf beyond a row's visible entries."""
+    head_dim = head_dim or q.shape[-1]
+    keys_all = decode_keys(pool, fmt, head_dim)
+    vis = (batch.positions.long() + 1) // ratio
+    n = int(vis.max()) if max_visible is None and vis.numel() else (max_visible or 0)
+    cols = torch.arange(n, device=q.device)
+    out = torch.full((q.shape[0], n), float("-inf"), device=q.device)
+    for t in range(q.shape[0]):
+        r = batch.token_req[t].long()
+        v = int(vis[t])
+        rows = entry_rows(batch, r.expand(v), cols[:v], batch.block_tokens // ratio)
+        out[t, :v] = index_scores(q[t:t + 1], weights[t:t + 1], keys_all[rows])[0]
+    return out
+
+
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
     """The candidate pool: scores [T, N] (invisible entries already −inf), visible [T] -> bool [T, N],
     True on the entries of the `topk_blocks` best blocks (a block scores its best entry), the

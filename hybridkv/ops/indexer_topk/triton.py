@@ -414,10 +414,9 @@ def indexer_topk(q, weights, keys, visible, topk):
                 1, keys.shape[1])
 
 
-def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
-                       resident=None):
-    """See `hybridkv.ops.indexer_topk.indexer_topk_paged`."""
-    epb = batch.block_tokens // ratio
+def _paged_pool(q, batch: PagedBatch, pool, ratio, fmt, head_dim, max_visible):
+    """The pool as the scoring kernels read it: (flat rows, FP4?, int32 words?, entries a block,
+    the longest visible count)."""
     assert batch.positions.dtype == torch.int32
     if max_visible is None:     # a host sync: pass it under CUDA graphs
         max_visible = (int(batch.positions.max()) + 1) // ratio if batch.positions.numel() else 0
@@ -427,7 +426,39 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     words = fp4 and (head_dim or q.shape[-1]) == 128 and flat.is_contiguous() and flat.data_ptr() % 16 == 0
     if words:
         flat = flat.view(torch.int32)
+    return flat, fp4, words, batch.block_tokens // ratio, max_visible
+
+
+def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
+                       resident=None):
+    """See `hybridkv.ops.indexer_topk.indexer_topk_paged`."""
+    flat, fp4, words, epb, max_visible = _paged_pool(q, batch, pool, ratio, fmt, head_dim, max_visible)
     if resident is not None:
         resident = resident.to(torch.int32).contiguous()
     return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, batch.positions, topk,
                 max_visible, fp4, True, epb, head_dim or q.shape[-1], words=words, vis_ratio=ratio, resident=resident)
+
+
+def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_dim=None, max_visible=None):
+    """See `hybridkv.ops.indexer_topk.paged_scores`: the decode scoring launch of `indexer_topk_paged`
+    alone (one token's keys per program, each score one MMA row), its order-preserving keys turned
+    back into float32 scores."""
+    flat, fp4, words, epb, n_max = _paged_pool(q, batch, pool, ratio, fmt, head_dim, max_visible)
+    t, h, _ = q.shape
+    dev = q.device
+    keys = torch.zeros(t, n_max, dtype=torch.int32, device=dev)
+    if t and n_max:
+        cfg = DECODE_CFG
+        tmax = torch.empty(t, triton.cdiv(n_max, TILE), dtype=torch.int32, device=dev)
+        chunk = _chunk(t, n_max, cfg["BN"], dev)
+        score_decode_kernel[(t, triton.cdiv(n_max, chunk))](
+            q, q.stride(0), q.stride(1), weights, weights.stride(0), flat, flat.stride(0), batch.block_tables,
+            batch.block_tables.stride(0), batch.token_req, batch.positions, batch.block_tables,
+            batch.block_tables.stride(0), keys, keys.stride(0), tmax, tmax.stride(0), h, D=head_dim or q.shape[-1],
+            BLOCK_H=max(16, triton.next_power_of_2(h)), BN=cfg["BN"], CHUNK=chunk, TILE_N=TILE, FP4=fp4,
+            WORDS=words, PAGED=True, EPB=epb, PREC="ieee" if q.dtype == torch.float32 else "tf32", RATIO=ratio,
+            RESIDENT=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # the inverse of `_ordered`: keys with the top bit set held non-negative floats
+    bits = torch.where(keys < 0, keys & 0x7FFFFFFF, ~keys)
+    visible = (batch.positions.long() + 1) // ratio
+    return bits.view(torch.float32).masked_fill(torch.arange(n_max, device=dev) >= visible.unsqueeze(1), float("-inf"))
