@@ -115,3 +115,18 @@ attempt("mhc_pre_fn", lambda: mhc_kernels.mhc_pre_fn(hc_x, torch.zeros(24, 4 * 4
 attempt("mix_partials tokens=40", lambda: mhc_kernels.mix_partials(torch.zeros(40, 4 * 4096).bfloat16(),
                                                                    torch.zeros(4, 4 * 4096)))
 attempt("greedy_rows", lambda: sampling_kernels.greedy_rows(torch.zeros(2, 129280)))
+
+# prefill's kernels added since: the experts widened for the grouped GEMM, the mixes in one pass
+# (tf32x3) with the pre kernel reading their sums of squares, the batched batch-invariant GEMM
+from hybridkv.ops import batch_invariant  # noqa: E402
+from hybridkv.ops.qgemm import fp4_widen  # noqa: E402
+
+codes, scales = torch.zeros(4, 256, 256, dtype=torch.uint8), torch.zeros(4, 256, 16, dtype=torch.uint8)
+for two in (False, True):
+    attempt(f"widen_experts paired={two}", lambda: fp4_widen.widen_experts(
+        codes, scales, torch.zeros(2, dtype=torch.long), second=(codes, scales) if two else None))
+attempt("mhc_pre_fn tokens=100", lambda: mhc_kernels.mhc_pre_fn(torch.zeros(100, 4, 4096).bfloat16(),
+                                                                torch.zeros(24, 4 * 4096), torch.ones(3),
+                                                                torch.zeros(24), 20, 1e-6, 1e-6))
+attempt("batch_invariant bmm", lambda: batch_invariant.mm(torch.zeros(3, 70, 64).bfloat16(),
+                                                          torch.zeros(3, 64, 96).bfloat16()))

@@ -19,7 +19,7 @@ from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """flat(x) · fnᵀ · rsqrt(mean(flat(x)²) + eps) in float32."""
-    if fn_in_kernels(x, fn):      # decode: one pass over x as stored, no float32 copy of it
+    if fn_in_kernels(x, fn):      # one pass over x as stored, no float32 copy of it
         raw, ss = raw_mixes(x.flatten(1), fn)
         return raw * torch.rsqrt(ss / (x.shape[1] * x.shape[2]) + norm_eps).unsqueeze(-1)
     flat = x.flatten(1).float()

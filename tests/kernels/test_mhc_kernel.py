@@ -72,9 +72,10 @@ def test_pre_with_the_mixes_from_fn(device, t, dim, dtype):
     assert torch.allclose(ss.cpu().double(), flat.square().sum(-1), rtol=1e-5)
 
 
-def test_the_model_takes_the_fn_path_at_decode_sizes_only(device, monkeypatch):
-    """`hc_pre` and the head's mixes: the kernels' mixes for a few tokens, the GEMM's beyond
-    `MAX_PARTIAL_TOKENS` and in deterministic mode; the results agree."""
+def test_the_model_takes_the_fn_path_outside_deterministic_mode(device, monkeypatch):
+    """`hc_pre` and the head's mixes from the kernels at every size outside deterministic mode
+    (partial sums up to `MAX_PARTIAL_TOKENS` tokens, `mixes_kernel` beyond), from the GEMM in it;
+    the results agree."""
     from hybridkv.model.mhc import _mixes, hc_pre
     from hybridkv.ops import mhc as ops
     from hybridkv.ops.backend import deterministic
@@ -82,15 +83,35 @@ def test_the_model_takes_the_fn_path_at_decode_sizes_only(device, monkeypatch):
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     hc, dim = 4, 64
     x, fn, scale, base, _ = [a.to(device) for a in _inputs(kernels.MAX_PARTIAL_TOKENS + 1, hc, dim, seed=3)]
-    assert ops.fn_in_kernels(x[:-1], fn) and not ops.fn_in_kernels(x, fn)
+    assert ops.fn_in_kernels(x[:-1], fn) and ops.fn_in_kernels(x, fn)
     with deterministic():
-        assert not ops.fn_in_kernels(x[:-1], fn)
+        assert not ops.fn_in_kernels(x, fn)
+        gemm = hc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
     few = hc_pre(x[:5], fn, scale, base, 20, 1e-6, 1e-6)
     many = hc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
-    for a, b in zip(few, many):
+    for a, b, c in zip(few, many, gemm):
         assert rel_rms(b[:5].cpu().float(), a.cpu().float()) <= 1e-5
+        assert rel_rms(c.cpu().float(), b.cpu().float()) <= 1e-5
     head_fn = fn[:hc]
     assert rel_rms(_mixes(x, head_fn, 1e-6)[:5].cpu(), _mixes(x[:5], head_fn, 1e-6).cpu()) <= 1e-5
+
+
+@pytest.mark.parametrize("t,k,dtype", [(70, 384, torch.float32), (33, 1000, torch.bfloat16)])
+def test_prefill_mixes_and_squares_in_one_pass(device, t, k, dtype):
+    """`mixes_and_squares` (tokens in tiles of 32, the last ragged; K ragged against its 128-column
+    steps; x read as stored) against the float32 GEMM and sum of squares."""
+    from hybridkv.ops.mhc import triton as kernels
+    g = torch.Generator().manual_seed(6)
+    x2 = (torch.randn(t, k, generator=g) * 2).to(dtype)
+    fn = torch.randn(24, k, generator=g) * 0.05
+    mix, ss = kernels.mixes_and_squares(x2.to(device), fn.to(device))
+    assert mix.shape == (t, 24) and ss.shape == (t,) and mix.dtype == ss.dtype == torch.float32
+    assert rel_rms(x2.float() @ fn.T, mix.cpu()) <= 1e-5
+    assert rel_rms(x2.float().square().sum(-1), ss.cpu()) <= 1e-6
+    raw, ss2 = kernels.raw_mixes(x2.to(device), fn.to(device))      # the partial sums up to 64 tokens
+    if t > kernels.MAX_PARTIAL_TOKENS:
+        assert torch.equal(raw, mix) and torch.equal(ss2, ss)
+    assert rel_rms(mix.cpu(), raw.cpu()) <= 1e-5 and rel_rms(ss.cpu(), ss2.cpu()) <= 1e-6
 
 
 def test_a_tokens_mix_partials_do_not_depend_on_the_batch(device):

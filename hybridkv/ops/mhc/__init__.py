@@ -1,8 +1,7 @@
 """mHC mixing around each sub-block: `mhc_pre` (normalised mixes → σ gates and Sinkhorn → the
 sub-block input) and `mhc_post` (write-back through post gates and the doubly stochastic
-combination). One Triton kernel each on CUDA, the plain-torch reference elsewhere. At decode
-sizes the raw mixes flat(x) · fnᵀ are computed by the kernels too (`fn_in_kernels`): `mhc_pre_fn`
-and `raw_mixes`."""
+combination). One Triton kernel each on CUDA, the plain-torch reference elsewhere. The raw mixes
+flat(x) · fnᵀ are computed by the kernels too (`fn_in_kernels`): `mhc_pre_fn` and `raw_mixes`."""
 
 from __future__ import annotations
 
@@ -35,15 +34,11 @@ def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
 
 
 def fn_in_kernels(x: torch.Tensor, fn: torch.Tensor) -> bool:
-    """Whether the mixes of x [T, hc, dim] with fn come from the kernels (`mhc_pre_fn`, `raw_mixes`):
-    the Triton path, at most `MAX_PARTIAL_TOKENS` tokens (decode; prefill's mixes are one GEMM), a
-    float32 fn, no gradient wanted, not deterministic mode (whose GEMMs keep one path whatever the
-    batch)."""
-    if not _ok(x) or is_deterministic() or fn.dtype != torch.float32 or (
-            torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad)):
-        return False
-    from hybridkv.ops.mhc import triton as kernels
-    return x.shape[0] <= kernels.MAX_PARTIAL_TOKENS
+    """Whether the mixes of x [T, hc, dim] with fn come from the kernels (`mhc_pre_fn`, `raw_mixes`;
+    per-chunk partial sums at decode sizes, one tiled pass beyond): the Triton path, a float32 fn,
+    no gradient wanted, not deterministic mode (whose GEMMs keep one path whatever the batch)."""
+    return _ok(x) and not is_deterministic() and fn.dtype == torch.float32 and not (
+        torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad))
 
 
 def mhc_pre_fn(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,

@@ -13,6 +13,8 @@ a whole row each; every chunk's program repeats the (small, L2-resident) Sinkhor
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ import triton.language as tl
 MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` program
 MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program beyond MIX_ONE_TOKEN tokens
 MIX_ONE_TOKEN = 16          # up to here a program per token and chunk (the fn chunk re-read from L2)
-MAX_PARTIAL_TOKENS = 64     # more tokens (prefill): the mixes come from a GEMM
+MAX_PARTIAL_TOKENS = 64     # more tokens (prefill): the mixes from `mixes_kernel`
 PRE_WARPS = 2               # warps of a `pre_kernel` program (H200, 8192 bf16 rows: 0.40 ms at 2, 1.24 at 4)
 
 
@@ -44,10 +46,11 @@ def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: t
 
 
 @triton.jit
-def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters, eps, norm_eps,
+def pre_kernel(X, sx_t, MIX, SS, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, MP: tl.constexpr,
-               NCHP: tl.constexpr):
-    """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials_kernel`'s [T, NCH, MP]."""
+               NCHP: tl.constexpr, HAS_SS: tl.constexpr):
+    """MIX: the raw mixes [T, (2+hc)·hc] (with HAS_SS, SS [T] holds each row's sum of squares), or
+    with PARTIALS `mix_partials_kernel`'s [T, NCH, MP]."""
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
     j = tl.arange(0, HC)
@@ -65,12 +68,15 @@ def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters,
         comb_raw = tl.sum(tl.load(part[:, None, None] + 2 * HC + k2[None, :, :], mask=q_ok[:, None, None],
                                   other=0.0), 0)
     else:
-        ss = tl.zeros([HC, BLOCK], tl.float32)
-        for c0 in range(0, DIM, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
-            ss += v * v
-        ss_total = tl.sum(tl.sum(ss, 1), 0)
+        if HAS_SS:
+            ss_total = tl.load(SS + t)
+        else:
+            ss = tl.zeros([HC, BLOCK], tl.float32)
+            for c0 in range(0, DIM, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
+                ss += v * v
+            ss_total = tl.sum(tl.sum(ss, 1), 0)
         mix = MIX + t * (2 + HC) * HC
         pre_raw = tl.load(mix + j)
         post_raw = tl.load(mix + HC + j)
@@ -94,6 +100,28 @@ def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters,
         v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < last)[None, :], other=0.0).to(tl.float32)
         y = tl.sum(pre[:, None] * v, 0)
         tl.store(Y + t * DIM + c, y.to(Y.dtype.element_ty), mask=c < last)
+
+
+@triton.jit
+def mixes_kernel(X, sx_t, FN, MIX, SS, T, K, M, BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                 PREC: tl.constexpr):
+    """BT tokens: MIX[t, m] = Σ_c fn[m, c]·x[t, c] (m < M) and SS[t] = Σ_c x[t, c]², float32, x read
+    as stored (no float32 copy of it), K walked in order on the tensor cores (PREC tf32x3: float32's
+    precision), the squares beside them."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    m = tl.arange(0, MP)
+    acc = tl.zeros([BT, MP], tl.float32)
+    ss = tl.zeros([BT, BK], tl.float32)
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        x = tl.load(X + t.to(tl.int64)[:, None] * sx_t + c[None, :], mask=t_ok[:, None] & (c < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(FN + m[:, None] * K + c[None, :], mask=(m < M)[:, None] & (c < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        ss += x * x
+    tl.store(MIX + t.to(tl.int64)[:, None] * M + m[None, :], acc, mask=t_ok[:, None] & (m < M)[None, :])
+    tl.store(SS + t, tl.sum(ss, 1), mask=t_ok)
 
 
 @triton.jit
@@ -150,8 +178,33 @@ def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     return part
 
 
+MIXES_TOKENS = 32           # tokens per `mixes_kernel` program
+MIXES_K = 128               # flat columns per step of its K loop
+
+
+def mixes_and_squares(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [T, K] (rows contiguous, any float dtype), fn [M, K] -> (x2 · fnᵀ [T, M], Σ x2² [T]) in
+    float32 in one pass over x2 as stored (`mixes_kernel`): the prefill sizes' mixes."""
+    t, k = x2.shape
+    m = fn.shape[0]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    fn = fn.float().contiguous()
+    mix = torch.empty(t, m, dtype=torch.float32, device=x2.device)
+    ss = torch.empty(t, dtype=torch.float32, device=x2.device)
+    if t:
+        prec = "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else "tf32x3"
+        mixes_kernel[(triton.cdiv(t, MIXES_TOKENS),)](x2, x2.stride(0), fn, mix, ss, t, k, m, BT=MIXES_TOKENS,
+                                                      BK=MIXES_K, MP=max(16, triton.next_power_of_2(m)), PREC=prec,
+                                                      num_warps=4, num_stages=3)
+    return mix, ss
+
+
 def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x2 · fnᵀ [T, M], Σ x2² [T]) in float32 from `mix_partials` (chunks added in order)."""
+    """(x2 · fnᵀ [T, M], Σ x2² [T]) in float32: at decode sizes from `mix_partials` (chunks added in
+    order), beyond `MAX_PARTIAL_TOKENS` tokens from `mixes_and_squares`."""
+    if x2.shape[0] > MAX_PARTIAL_TOKENS:
+        return mixes_and_squares(x2, fn)
     part = mix_partials(x2, fn)
     m = fn.shape[0]
     total = part[:, :, : m + 1].sum(1)
@@ -159,17 +212,22 @@ def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def mhc_pre(x, mixes_raw, scale, base, iters, eps, norm_eps):
-    """`reference.mhc_pre` with the raw mixes [T, (2+hc)·hc] given (prefill: one GEMM)."""
+    """`reference.mhc_pre` with the raw mixes [T, (2+hc)·hc] given (a GEMM the caller ran)."""
     return _pre(x, mixes_raw, False, scale, base, iters, eps, norm_eps)
 
 
 def mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps):
-    """`reference.mhc_pre` with the raw mixes flat(x) · fnᵀ computed here: two launches
-    (`mix_partials_kernel`, then `pre_kernel` adding its partial sums)."""
+    """`reference.mhc_pre` with the raw mixes flat(x) · fnᵀ computed here, in two launches: at decode
+    sizes `mix_partials_kernel`, then `pre_kernel` adding its partial sums; beyond
+    `MAX_PARTIAL_TOKENS` tokens `mixes_kernel` (the mixes and each row's sum of squares in one pass),
+    then `pre_kernel` reading them."""
+    if x.shape[0] > MAX_PARTIAL_TOKENS:
+        mixes, ss = mixes_and_squares(x.flatten(1), fn)
+        return _pre(x, mixes, False, scale, base, iters, eps, norm_eps, ss=ss)
     return _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps)
 
 
-def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
+def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, ss=None):
     t, hc, dim = x.shape
     x = x.contiguous()
     y = torch.empty(t, dim, dtype=x.dtype, device=x.device)
@@ -179,9 +237,10 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
         block, chunk, chunks = column_split(t, dim)
         nch, mp = (mixes.shape[1], mixes.shape[2]) if partials else (1, 1)
         mixes = mixes if partials else mixes.float().contiguous()
-        pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
-                                post, comb, dim, chunk, nch, iters, eps, norm_eps, HC=hc, BLOCK=block,
-                                PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch), num_warps=PRE_WARPS)
+        pre_kernel[(t, chunks)](x, x.stride(0), mixes, ss if ss is not None else mixes, scale.float().contiguous(),
+                                base.float().contiguous(), y, post, comb, dim, chunk, nch, iters, eps, norm_eps,
+                                HC=hc, BLOCK=block, PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch),
+                                HAS_SS=ss is not None, num_warps=PRE_WARPS)
     return y, post, comb
 
 
