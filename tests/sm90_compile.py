@@ -130,3 +130,5 @@ attempt("mhc_pre_fn tokens=100", lambda: mhc_kernels.mhc_pre_fn(torch.zeros(100,
                                                                 torch.zeros(24), 20, 1e-6, 1e-6))
 attempt("batch_invariant bmm", lambda: batch_invariant.mm(torch.zeros(3, 70, 64).bfloat16(),
                                                           torch.zeros(3, 64, 96).bfloat16()))
+attempt("rope (3, 64, 512) in place", lambda: rope_kernels.apply_rope(torch.zeros(3, 64, 512).bfloat16(), freqs,
+                                                                      in_place=True))

@@ -40,7 +40,7 @@ from hybridkv.model.linear import Linear, pair_storage, paired_forward, stack_st
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
-from hybridkv.ops.rope import apply_rope, rope_freqs, yarn_inv_freq
+from hybridkv.ops.rope import apply_rope, apply_rope_, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm
 from hybridkv.ops.compress import compress_decode_ok, compress_decode_paged, compress_paged
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if not self.v41:  # V4 RMS-normalises each query head (without a weight)
             q = rms_norm(q, None, self.eps)
-        q = apply_rope(q, freqs)
+        q = apply_rope_(q, freqs)                  # (a fresh tensor: rotated where it lies)
         kv = apply_rope(self.kv_norm(kv_a), freqs)
         if self.v41:
             kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
@@ -176,7 +176,9 @@ class Attention(nn.Module):
         for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
             r = wave.rows
             o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
-        o = apply_rope(o.to(x.dtype), freqs, inverse=True)
+        # rotated in place where the cast made a copy (bf16 models); a float32 model's o may be a
+        # decode path's own tensor, left as it is
+        o = (apply_rope_ if o.dtype != x.dtype else apply_rope)(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))

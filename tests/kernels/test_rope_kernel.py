@@ -35,3 +35,21 @@ def test_rope_one_rotation_row_strided_input_and_bf16(device):
     assert got.dtype == torch.bfloat16
     # one bf16 step at most: the interpreter casts by truncation, and a GPU may fuse the products
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_in_place_rotates_only_the_last_dims_where_they_lie(device, inverse, monkeypatch):
+    """`apply_rope_`: the kernel in place (contiguous x) and the fallback (strided x, the reference
+    path) give `apply_rope`'s values bit for bit, in x itself; under autograd a new tensor."""
+    from hybridkv.ops.rope import apply_rope, apply_rope_
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    g = torch.Generator().manual_seed(9)
+    freqs = reference.rope_freqs(torch.randint(0, 5000, (5,), generator=g), reference.yarn_inv_freq(64, 1e4)).to(device)
+    for x in (torch.randn(5, 4, 512, generator=g).to(device), torch.randn(5, 4, 1024, generator=g).to(device)[..., ::2]):
+        want = apply_rope(x, freqs, inverse)
+        keep = x[..., :-64].clone()
+        got = apply_rope_(x, freqs, inverse)
+        assert got.data_ptr() == x.data_ptr() and torch.equal(got, want) and torch.equal(x[..., :-64], keep)
+    leaf = torch.randn(5, 2, 128, generator=g, requires_grad=True)
+    out = apply_rope_(leaf, freqs.cpu(), inverse)
+    assert out is not leaf and out.requires_grad
