@@ -257,12 +257,9 @@ class MoE(nn.Module):
         if 3 * t * k < n and not is_deterministic():
             flat = ids.flatten()
             xs = xin.repeat_interleave(k, 0).unsqueeze(-1)                              # [T·k, dim, 1]
-            gate = torch.bmm(w1.view(n, inter, -1)[flat], xs).squeeze(-1).float()       # [T·k, inter]
-            up = torch.bmm(w3.view(n, inter, -1)[flat], xs).squeeze(-1).float()
-            if first.limit > 0:
-                up = up.clamp(-first.limit, first.limit)
-                gate = gate.clamp(max=first.limit)
-            h = first.w2.prepare_input((weights.reshape(-1, 1) * (F.silu(gate) * up)).to(x.dtype))
+            gate = torch.bmm(w1.view(n, inter, -1)[flat], xs).squeeze(-1)               # [T·k, inter]
+            up = torch.bmm(w3.view(n, inter, -1)[flat], xs).squeeze(-1)
+            h = first.w2.prepare_input(swiglu_rows(gate, up, first.limit, weights.reshape(-1, 1), x.dtype))
             w2e = w2.view(w2.shape[0], n, inter).transpose(0, 1)[flat]                  # [T·k, dim, inter]
             return torch.bmm(w2e, h.unsqueeze(-1)).squeeze(-1).float().view(t, k, -1).sum(1)
         # (adds: under expert parallelism several zero-weight pairs share local expert 0)

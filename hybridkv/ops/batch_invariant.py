@@ -82,10 +82,6 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
     return out.to(a.dtype)
 
 
-def _bmm(a, b):
-    return mm(a, b)
-
-
 def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
     dims = [d % x.dim() for d in (dim if dim is not None else range(x.dim()))]
     if dims != [x.dim() - 1] or not x.is_floating_point():
@@ -110,7 +106,7 @@ def enable(on: bool, dispatch_key: str = "CUDA") -> None:
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("mm", lambda a, b: mm(a, b), dispatch_key)
         lib.impl("addmm", _addmm, dispatch_key)
-        lib.impl("bmm", _bmm, dispatch_key)
+        lib.impl("bmm", lambda a, b: mm(a, b), dispatch_key)
         lib.impl("mean.dim", _mean_dim, dispatch_key)
         _LIB = lib
     elif not on and _LIB is not None:

@@ -260,7 +260,7 @@ def test_the_device_check_decides_each_weight_layout_apart(monkeypatch):
         return y * 2 if fp4_dot and config["num_stages"] > 1 else y   # pipelined: wrong
 
     monkeypatch.setattr(kernels, "grouped_fp4", stand_in)
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
     found = kernels._check_fp4_dot(torch.device("cpu"))
     assert (found.stacked, found.table, found.pipelined) == (1, 0, False)
     assert "disagrees, so unpipelined" in found.report and "RuntimeError" in found.report

@@ -177,8 +177,9 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 # Widening pays once the experts average enough rows. H200, V4-Flash's width, 16K tokens in 8192-token
 # chunks (192 rows an expert): a widened expert cost 37 µs (its bf16 bytes written, then read by
 # the GEMM), a row 0.12 µs in the grouped GEMM against 0.335 µs in the grouped FP4 kernel; the
-# MoE's device time 244 against 263 ms, but the wall time no better (the counts' host read stalls
-# the queue once a layer). From 384 rows an expert (16K-token chunks) the same costs give 1.5×.
+# MoE's device time 244 against 263 ms, but the wall time no better (then the host read the counts
+# with nothing queued behind them, once a layer). From 384 rows an expert (16K-token chunks) the
+# same costs give 1.5×.
 WIDEN_MIN_ROWS_PER_EXPERT = 384
 WIDEN_SCRATCH_BYTES = 512 << 20        # the widened experts' scratch, at most (at least one expert)
 

@@ -327,6 +327,23 @@ def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
     return min(8192, max(4 * bn, triton.next_power_of_2(want)))
 
 
+def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged, epb, vis_ratio,
+                  resident):
+    """The decode scoring launch: one token's keys per program (chunks of them over the GPU), each
+    score's order-preserving key into `keys` [T, n_max], each tile's largest into `tmax`. `common`:
+    (pool, its row stride, block tables and their stride, token requests, visibility, resident pages
+    and their stride)."""
+    t, h, _ = q.shape
+    cfg = DECODE_CFG
+    assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
+    chunk = _chunk(t, n_max, cfg["BN"], q.device)
+    score_decode_kernel[(t, triton.cdiv(n_max, chunk))](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0), *common, keys, keys.stride(0), tmax, tmax.stride(0),
+        h, D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(h)), BN=cfg["BN"], CHUNK=chunk, TILE_N=per_max,
+        FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        RATIO=vis_ratio, RESIDENT=resident, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
          block_t=None, words=False, vis_ratio=0, resident=None):
     """vis: [T] visible entries per token, or with vis_ratio > 0 the tokens' positions (the kernels
@@ -364,14 +381,8 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
         res = resident if resident is not None else bt
         common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b], res, res.stride(0))
         if block_t == 1:
-            cfg = DECODE_CFG
-            assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
-            chunk = _chunk(tn, n_max, cfg["BN"], dev)
-            score_decode_kernel[(tn, triton.cdiv(n_max, chunk))](
-                q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, keys, keys.stride(0),
-                tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BN=cfg["BN"], CHUNK=chunk,
-                TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec, RATIO=vis_ratio,
-                RESIDENT=resident is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            _score_decode(q[a:b], weights[a:b], common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged,
+                          epb, vis_ratio, resident is not None)
         else:
             tile_t0, tile_n = _tiles(token_req[a:b], block_t)
             chunk = TILE_CFG["CHUNK"]
@@ -444,20 +455,15 @@ def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_
     alone (one token's keys per program, each score one MMA row), its order-preserving keys turned
     back into float32 scores."""
     flat, fp4, words, epb, n_max = _paged_pool(q, batch, pool, ratio, fmt, head_dim, max_visible)
-    t, h, _ = q.shape
+    t = q.shape[0]
     dev = q.device
     keys = torch.zeros(t, n_max, dtype=torch.int32, device=dev)
     if t and n_max:
-        cfg = DECODE_CFG
+        bt = batch.block_tables
+        common = (flat, flat.stride(0), bt, bt.stride(0), batch.token_req, batch.positions, bt, bt.stride(0))
         tmax = torch.empty(t, triton.cdiv(n_max, TILE), dtype=torch.int32, device=dev)
-        chunk = _chunk(t, n_max, cfg["BN"], dev)
-        score_decode_kernel[(t, triton.cdiv(n_max, chunk))](
-            q, q.stride(0), q.stride(1), weights, weights.stride(0), flat, flat.stride(0), batch.block_tables,
-            batch.block_tables.stride(0), batch.token_req, batch.positions, batch.block_tables,
-            batch.block_tables.stride(0), keys, keys.stride(0), tmax, tmax.stride(0), h, D=head_dim or q.shape[-1],
-            BLOCK_H=max(16, triton.next_power_of_2(h)), BN=cfg["BN"], CHUNK=chunk, TILE_N=TILE, FP4=fp4,
-            WORDS=words, PAGED=True, EPB=epb, PREC="ieee" if q.dtype == torch.float32 else "tf32", RATIO=ratio,
-            RESIDENT=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _score_decode(q, weights, common, keys, tmax, n_max, TILE, head_dim or q.shape[-1], fp4, words, True, epb,
+                      ratio, False)
     # the inverse of `_ordered`: keys with the top bit set held non-negative floats
     bits = torch.where(keys < 0, keys & 0x7FFFFFFF, ~keys)
     visible = (batch.positions.long() + 1) // ratio

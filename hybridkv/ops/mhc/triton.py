@@ -13,11 +13,11 @@ a whole row each; every chunk's program repeats the (small, L2-resident) Sinkhor
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from hybridkv.ops.backend import interpreting
 
 MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` program
 MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program beyond MIX_ONE_TOKEN tokens
@@ -193,7 +193,7 @@ def mixes_and_squares(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor,
     mix = torch.empty(t, m, dtype=torch.float32, device=x2.device)
     ss = torch.empty(t, dtype=torch.float32, device=x2.device)
     if t:
-        prec = "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else "tf32x3"
+        prec = "ieee" if interpreting() else "tf32x3"
         mixes_kernel[(triton.cdiv(t, MIXES_TOKENS),)](x2, x2.stride(0), fn, mix, ss, t, k, m, BT=MIXES_TOKENS,
                                                       BK=MIXES_K, MP=max(16, triton.next_power_of_2(m)), PREC=prec,
                                                       num_warps=4, num_stages=3)

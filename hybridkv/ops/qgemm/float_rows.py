@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _interpreting, _split_k_arrive, _split_k_total
+from hybridkv.ops.backend import interpreting
+from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _split_k_arrive, _split_k_total
 
 MAX_ROWS = 64              # more rows: torch's GEMM
 MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their byte time in cuBLAS
@@ -93,7 +94,7 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = No
     counters = _arrivals(x2.device, tiles) if split > 1 else y
     # bf16 × bf16 on the tensor cores; the interpreter's bf16 dots are not usable, and a float32
     # operand must not be rounded to tf32
-    ieee = _interpreting() or x2.dtype == torch.float32 or weight.dtype == torch.float32 or x2.dtype != weight.dtype
+    ieee = interpreting() or x2.dtype == torch.float32 or weight.dtype == torch.float32 or x2.dtype != weight.dtype
     rows_gemm_kernel[(tiles, split)](x2, weight, y, partials, counters, m, n, k, x2.stride(0), weight.stride(0),
-                                     y.stride(0), SPLIT_K=split, IEEE=ieee, FENCE=not _interpreting(), **cfg)
+                                     y.stride(0), SPLIT_K=split, IEEE=ieee, FENCE=not interpreting(), **cfg)
     return y

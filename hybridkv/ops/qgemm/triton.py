@@ -26,13 +26,13 @@ usable.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.backend import interpreting
 from hybridkv.ops.qgemm import fp4_mma
 from hybridkv.ops.qgemm.fp4_rows import grouped_fp4_rows
 from hybridkv.ops.qgemm.layout import FP4_BLOCK, _e8m0, _expert_base
@@ -42,10 +42,6 @@ from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
 DECODE_ROWS = 64       # at most this many rows: the decode tiles (and, on CUDA, this GEMM rather than torch's)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -255,7 +251,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
         fp8_gemm_kernel[(tiles, split)](
             x2, xq, xs, weight, scale.view(torch.uint8), y, partials, counters, m, n, k, x2.stride(0), xq.stride(0),
             xs.stride(0) if not quant_in else 0, xs.stride(1) if not quant_in else 0, n, scale.stride(0),
-            BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not _interpreting(), QUANT_IN=quant_in,
+            BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not interpreting(), QUANT_IN=quant_in,
             OUT_BF16=out_dtype == torch.bfloat16, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, **cfg)
     return y.view(*lead, n)
 
@@ -374,7 +370,7 @@ def fp4_dot_mode(device: torch.device, table: bool = False) -> int:
     that agrees with the register decoding (0) on a random problem, checked once per device (Triton
     releases have differed in how `dot_scaled` reads packed E2M1), else 0. `fp4_dot_report` says
     what was found."""
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return 0
     state = _fp4_state(device)
     return state.table if table else state.stacked
@@ -385,13 +381,13 @@ def fp4_pipelined(device: torch.device) -> bool:
     the device check compares a pipelined launch with the unpipelined one. (Triton 3.6 pipelines
     `tl.dot_scaled` wrongly when the weight's address comes from a table, rel err 1.3 on the H200,
     so table launches never pipeline; this checks that the stacked layout's launches agree.)"""
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return True
     return _fp4_state(device).pipelined
 
 
 def fp4_dot_report(device: torch.device) -> str:
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return FP4_DOT_NAMES[0]
     return _fp4_state(device).report
 

@@ -1,6 +1,7 @@
 """Triton rotary embedding: one program per row of x viewed as [T, M, D] (M the heads, or 1),
-the first D − rd values copied (or, in place, left alone), the last rd rotated in adjacent pairs by the row's e^{i·θ} in
-float32 (real = x₀c − x₁s, imaginary = x₀s + x₁c, the reference's complex product), in x's dtype."""
+the first D − rd values copied (or, in place, left alone), the last rd rotated in adjacent pairs
+by the row's e^{i·θ} in float32 (real = x₀c − x₁s, imaginary = x₀s + x₁c, the reference's complex
+product), in x's dtype."""
 
 from __future__ import annotations
 
