@@ -57,7 +57,7 @@ from hybridkv.weights import INDEX_FILE  # noqa: E402
 from decode_context import replay_ms, sync, timed_steps  # noqa: E402  (this folder is on sys.path)
 
 # the linear layers' kernels (widen: prefill's FP4 experts widened for the grouped GEMM, their cost)
-GEMM_KERNELS = re.compile(r"gemm|matmul|grouped_fp4|widen|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
+GEMM_KERNELS = re.compile(r"gemm|matmul|linear_mma|grouped_fp4|widen|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
 # operator families of a step's kernels, first match wins (kernel names: Triton's function names,
 # torch's ATen kernel names, cuBLAS' nvjet/sm90 names)
 FAMILIES = [
@@ -151,9 +151,9 @@ def family(kernel: str) -> str:
     return next((name for name, pattern in FAMILIES if pattern.search(kernel)), "other")
 
 
-def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[str, float]], dict[str, float]]:
-    """(all kernels' device ms, GEMM kernels' device ms, top kernels, ms by operator family) of fn()
-    under the profiler."""
+def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[str, float, int]], dict[str, float]]:
+    """(all kernels' device ms, GEMM kernels' device ms, every kernel as [name, ms, launches] by
+    time, ms by operator family) of fn() under the profiler."""
     if not cuda:
         fn()
         return None, None, [], {}
@@ -165,7 +165,7 @@ def device_ms(fn, cuda: bool) -> tuple[float | None, float | None, list[tuple[st
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3
     gemm = sum(e.self_device_time_total for e in kernels if GEMM_KERNELS.search(e.key)) / 1e3
-    top = sorted(((e.key[:60], e.self_device_time_total / 1e3) for e in kernels), key=lambda kv: -kv[1])[:12]
+    top = sorted(((e.key[:80], e.self_device_time_total / 1e3, e.count) for e in kernels), key=lambda kv: -kv[1])
     families: dict[str, float] = {}
     for e in kernels:
         families[family(e.key)] = families.get(family(e.key), 0.0) + e.self_device_time_total / 1e3

@@ -1,10 +1,10 @@
 """The mHC kernels alone at V4-Flash's width (4 streams × 4096): time against the bytes they move.
 
 For each token count: the mixes (the float32 copy of the stream and the fp32 GEMM, against
-`mixes_kernel`'s one pass, and the decode partial sums up to 64 tokens), the engine's two launches
-for the sub-block input (`mhc_pre_fn`: the mixes, then `pre_kernel` with Sinkhorn and the collapse)
-at each `--warps` count of `pre_kernel`, and `post_kernel`. Every time is the median of CUDA-graph replays; `bytes ms` is the stream's bytes read
-once at `--bandwidth`.
+`mix_partials`' one pass: per-token partial sums up to 64 tokens, `mixes_kernel` beyond), the
+engine's two launches for the sub-block input (`mhc_pre_fn`: the mixes, then `pre_kernel` with
+Sinkhorn and the collapse) at each `--warps` count of `pre_kernel`, and `post_kernel`. Every time
+is the median of CUDA-graph replays; `bytes ms` is the stream's bytes read once at `--bandwidth`.
 
     python3 benchmarks/mhc_kernels.py [--tokens 1,8,64,8192] [--warps 1,2,4] [--dtype bfloat16]
     python3 benchmarks/mhc_kernels.py --smoke     # small shapes in Triton's interpreter (CPU)
@@ -52,9 +52,9 @@ def main() -> int:
     tokens = [int(t) for t in a.tokens.split(",")] if not a.smoke else [1, 70]
     m = (2 + HC) * HC
     print(f"# mHC kernels, {HC} streams x {dim}, {a.dtype}, {torch.cuda.get_device_name() if cuda else 'interpreter'}")
-    print("| tokens | bytes ms | copy + GEMM mixes ms | mixes_kernel ms | partials ms | "
+    print("| tokens | bytes ms | copy + GEMM mixes ms | mix_partials ms | "
           + " | ".join(f"mixes + pre, {w} warps ms" for w in a.warps.split(",")) + " | post ms |")
-    print("|---" * (6 + len(a.warps.split(","))) + "|")
+    print("|---" * (5 + len(a.warps.split(","))) + "|")
     g = torch.Generator(device=dev).manual_seed(0)
     scale, base = torch.ones(3, device=dev), torch.zeros(m, device=dev)
     fn = torch.randn(m, HC * dim, device=dev, generator=g) * 0.01
@@ -64,8 +64,7 @@ def main() -> int:
         flat = x.flatten(1)
         row = [f"{t:,}", f"{x.numel() * x.element_size() / a.bandwidth * 1e3:.4f}"]
         row.append(timed(lambda: F.linear(flat.float(), fn), cuda))
-        row.append(timed(lambda: kernels.mixes_and_squares(flat, fn), cuda))
-        row.append(timed(lambda: kernels.mix_partials(flat, fn), cuda) if t <= kernels.MAX_PARTIAL_TOKENS else None)
+        row.append(timed(lambda: kernels.mix_partials(flat, fn), cuda))
         saved = kernels.PRE_WARPS
         try:
             for w in a.warps.split(","):

@@ -117,7 +117,8 @@ attempt("mix_partials tokens=40", lambda: mhc_kernels.mix_partials(torch.zeros(4
 attempt("greedy_rows", lambda: sampling_kernels.greedy_rows(torch.zeros(2, 129280)))
 
 # prefill's kernels added since: the experts widened for the grouped GEMM, the mixes in one pass
-# (tf32x3) with the pre kernel reading their sums of squares, the batched batch-invariant GEMM
+# (a bf16 stream on fn's three bf16 pieces, a float32 one on tf32x3) read by the pre kernel as
+# partial sums, the batched batch-invariant GEMM
 from hybridkv.ops import batch_invariant  # noqa: E402
 from hybridkv.ops.qgemm import fp4_widen  # noqa: E402
 
@@ -128,6 +129,8 @@ for two in (False, True):
 attempt("mhc_pre_fn tokens=100", lambda: mhc_kernels.mhc_pre_fn(torch.zeros(100, 4, 4096).bfloat16(),
                                                                 torch.zeros(24, 4 * 4096), torch.ones(3),
                                                                 torch.zeros(24), 20, 1e-6, 1e-6))
+attempt("mix_partials tokens=100 float32", lambda: mhc_kernels.mix_partials(torch.zeros(100, 4 * 4096),
+                                                                            torch.zeros(24, 4 * 4096)))
 attempt("batch_invariant bmm", lambda: batch_invariant.mm(torch.zeros(3, 70, 64).bfloat16(),
                                                           torch.zeros(3, 64, 96).bfloat16()))
 attempt("rope (3, 64, 512) in place", lambda: rope_kernels.apply_rope(torch.zeros(3, 64, 512).bfloat16(), freqs,

@@ -140,7 +140,16 @@ class Attention(nn.Module):
         fused = self._fused_compressors(batch.decode.kv) if batch.decode is not None and batch.decode.whole else ()
         rows = self._token_rows(x, qr, freqs, batch, compress=not ahead, fused=fused)
 
-        o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        # The output in the model's dtype: every path computes in float32, and its rows are rounded
+        # once as they land (the kernels store them rounded), as the cast before the inverse
+        # rotation did; a bf16 prefill chunk holds no float32 [T, H, D] copy. One segment that is
+        # the whole batch (a prefill chunk) is taken as the kernels return it, without a copy.
+        whole = (not ahead and batch.decode is None and not batch.waves and len(batch.segments) == 1
+                 and batch.segments[0].length == x.shape[0])
+        if whole:
+            o = self._attend_segment(batch.segments[0], 0, q, kv, batch.positions, rows, share, out_dtype=x.dtype)
+        else:
+            o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
         if ahead:
             full = ced.full
             for s_full, seg_full in enumerate(full.segments):
@@ -152,12 +161,12 @@ class Attention(nn.Module):
                     seg = batch.segments[s]
                     r = seg.rows
                     o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
-                                                {k: v[r] for k, v in rows.items()}, share)
-        else:
+                                                {k: v[r] for k, v in rows.items()}, share, out_dtype=x.dtype)
+        elif not whole:
             for s, seg in enumerate(batch.segments):
                 r = seg.rows
                 o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
-                                            {k: v[r] for k, v in rows.items()}, share)
+                                            {k: v[r] for k, v in rows.items()}, share, out_dtype=x.dtype)
         if batch.decode is not None:
             r = batch.decode.rows
             if batch.decode.whole and not self.v41:   # a decode-only batch (CUDA graphs): no gathers
@@ -168,17 +177,18 @@ class Attention(nn.Module):
                     if ahead:   # CED: the source's compressor rows were computed over the whole forward
                         full_rows = ced.rows[r]
                         drows.update({f"comp_{k}": v[full_rows] for k, v in ced.comp.items()})
-                    o[r] = self._attend_decode_v41(batch.decode.kv, q[r], kv[r], drows, share)
+                    o[r] = self._attend_decode_v41(batch.decode.kv, q[r], kv[r], drows, share).to(o.dtype)
                 else:
-                    o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows)
+                    o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows).to(o.dtype)
         if batch.waves and self.v41:
             raise NotImplementedError("verify waves are V4's (V4.1 checkpoints have no MTP block)")
         for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
             r = wave.rows
-            o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()})
-        # rotated in place where the cast made a copy (bf16 models); a float32 model's o may be a
-        # decode path's own tensor, left as it is
-        o = (apply_rope_ if o.dtype != x.dtype else apply_rope)(o.to(x.dtype), freqs, inverse=True)
+            o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}).to(o.dtype)
+        # rotated in place where o is this forward's own tensor; a decode-only batch's o is the
+        # decode path's (float32 in a float32 model: left as it is)
+        own = o.dtype != x.dtype or not (batch.decode is not None and batch.decode.whole and not self.v41)
+        o = (apply_rope_ if own else apply_rope)(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
@@ -258,9 +268,9 @@ class Attention(nn.Module):
             return None
         return get(*where)
 
-    def _attend_kernels(self, kargs, q, stored_rows, rows) -> torch.Tensor:
+    def _attend_kernels(self, kargs, q, stored_rows, rows, out_dtype=torch.float32) -> torch.Tensor:
         """Indexer top-k and sparse attention over the paged store; the tokens' own rows are
-        `stored_rows`, earlier window rows come from the ring. [T, H, D] float32."""
+        `stored_rows`, earlier window rows come from the ring. [T, H, D] in out_dtype."""
         lid, pool, idx, tables = self.layer_id, None, None, None
         if self.ratio:
             pool, tables = kargs.pool(lid, "kv"), kargs.tables(lid, "kv")
@@ -270,16 +280,18 @@ class Attention(nn.Module):
                                          max_visible=(kargs.max_pos + 1) // self.ratio, resident=kargs.resident(lid))
         return sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored_rows, kargs.ring(lid), pool, idx,
                                  self.ratio, kargs.main_format, self.head_dim, self.rope_dim, self.window,
-                                 max_pos=kargs.max_pos, tables=tables)
+                                 max_pos=kargs.max_pos, tables=tables, out_dtype=out_dtype)
 
-    def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share) -> torch.Tensor:
+    def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share,
+                        out_dtype=torch.float32) -> torch.Tensor:
+        """[T, H, D]: out_dtype from the kernels, float32 from the reference path."""
         layer_kv = seg.kv.layer(self.layer_id)
         kargs = self._kernel_args(seg.kv, seg.start_pos, seg.length)
         if kargs is not None:
             if self.ratio:
                 self._append_compressed_v4(seg.start_pos, layer_kv, rows, kargs)
             stored = kargs.encode_window(kv)
-            out = self._attend_kernels(kargs, q, stored, rows)
+            out = self._attend_kernels(kargs, q, stored, rows, out_dtype)
             layer_kv.write_window(seg.start_pos, stored, stored=True)   # after: the kernels read earlier rows there
             layer_kv.done(seg.end_pos)
             return out

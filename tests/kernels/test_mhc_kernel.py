@@ -96,22 +96,33 @@ def test_the_model_takes_the_fn_path_outside_deterministic_mode(device, monkeypa
     assert rel_rms(_mixes(x, head_fn, 1e-6)[:5].cpu(), _mixes(x[:5], head_fn, 1e-6).cpu()) <= 1e-5
 
 
-@pytest.mark.parametrize("t,k,dtype", [(70, 384, torch.float32), (33, 1000, torch.bfloat16)])
+# (70, 384): two token tiles, the last ragged, one 64-column step a split; (2560, 1000): seven
+# splits of three steps, the last split ragged
+@pytest.mark.parametrize("t,k,dtype", [(70, 384, torch.float32), (2560, 1000, torch.bfloat16)])
 def test_prefill_mixes_and_squares_in_one_pass(device, t, k, dtype):
-    """`mixes_and_squares` (tokens in tiles of 32, the last ragged; K ragged against its 128-column
-    steps; x read as stored) against the float32 GEMM and sum of squares."""
+    """Past `MAX_PARTIAL_TOKENS` tokens the mixes and the sums of squares come from `mixes_kernel`
+    (bf16 stream: fn as three bf16 pieces; float32: tf32x3) in K splits, against the float32 GEMM."""
     from hybridkv.ops.mhc import triton as kernels
+    assert t > kernels.MAX_PARTIAL_TOKENS
     g = torch.Generator().manual_seed(6)
     x2 = (torch.randn(t, k, generator=g) * 2).to(dtype)
     fn = torch.randn(24, k, generator=g) * 0.05
-    mix, ss = kernels.mixes_and_squares(x2.to(device), fn.to(device))
-    assert mix.shape == (t, 24) and ss.shape == (t,) and mix.dtype == ss.dtype == torch.float32
-    assert rel_rms(x2.float() @ fn.T, mix.cpu()) <= 1e-5
-    assert rel_rms(x2.float().square().sum(-1), ss.cpu()) <= 1e-6
-    raw, ss2 = kernels.raw_mixes(x2.to(device), fn.to(device))      # the partial sums up to 64 tokens
-    if t > kernels.MAX_PARTIAL_TOKENS:
-        assert torch.equal(raw, mix) and torch.equal(ss2, ss)
-    assert rel_rms(mix.cpu(), raw.cpu()) <= 1e-5 and rel_rms(ss.cpu(), ss2.cpu()) <= 1e-6
+    part = kernels.mix_partials(x2.to(device), fn.to(device))
+    assert part.dtype == torch.float32 and part.shape[0] == t and part.shape[1] > 1
+    mix, ss = kernels.raw_mixes(x2.to(device), fn.to(device))
+    assert mix.shape == (t, 24) and ss.shape == (t,)
+    ref = x2.double() @ fn.double().T
+    assert rel_rms(ref.float(), mix.cpu()) <= 1e-6
+    assert rel_rms(x2.double().square().sum(-1).float(), ss.cpu()) <= 1e-6
+
+
+def test_bf16_pieces_sum_to_fn():
+    from hybridkv.ops.mhc import triton as kernels
+    fn = torch.randn(24, 300, generator=torch.Generator().manual_seed(7)) * 0.05
+    pieces = kernels.bf16_pieces(fn, 32)
+    assert pieces.shape == (3, 32, 300) and not pieces[:, 24:].any()
+    total = pieces.double().sum(0)[:24]
+    assert ((total - fn.double()).abs() <= fn.double().abs() * 2.0**-23).all()
 
 
 def test_a_tokens_mix_partials_do_not_depend_on_the_batch(device):

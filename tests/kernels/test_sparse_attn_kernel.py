@@ -123,6 +123,23 @@ def test_paged_prefill_configuration(kernels, device, monkeypatch):
     assert rel_rms(ref, out) <= 1e-3
 
 
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["default", "split"])
+def test_output_in_bf16_is_the_float32_output_rounded(kernels, device, cfg):
+    """`out_dtype`: the kernels store the float32 result rounded once (directly, or by the split's
+    combine): on the GPU bit for bit what rounding their float32 output gives; Triton's interpreter
+    rounds toward zero when it stores bf16, so there within one bf16 step."""
+    batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("csa", "fp8", device, SEGMENTS)
+    dv = lambda x: None if x is None else x.to(device)  # noqa: E731
+    args = (q.to(device), sink.to(device), 0.1, batch.to(device), dv(new_kv), dv(ring), dv(pool), dv(idx), ratio)
+    f32 = kernels.sparse_attn_paged(*args, cfg=cfg, **kw)
+    b16 = kernels.sparse_attn_paged(*args, cfg=cfg, out_dtype=torch.bfloat16, **kw)
+    assert b16.dtype == torch.bfloat16
+    if device == "cuda":
+        assert torch.equal(b16.cpu(), f32.cpu().bfloat16())
+    else:
+        assert ((b16.cpu().float() - f32.cpu()).abs() <= f32.cpu().abs() * 2.0**-7).all()
+
+
 def test_public_function_on_cpu_is_the_reference():
     from hybridkv.ops.sparse_attn import sparse_attn_paged
     batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("csa", "fp8", "cpu", SEGMENTS)

@@ -3,9 +3,10 @@
 `pre_kernel`: the mixes' normalisation (the sum of squares of the hc·dim stream row), the σ / 2σ
 gates, the row softmax and the Sinkhorn iterations on the hc×hc combination, then y = Σ_j pre_j x_j
 over its columns (the chunk-0 program stores post and comb). The raw mixes come either computed
-(`mixes_raw`, a GEMM the caller ran) or as `mix_partials_kernel`'s per-chunk partial sums, which
-the program adds up itself (decode: the mixes and the sum of squares in one launch that reads each
-stream row once, instead of a GEMM of a float32 copy and a pass per program over the row).
+(`mixes_raw`, a GEMM the caller ran) or as `mix_partials`' per-chunk partial sums, which the
+program adds up itself: the mixes and the sum of squares in one launch that reads each stream row
+once, instead of a GEMM of a float32 copy and a pass per program over the row
+(`mix_partials_kernel` at decode sizes, `mixes_kernel` on the tensor cores for prefill).
 `post_kernel`: x'_k = post_k · f + Σ_j comb[j, k] x_j over its columns. With few tokens (decode)
 the row's columns are split over programs so that the step's mHC is not a handful of SMs streaming
 a whole row each; every chunk's program repeats the (small, L2-resident) Sinkhorn, identically.
@@ -23,7 +24,7 @@ MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` prog
 MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program beyond MIX_ONE_TOKEN tokens
 MIX_ONE_TOKEN = 16          # up to here a program per token and chunk (the fn chunk re-read from L2)
 MAX_PARTIAL_TOKENS = 64     # more tokens (prefill): the mixes from `mixes_kernel`
-PRE_WARPS = 2               # warps of a `pre_kernel` program (H200, 8192 bf16 rows: 0.40 ms at 2, 1.24 at 4)
+PRE_WARPS = 1               # warps of a `pre_kernel` program (H200, 8192 bf16 rows: 0.09 ms at 1, 0.35 at 2, 1.2 at 4)
 
 
 @triton.jit
@@ -46,11 +47,10 @@ def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: t
 
 
 @triton.jit
-def pre_kernel(X, sx_t, MIX, SS, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters, eps, norm_eps,
+def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, MP: tl.constexpr,
-               NCHP: tl.constexpr, HAS_SS: tl.constexpr):
-    """MIX: the raw mixes [T, (2+hc)·hc] (with HAS_SS, SS [T] holds each row's sum of squares), or
-    with PARTIALS `mix_partials_kernel`'s [T, NCH, MP]."""
+               NCHP: tl.constexpr):
+    """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials`' [T, NCH, MP]."""
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
     j = tl.arange(0, HC)
@@ -68,15 +68,12 @@ def pre_kernel(X, sx_t, MIX, SS, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, it
         comb_raw = tl.sum(tl.load(part[:, None, None] + 2 * HC + k2[None, :, :], mask=q_ok[:, None, None],
                                   other=0.0), 0)
     else:
-        if HAS_SS:
-            ss_total = tl.load(SS + t)
-        else:
-            ss = tl.zeros([HC, BLOCK], tl.float32)
-            for c0 in range(0, DIM, BLOCK):
-                c = c0 + tl.arange(0, BLOCK)
-                v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
-                ss += v * v
-            ss_total = tl.sum(tl.sum(ss, 1), 0)
+        ss = tl.zeros([HC, BLOCK], tl.float32)
+        for c0 in range(0, DIM, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            v = tl.load(xrow + j[:, None] * DIM + c[None, :], mask=(c < DIM)[None, :], other=0.0).to(tl.float32)
+            ss += v * v
+        ss_total = tl.sum(tl.sum(ss, 1), 0)
         mix = MIX + t * (2 + HC) * HC
         pre_raw = tl.load(mix + j)
         post_raw = tl.load(mix + HC + j)
@@ -103,25 +100,41 @@ def pre_kernel(X, sx_t, MIX, SS, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, it
 
 
 @triton.jit
-def mixes_kernel(X, sx_t, FN, MIX, SS, T, K, M, BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
-                 PREC: tl.constexpr):
-    """BT tokens: MIX[t, m] = Σ_c fn[m, c]·x[t, c] (m < M) and SS[t] = Σ_c x[t, c]², float32, x read
-    as stored (no float32 copy of it), K walked in order on the tensor cores (PREC tf32x3: float32's
-    precision), the squares beside them."""
+def mixes_kernel(X, sx_t, FN, PART, T, K, KS, NCH, M, BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                 PIECES: tl.constexpr, PREC: tl.constexpr, F32_DOT: tl.constexpr):
+    """BT tokens and the KS flat columns of split s = program_id(1): PART[t, s, m] = Σ_c fn[m, c]·x[t, c]
+    (m < M) and PART[t, s, M] = Σ_c x[t, c]², float32, x read as stored. With PIECES (a 16-bit
+    stream), FN holds fn as three bfloat16 pieces [3, MP, K] whose sum is fn to float32's precision:
+    three bf16 MMAs whose products are exact in float32 give float32's GEMM. Else (a float32 stream)
+    FN is fn [M, K] in float32 on tf32x3 MMAs (PREC). F32_DOT: the pieces' products in float32 (the
+    interpreter, whose dot takes no bfloat16)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
+    s = tl.program_id(1)
     m = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], tl.float32)
     ss = tl.zeros([BT, BK], tl.float32)
-    for k0 in range(0, K, BK):
+    last = tl.minimum(s * KS + KS, K)
+    for k0 in range(s * KS, last, BK):
         c = k0 + tl.arange(0, BK)
-        x = tl.load(X + t.to(tl.int64)[:, None] * sx_t + c[None, :], mask=t_ok[:, None] & (c < K)[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(FN + m[:, None] * K + c[None, :], mask=(m < M)[:, None] & (c < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-        ss += x * x
-    tl.store(MIX + t.to(tl.int64)[:, None] * M + m[None, :], acc, mask=t_ok[:, None] & (m < M)[None, :])
-    tl.store(SS + t, tl.sum(ss, 1), mask=t_ok)
+        c_ok = c < last
+        x = tl.load(X + t.to(tl.int64)[:, None] * sx_t + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        ss += xf * xf
+        if PIECES:
+            w_at = FN + m[:, None] * K + c[None, :]
+            for i in tl.static_range(3):
+                w = tl.load(w_at + i * MP * K, mask=c_ok[None, :], other=0.0)
+                if F32_DOT:
+                    acc = tl.dot(xf, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            w = tl.load(FN + m[:, None] * K + c[None, :], mask=(m < M)[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(xf, tl.trans(w), acc, input_precision=PREC)
+    acc = tl.where(m[None, :] == M, tl.sum(ss, 1)[:, None], acc)
+    out = PART + (t.to(tl.int64)[:, None] * NCH + s) * MP + m[None, :]
+    tl.store(out, acc, mask=t_ok[:, None] & (m <= M)[None, :])
 
 
 @triton.jit
@@ -161,13 +174,18 @@ def column_split(t: int, dim: int) -> tuple[int, int, int]:
 
 def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """x2 [T, K] (rows contiguous, any float dtype), fn [M, K] float32 -> [T, chunks, MP] float32:
-    per chunk of `MIX_CHUNK` columns the M partial mixes, then the partial sum of squares at M."""
+    per chunk of columns the M partial mixes, then the partial sum of squares at M, in one pass over
+    x2 as stored. Up to `MAX_PARTIAL_TOKENS` tokens (decode) `mix_partials_kernel`'s chunks of
+    `MIX_CHUNK` columns, a token's sums the same whatever the batch; beyond (prefill) `mixes_kernel`
+    on the tensor cores, K split so that the programs fill the GPU."""
     t, k = x2.shape
     m = fn.shape[0]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     fn = fn.float().contiguous()
     mp = triton.next_power_of_2(m + 1)
+    if t > MAX_PARTIAL_TOKENS:
+        return _prefill_partials(x2, fn, mp)
     nch = triton.cdiv(k, MIX_CHUNK)
     part = torch.empty(t, nch, mp, dtype=torch.float32, device=x2.device)
     if t:
@@ -178,33 +196,39 @@ def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     return part
 
 
-MIXES_TOKENS = 32           # tokens per `mixes_kernel` program
-MIXES_K = 128               # flat columns per step of its K loop
+MIXES_TOKENS = 64           # tokens per `mixes_kernel` program
+MIXES_K = 64                # flat columns per step of its K loop
 
 
-def mixes_and_squares(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [T, K] (rows contiguous, any float dtype), fn [M, K] -> (x2 · fnᵀ [T, M], Σ x2² [T]) in
-    float32 in one pass over x2 as stored (`mixes_kernel`): the prefill sizes' mixes."""
+def bf16_pieces(fn: torch.Tensor, mp: int) -> torch.Tensor:
+    """fn [M, K] float32 -> [3, mp, K] bfloat16 (rows past M zero) whose sum is fn to within float32's
+    rounding: each piece holds the next 8 bits of every value's significand."""
+    pieces = torch.zeros(3, mp, fn.shape[1], dtype=torch.bfloat16, device=fn.device)
+    rest = fn
+    for i in range(3):
+        pieces[i, : fn.shape[0]] = rest
+        rest = rest - pieces[i, : fn.shape[0]].float()
+    return pieces
+
+
+def _prefill_partials(x2: torch.Tensor, fn: torch.Tensor, mp: int) -> torch.Tensor:
     t, k = x2.shape
-    m = fn.shape[0]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    fn = fn.float().contiguous()
-    mix = torch.empty(t, m, dtype=torch.float32, device=x2.device)
-    ss = torch.empty(t, dtype=torch.float32, device=x2.device)
-    if t:
-        prec = "ieee" if interpreting() else "tf32x3"
-        mixes_kernel[(triton.cdiv(t, MIXES_TOKENS),)](x2, x2.stride(0), fn, mix, ss, t, k, m, BT=MIXES_TOKENS,
-                                                      BK=MIXES_K, MP=max(16, triton.next_power_of_2(m)), PREC=prec,
-                                                      num_warps=4, num_stages=3)
-    return mix, ss
+    steps = triton.cdiv(k, MIXES_K)
+    splits = max(1, min(steps, triton.cdiv(2 * NUM_SMS_GUESS, triton.cdiv(t, MIXES_TOKENS))))
+    ks = triton.cdiv(steps, splits) * MIXES_K
+    nch = triton.cdiv(k, ks)
+    part = torch.empty(t, nch, mp, dtype=torch.float32, device=x2.device)
+    pieces = x2.dtype == torch.bfloat16
+    w = bf16_pieces(fn, mp) if pieces else fn
+    prec = "ieee" if interpreting() else "tf32x3"
+    mixes_kernel[(triton.cdiv(t, MIXES_TOKENS), nch)](x2, x2.stride(0), w, part, t, k, ks, nch, fn.shape[0],
+                                                      BT=MIXES_TOKENS, BK=MIXES_K, MP=mp, PIECES=pieces, PREC=prec,
+                                                      F32_DOT=interpreting(), num_warps=4, num_stages=3)
+    return part
 
 
 def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x2 · fnᵀ [T, M], Σ x2² [T]) in float32: at decode sizes from `mix_partials` (chunks added in
-    order), beyond `MAX_PARTIAL_TOKENS` tokens from `mixes_and_squares`."""
-    if x2.shape[0] > MAX_PARTIAL_TOKENS:
-        return mixes_and_squares(x2, fn)
+    """(x2 · fnᵀ [T, M], Σ x2² [T]) in float32: `mix_partials`' chunks added in order."""
     part = mix_partials(x2, fn)
     m = fn.shape[0]
     total = part[:, :, : m + 1].sum(1)
@@ -217,17 +241,13 @@ def mhc_pre(x, mixes_raw, scale, base, iters, eps, norm_eps):
 
 
 def mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps):
-    """`reference.mhc_pre` with the raw mixes flat(x) · fnᵀ computed here, in two launches: at decode
-    sizes `mix_partials_kernel`, then `pre_kernel` adding its partial sums; beyond
-    `MAX_PARTIAL_TOKENS` tokens `mixes_kernel` (the mixes and each row's sum of squares in one pass),
-    then `pre_kernel` reading them."""
-    if x.shape[0] > MAX_PARTIAL_TOKENS:
-        mixes, ss = mixes_and_squares(x.flatten(1), fn)
-        return _pre(x, mixes, False, scale, base, iters, eps, norm_eps, ss=ss)
+    """`reference.mhc_pre` with the raw mixes flat(x) · fnᵀ computed here, in two launches:
+    `mix_partials` (the mixes and the sum of squares in one pass over the stream), then `pre_kernel`
+    adding its partial sums."""
     return _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps)
 
 
-def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, ss=None):
+def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
     t, hc, dim = x.shape
     x = x.contiguous()
     y = torch.empty(t, dim, dtype=x.dtype, device=x.device)
@@ -237,10 +257,9 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, ss=None):
         block, chunk, chunks = column_split(t, dim)
         nch, mp = (mixes.shape[1], mixes.shape[2]) if partials else (1, 1)
         mixes = mixes if partials else mixes.float().contiguous()
-        pre_kernel[(t, chunks)](x, x.stride(0), mixes, ss if ss is not None else mixes, scale.float().contiguous(),
-                                base.float().contiguous(), y, post, comb, dim, chunk, nch, iters, eps, norm_eps,
-                                HC=hc, BLOCK=block, PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch),
-                                HAS_SS=ss is not None, num_warps=PRE_WARPS)
+        pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
+                                post, comb, dim, chunk, nch, iters, eps, norm_eps, HC=hc, BLOCK=block,
+                                PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch), num_warps=PRE_WARPS)
     return y, post, comb
 
 
