@@ -96,24 +96,27 @@ def test_the_model_takes_the_fn_path_outside_deterministic_mode(device, monkeypa
     assert rel_rms(_mixes(x, head_fn, 1e-6)[:5].cpu(), _mixes(x[:5], head_fn, 1e-6).cpu()) <= 1e-5
 
 
-# (70, 384): two token tiles, the last ragged, one 64-column step a split; (2560, 1000): seven
-# splits of three steps, the last split ragged
-@pytest.mark.parametrize("t,k,dtype", [(70, 384, torch.float32), (2560, 1000, torch.bfloat16)])
-def test_prefill_mixes_and_squares_in_one_pass(device, t, k, dtype):
+# (70, 384): two token tiles, the last ragged, one split; (200, 1000): four tiles, two splits of 64-column
+# steps (MIXES_SPLIT 512 here), the last split ragged
+@pytest.mark.parametrize("t,k,dtype", [(70, 384, torch.float32), (200, 1000, torch.bfloat16)])
+def test_prefill_mixes_and_squares_in_one_pass(device, t, k, dtype, monkeypatch):
     """Past `MAX_PARTIAL_TOKENS` tokens the mixes and the sums of squares come from `mixes_kernel`
     (bf16 stream: fn as three bf16 pieces; float32: tf32x3) in K splits, against the float32 GEMM."""
     from hybridkv.ops.mhc import triton as kernels
+    monkeypatch.setattr(kernels, "MIXES_SPLIT", 512)
     assert t > kernels.MAX_PARTIAL_TOKENS
     g = torch.Generator().manual_seed(6)
     x2 = (torch.randn(t, k, generator=g) * 2).to(dtype)
     fn = torch.randn(24, k, generator=g) * 0.05
     part = kernels.mix_partials(x2.to(device), fn.to(device))
-    assert part.dtype == torch.float32 and part.shape[0] == t and part.shape[1] > 1
+    assert part.dtype == torch.float32 and part.shape[0] == t and part.shape[1] == -(-k // 512)
     mix, ss = kernels.raw_mixes(x2.to(device), fn.to(device))
     assert mix.shape == (t, 24) and ss.shape == (t,)
     ref = x2.double() @ fn.double().T
     assert rel_rms(ref.float(), mix.cpu()) <= 1e-6
     assert rel_rms(x2.double().square().sum(-1).float(), ss.cpu()) <= 1e-6
+    # a token's sums do not depend on the launch's other tokens
+    assert torch.equal(kernels.mix_partials(x2[:65].to(device), fn.to(device))[3, :, :25], part[3, :, :25])
 
 
 def test_bf16_pieces_sum_to_fn():

@@ -176,8 +176,8 @@ def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """x2 [T, K] (rows contiguous, any float dtype), fn [M, K] float32 -> [T, chunks, MP] float32:
     per chunk of columns the M partial mixes, then the partial sum of squares at M, in one pass over
     x2 as stored. Up to `MAX_PARTIAL_TOKENS` tokens (decode) `mix_partials_kernel`'s chunks of
-    `MIX_CHUNK` columns, a token's sums the same whatever the batch; beyond (prefill) `mixes_kernel`
-    on the tensor cores, K split so that the programs fill the GPU."""
+    `MIX_CHUNK` columns; beyond (prefill) `mixes_kernel` on the tensor cores in `MIXES_SPLIT`-column
+    splits. Either way a token's sums do not depend on the other tokens of the launch."""
     t, k = x2.shape
     m = fn.shape[0]
     if x2.stride(-1) != 1:
@@ -198,6 +198,7 @@ def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
 
 MIXES_TOKENS = 64           # tokens per `mixes_kernel` program
 MIXES_K = 64                # flat columns per step of its K loop
+MIXES_SPLIT = 2048          # flat columns per program (a multiple of MIXES_K)
 
 
 def bf16_pieces(fn: torch.Tensor, mp: int) -> torch.Tensor:
@@ -212,16 +213,16 @@ def bf16_pieces(fn: torch.Tensor, mp: int) -> torch.Tensor:
 
 
 def _prefill_partials(x2: torch.Tensor, fn: torch.Tensor, mp: int) -> torch.Tensor:
+    """`mixes_kernel` over MIXES_SPLIT-column splits of K: a token's partial sums depend on K alone,
+    not on how many tokens share the launch (at V4-Flash's width 8 splits, and 8192 tokens 1,024
+    programs)."""
     t, k = x2.shape
-    steps = triton.cdiv(k, MIXES_K)
-    splits = max(1, min(steps, triton.cdiv(2 * NUM_SMS_GUESS, triton.cdiv(t, MIXES_TOKENS))))
-    ks = triton.cdiv(steps, splits) * MIXES_K
-    nch = triton.cdiv(k, ks)
+    nch = triton.cdiv(k, MIXES_SPLIT)
     part = torch.empty(t, nch, mp, dtype=torch.float32, device=x2.device)
     pieces = x2.dtype == torch.bfloat16
     w = bf16_pieces(fn, mp) if pieces else fn
     prec = "ieee" if interpreting() else "tf32x3"
-    mixes_kernel[(triton.cdiv(t, MIXES_TOKENS), nch)](x2, x2.stride(0), w, part, t, k, ks, nch, fn.shape[0],
+    mixes_kernel[(triton.cdiv(t, MIXES_TOKENS), nch)](x2, x2.stride(0), w, part, t, k, MIXES_SPLIT, nch, fn.shape[0],
                                                       BT=MIXES_TOKENS, BK=MIXES_K, MP=mp, PIECES=pieces, PREC=prec,
                                                       F32_DOT=interpreting(), num_warps=4, num_stages=3)
     return part
