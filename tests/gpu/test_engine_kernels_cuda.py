@@ -44,22 +44,39 @@ def test_kernel_path_answers_as_the_reference_path(monkeypatch):
 
 
 def test_kernel_path_reads_the_packed_formats(monkeypatch):
-    """The fp8 store (584-byte entries, FP4 indexer keys) through the kernels and through the
-    reference path: first-token logits within 0.25. A misread entry or key leaves the logits
-    unrelated (a relative difference of order 1); what remains is the fixture's chaos: its random
-    weights turn rounding differences into other FP8 codes, 0.06 and 0.10 at 700 and 420 tokens on
-    the H200 (2026-12-04; at 3000 tokens 0.08-0.13, at times more, even in float32). The trained
-    model has no fp8 store (plain KV scales); `tests/test_engine_paged_path.py` holds the
-    interpreter's kernels to 0.1 on the same prompts."""
+    """The fp8 store (584-byte entries, FP4 indexer keys) through the kernels: every attention call
+    of the engine's run (each layer's prefill chunk and decode steps) is also computed by the
+    reference paged ops on the same inputs (the same packed store, read through its codec), and the
+    two agree within the kernels' rounding (bf16 operands) and top-k near-ties. A misread entry or
+    key would part them by order 1. Logits are not compared across the two paths: this random
+    fixture is chaotic (its FP8 round trips turn rounding differences into other codes; the
+    first-token logits of the whole reference path parted from the kernels' by 0.06-0.31 on the
+    H200, and on the CPU the reference attention alone moves them by up to 0.46 in float32)."""
+    from hybridkv.model import attention
+    monkeypatch.setenv("HYBRIDKV_CUDA_GRAPHS", "0")         # the reference ops sync: no capture
+    through_kernels = attention.Attention._attend_kernels
+    diffs = []
+
+    def both(self, kargs, q, stored_rows, rows, out_dtype=torch.float32):
+        out = through_kernels(self, kargs, q, stored_rows, rows, out_dtype)
+        with monkeypatch.context() as m:
+            m.setenv("HYBRIDKV_KERNELS", "reference")
+            ref = through_kernels(self, kargs, q, stored_rows, rows)
+        diffs.append((q.shape[0], float((out.float() - ref).norm() / ref.norm())))
+        return out
+
+    monkeypatch.setattr(attention.Attention, "_attend_kernels", both)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (700, 420)]
-    formats, _, paged = _generate(FP8_FIXTURE, prompts, 2, kv_format="fp8")
+    formats, _, _ = _generate(FP8_FIXTURE, prompts, 4, kv_format="fp8")
     assert formats == ("fp8", "fp4")
-    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
-    _, _, ref = _generate(FP8_FIXTURE, prompts, 2, kv_format="fp8")
-    first = [float((a[0] - b[0]).norm() / a[0].norm()) for a, b in zip(ref, paged)]
-    print(f"\nfp8/fp4 store, first-token logits, relative difference: {', '.join(f'{x:.2e}' for x in first)}")
-    assert max(first) < 0.25
+    prefill = [d for t, d in diffs if t > 2]
+    decode = [d for t, d in diffs if t <= 2]
+    print(f"\nfp8/fp4 store, kernels against the reference paged ops on the same inputs: {len(prefill)} prefill "
+          f"calls, largest {max(prefill):.2e}; {len(decode)} decode calls, largest {max(decode):.2e}, median "
+          f"{sorted(decode)[len(decode) // 2]:.2e}")
+    assert prefill and decode
+    assert max(prefill) < 5e-2 and max(decode) < 5e-2
 
 
 def test_engine_logits_do_not_depend_on_the_batch_in_deterministic_mode():
@@ -81,7 +98,7 @@ def test_v41_decode_reads_the_packed_layout(monkeypatch):
     attention and selection, every other op as before), every step and token. Float32: kernels
     against the whole reference path, up to the first step whose tokens part. Measured on the H200
     (2026-12-04) before the indexer scoring moved to the kernels: at most 7.4e-3 a step in float32
-    with the same tokens, below 1e-5 in bf16."""
+    with the same tokens, below 1e-5 in bf16; since, 1.7e-3 in bf16 (a top-k near-tie)."""
     from hybridkv.cache import paged as paged_store
     from hybridkv.model import attention
     g = torch.Generator().manual_seed(1)
@@ -100,7 +117,9 @@ def test_v41_decode_reads_the_packed_layout(monkeypatch):
     assert formats is None
     assert [o.output_ids for o in out16] == [o.output_ids for o in ref_out16]
     for a, b in zip(ref16, paged16):
-        assert float((a - b).norm() / a.norm()) < 1e-3
+        # (1.7e-3 on the H200 at two steps of the 300-token prompt since the scores come from the
+        # kernels: a near-tie in the top-k taking another entry; below 1e-5 before)
+        assert float((a - b).norm() / a.norm()) < 1e-2
     monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
     formats, ref_out32, ref32 = _generate(v41, prompts, 6, kv_format="v41", dtype=torch.float32)
     assert formats is None

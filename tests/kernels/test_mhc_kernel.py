@@ -113,7 +113,7 @@ def test_prefill_mixes_and_squares_in_one_pass(device, t, k, dtype, monkeypatch)
     mix, ss = kernels.raw_mixes(x2.to(device), fn.to(device))
     assert mix.shape == (t, 24) and ss.shape == (t,)
     ref = x2.double() @ fn.double().T
-    assert rel_rms(ref.float(), mix.cpu()) <= 1e-6
+    assert rel_rms(ref.float(), mix.cpu()) <= 1e-5      # (H200, bf16 pieces: 1.8e-6; tf32 alone: ~1e-3)
     assert rel_rms(x2.double().square().sum(-1).float(), ss.cpu()) <= 1e-6
     # a token's sums do not depend on the launch's other tokens
     assert torch.equal(kernels.mix_partials(x2[:65].to(device), fn.to(device))[3, :, :25], part[3, :, :25])

@@ -179,7 +179,7 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 # the GEMM), a row 0.12 µs in the grouped GEMM against 0.335 µs in the grouped FP4 kernel; the
 # MoE's device time 244 against 263 ms, but the wall time no better (then the host read the counts
 # with nothing queued behind them, once a layer). From 384 rows an expert (16K-token chunks) the
-# same costs give 1.5×.
+# same costs give 1.5×. `HYBRIDKV_FP4_WIDEN_MIN_ROWS` overrides it (benchmarks).
 WIDEN_MIN_ROWS_PER_EXPERT = 384
 WIDEN_SCRATCH_BYTES = 512 << 20        # the widened experts' scratch, at most (at least one expert)
 
@@ -189,7 +189,8 @@ def widen_ok(x: torch.Tensor, pairs: int, tables: ExpertTables, out_dtype: torch
     launches (`WIDEN_MIN_ROWS_PER_EXPERT` pairs an expert or more) in bf16 on CUDA of stacked experts,
     outside CUDA-graph capture (it reads the per-expert counts on the host), where torch has its
     grouped GEMM; `HYBRIDKV_FP4_WIDEN=0` keeps the grouped FP4 kernel's tiles (a benchmark baseline)."""
-    return (x.is_cuda and pairs >= WIDEN_MIN_ROWS_PER_EXPERT * tables.w1.shape[0] and out_dtype == torch.bfloat16
+    min_rows = int(os.environ.get("HYBRIDKV_FP4_WIDEN_MIN_ROWS", WIDEN_MIN_ROWS_PER_EXPERT))
+    return (x.is_cuda and pairs >= min_rows * tables.w1.shape[0] and out_dtype == torch.bfloat16
             and tables.stacked
             and hasattr(torch, "_grouped_mm") and os.environ.get("HYBRIDKV_FP4_WIDEN", "1") != "0"
             and not torch.cuda.is_current_stream_capturing())
