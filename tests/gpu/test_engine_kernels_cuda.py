@@ -47,8 +47,9 @@ def test_kernel_path_reads_the_packed_formats(monkeypatch):
     """The fp8 store (584-byte entries, FP4 indexer keys) through the kernels: every attention call
     of the engine's run (each layer's prefill chunk and decode steps) is also computed by the
     reference paged ops on the same inputs (the same packed store, read through its codec), and the
-    two agree within the kernels' rounding (bf16 operands) and top-k near-ties. A misread entry or
-    key would part them by order 1. Logits are not compared across the two paths: this random
+    two agree within the kernels' rounding (bf16 operands) and top-k near-ties (H200, 2026-12-04: at
+    most 2.0e-3 over 40 prefill calls, 1.0e-3 over 12 decode calls). A misread entry or key would
+    part them by order 1. Logits are not compared across the two paths: this random
     fixture is chaotic (its FP8 round trips turn rounding differences into other codes; the
     first-token logits of the whole reference path parted from the kernels' by 0.06-0.31 on the
     H200, and on the CPU the reference attention alone moves them by up to 0.46 in float32)."""
@@ -76,7 +77,7 @@ def test_kernel_path_reads_the_packed_formats(monkeypatch):
           f"calls, largest {max(prefill):.2e}; {len(decode)} decode calls, largest {max(decode):.2e}, median "
           f"{sorted(decode)[len(decode) // 2]:.2e}")
     assert prefill and decode
-    assert max(prefill) < 5e-2 and max(decode) < 5e-2
+    assert max(prefill) < 1e-2 and max(decode) < 1e-2
 
 
 def test_engine_logits_do_not_depend_on_the_batch_in_deterministic_mode():
