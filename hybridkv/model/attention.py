@@ -143,11 +143,13 @@ class Attention(nn.Module):
         # The output in the model's dtype: every path computes in float32, and its rows are rounded
         # once as they land (the kernels store them rounded), as the cast before the inverse
         # rotation did; a bf16 prefill chunk holds no float32 [T, H, D] copy. One segment that is
-        # the whole batch (a prefill chunk) is taken as the kernels return it, without a copy.
+        # the whole batch (a prefill chunk) is written by the kernels over q, which nothing reads
+        # after it: one [T, H, D] tensor for both (1 GiB at V4-Flash's width and 16K tokens).
         whole = (not ahead and batch.decode is None and not batch.waves and len(batch.segments) == 1
                  and batch.segments[0].length == x.shape[0])
         if whole:
-            o = self._attend_segment(batch.segments[0], 0, q, kv, batch.positions, rows, share, out_dtype=x.dtype)
+            o = self._attend_segment(batch.segments[0], 0, q, kv, batch.positions, rows, share, out_dtype=x.dtype,
+                                     in_place=True)
         else:
             o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
         if ahead:
@@ -268,7 +270,7 @@ class Attention(nn.Module):
             return None
         return get(*where)
 
-    def _attend_kernels(self, kargs, q, stored_rows, rows, out_dtype=torch.float32) -> torch.Tensor:
+    def _attend_kernels(self, kargs, q, stored_rows, rows, out_dtype=torch.float32, out=None) -> torch.Tensor:
         """Indexer top-k and sparse attention over the paged store; the tokens' own rows are
         `stored_rows`, earlier window rows come from the ring. [T, H, D] in out_dtype."""
         lid, pool, idx, tables = self.layer_id, None, None, None
@@ -280,18 +282,20 @@ class Attention(nn.Module):
                                          max_visible=(kargs.max_pos + 1) // self.ratio, resident=kargs.resident(lid))
         return sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored_rows, kargs.ring(lid), pool, idx,
                                  self.ratio, kargs.main_format, self.head_dim, self.rope_dim, self.window,
-                                 max_pos=kargs.max_pos, tables=tables, out_dtype=out_dtype)
+                                 max_pos=kargs.max_pos, tables=tables, out_dtype=out_dtype, out=out)
 
     def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share,
-                        out_dtype=torch.float32) -> torch.Tensor:
-        """[T, H, D]: out_dtype from the kernels, float32 from the reference path."""
+                        out_dtype=torch.float32, in_place: bool = False) -> torch.Tensor:
+        """[T, H, D]: out_dtype from the kernels (with in_place, written over q), float32 from the
+        reference path."""
         layer_kv = seg.kv.layer(self.layer_id)
         kargs = self._kernel_args(seg.kv, seg.start_pos, seg.length)
         if kargs is not None:
             if self.ratio:
                 self._append_compressed_v4(seg.start_pos, layer_kv, rows, kargs)
             stored = kargs.encode_window(kv)
-            out = self._attend_kernels(kargs, q, stored, rows, out_dtype)
+            into = q if in_place and q.dtype == out_dtype and q.is_contiguous() else None
+            out = self._attend_kernels(kargs, q, stored, rows, out_dtype, out=into)
             layer_kv.write_window(seg.start_pos, stored, stored=True)   # after: the kernels read earlier rows there
             layer_kv.done(seg.end_pos)
             return out

@@ -44,8 +44,17 @@ def check_paged_selection(batch, q, w, keys, idx, topk, ratio) -> None:
         assert torch.equal(sel, sel.sort().values)
 
 
+@pytest.fixture(params=["resident", "tiles"])
+def select_path(request, kernels, monkeypatch):
+    """Selection with every key in registers (rows of at most `RESIDENT_SELECT_MAX` entries), or
+    through the tile maxima and a candidate copy (longer rows)."""
+    if request.param == "tiles":
+        monkeypatch.setattr(kernels, "RESIDENT_SELECT_MAX", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("n,topk", [(300, 16), (40, 64), (1100, 8)], ids=["select", "all-visible", "tile-bound"])
-def test_contiguous(kernels, device, n, topk):
+def test_contiguous(kernels, device, n, topk, select_path):
     """Few tiles (every key a candidate), all visible, and ≥ topk tiles (tile-maxima bound),
     over several scoring chunks with a partial last tile."""
     g = torch.Generator().manual_seed(1)
@@ -58,7 +67,7 @@ def test_contiguous(kernels, device, n, topk):
 
 
 @pytest.mark.parametrize("n,topk", [(200, 40), (1000, 10)], ids=["few-tiles", "tile-bound"])
-def test_ties_are_not_failures(kernels, device, n, topk):
+def test_ties_are_not_failures(kernels, device, n, topk, select_path):
     """Many equal scores (zero keys give score 0): any choice among ties is right, the count exact;
     the kernel keeps the first ties in entry order and lists its selection in ascending order."""
     t, h, d = 2, 2, 16
@@ -188,6 +197,7 @@ def test_maxima_tile_tightens_the_bound_for_few_tiles():
 def test_paged_tile_bound_every_tile_size(kernels, device, tile, block_t, monkeypatch):
     """The tile-maxima bound with each maxima tile size, through decode and prefill scoring tiles:
     chunks of several tokens over ≥ topk tiles of FP4 keys (68-B rows)."""
+    monkeypatch.setattr(kernels, "RESIDENT_SELECT_MAX", 0)      # the bound, not the registers
     g = torch.Generator().manual_seed(7)
     h, d, bt, ratio, topk = 4, 128, 64, 4, 6
     batch = random_batch([(3000, 5), (2040, 3)], num_blocks=100, block_tokens=bt, num_slots=2, gen=g)
@@ -235,6 +245,23 @@ def test_split_selection_selects_what_one_program_does(kernels, device, groups, 
     split = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
     check_selection(reference.index_scores(q, w, keys), visible, split, topk)
     assert torch.equal(split, one)
+
+
+def test_resident_selection_selects_what_the_tile_path_does(kernels, device, monkeypatch):
+    """Every key in registers gives exactly the tile path's entries: random scores, a run of equal
+    scores, rows with fewer entries than topk, all visible, one entry past a power of two."""
+    g = torch.Generator().manual_seed(11)
+    t, h, d, n, topk = 6, 4, 32, 1025, 24
+    q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
+    keys = torch.randn(n, d, generator=g)
+    keys[300:400] = keys[300].clone()
+    visible = torch.tensor([n, 20, 400, n - 1, 24, 700])
+    dv = lambda x: x.to(device)  # noqa: E731
+    resident = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
+    monkeypatch.setattr(kernels, "RESIDENT_SELECT_MAX", 0)
+    tiles = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
+    check_selection(reference.index_scores(q, w, keys), visible, resident, topk)
+    assert torch.equal(resident, tiles)
 
 
 def test_launches_of_many_tokens_select_in_one_program_per_token(kernels, device, monkeypatch):

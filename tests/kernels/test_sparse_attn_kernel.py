@@ -140,6 +140,19 @@ def test_output_in_bf16_is_the_float32_output_rounded(kernels, device, cfg):
         assert ((b16.cpu().float() - f32.cpu()).abs() <= f32.cpu().abs() * 2.0**-7).all()
 
 
+@pytest.mark.parametrize("cfg", [None, SPLIT_CFG], ids=["default", "split"])
+def test_output_written_over_the_queries(kernels, device, cfg):
+    """`out=q`: each program reads its token's query heads before it writes their output, so the
+    result written over q is the result written to a new tensor, bit for bit."""
+    batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("csa", "fp8", device, SEGMENTS)
+    dv = lambda x: None if x is None else x.to(device)  # noqa: E731
+    qd = q.to(device).contiguous()
+    args = (sink.to(device), 0.1, batch.to(device), dv(new_kv), dv(ring), dv(pool), dv(idx), ratio)
+    fresh = kernels.sparse_attn_paged(qd, *args, cfg=cfg, **kw)
+    over = kernels.sparse_attn_paged(qd, *args, cfg=cfg, out=qd, **kw)
+    assert over.data_ptr() == qd.data_ptr() and torch.equal(over.cpu(), fresh.cpu())
+
+
 def test_public_function_on_cpu_is_the_reference():
     from hybridkv.ops.sparse_attn import sparse_attn_paged
     batch, q, new_kv, ring, pool, idx, ratio, sink, kw = _paged_case("csa", "fp8", "cpu", SEGMENTS)

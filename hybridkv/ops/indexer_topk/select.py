@@ -10,7 +10,10 @@ Five steps over data that stays in L2:
 4. Four radix levels over the candidates: the exact threshold τ and how many keys equal to τ to keep.
 5. The keys > τ and the first of the τ-ties, in entry order, into all k output slots.
 
-`select_kernel` runs them in one program per token. With many tiles, steps 2-3 are the long serial
+`select_kernel` runs them in one program per token. Rows of at most VPAD entries (decode up to
+`RESIDENT_SELECT_MAX` visible entries, e.g. a CSA layer at 16K context) skip steps 1-3: the
+program holds every key in registers and runs steps 4-5 on them (`_select_resident`: four
+histograms and one pass, no candidate copy through memory). With many tiles, steps 2-3 are the long serial
 part of that program (a pass over every tile that reaches τ₀), so `gather_candidates_kernel` splits
 them over G programs per token, each over a contiguous range of tiles writing its candidates to its
 own region, and `select_final_kernel` (one program per token) joins the regions in entry order and
@@ -118,6 +121,27 @@ def _finish(ck, ci, nc, out, K, CBLOCK: tl.constexpr):
 
 
 @triton.jit
+def _select_resident(keys, vis, out, K, VPAD: tl.constexpr):
+    """Steps 4-5 over all vis (≤ VPAD) keys at once, held in registers: the exact threshold τ and
+    the ties to keep by four 8-bit histograms, then the keys > τ and the first ties, in entry order."""
+    i = tl.arange(0, VPAD)
+    ok = i < vis
+    key = tl.load(keys + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    prefix = tl.zeros([], tl.uint32)
+    krem = K
+    for lvl in tl.static_range(4):
+        m = ok
+        if lvl > 0:
+            m = m & ((key >> (32 - 8 * lvl)) == prefix)
+        bsel, krem = _pick(tl.histogram(((key >> (24 - 8 * lvl)) & 255).to(tl.int32), 256, mask=m), krem)
+        prefix = (prefix << 8) | bsel.to(tl.uint32)
+    is_eq = (ok & (key == prefix)).to(tl.int32)
+    rank = tl.cumsum(is_eq, 0) - is_eq
+    sel = ((ok & (key > prefix)) | ((is_eq != 0) & (rank < krem))).to(tl.int32)
+    tl.store(out + tl.cumsum(sel, 0) - sel, i, mask=sel != 0)
+
+
+@triton.jit
 def visible_entries(VIS, t, RATIO: tl.constexpr):
     """Visible entries of token t: VIS[t] itself, or with RATIO > 0 VIS holds positions and a token at
     position p sees (p + 1) // RATIO entries (no separate launch computes them)."""
@@ -143,11 +167,14 @@ def _token_output(VIS, OUT, s_out, K, RATIO: tl.constexpr, KPAD: tl.constexpr):
 @triton.jit
 def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K, RATIO: tl.constexpr,
                   TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, CBLOCK: tl.constexpr,
-                  TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr):
+                  TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr, VPAD: tl.constexpr):
     """Exact top-K of token t's keys (steps in the module docstring) in one program; writes all K
-    output slots."""
+    output slots. VPAD > 0: no row has more entries (`_select_resident`)."""
     t, vis, out = _token_output(VIS, OUT, s_out, K, RATIO, KPAD)
-    if vis > K:
+    if VPAD > 0:
+        if vis > K:
+            _select_resident(KEYS + t.to(tl.int64) * s_keys, vis, out, K, VPAD)
+    elif vis > K:
         tmax = TMAX + t.to(tl.int64) * s_tmax
         nt = (vis + TILE_N - 1) // TILE_N
         tau0 = _tau0(tmax, nt, K, TAU_LEVELS, BLOCK)

@@ -295,6 +295,9 @@ SPLIT_MIN_TILES = 1024
 SPLIT_MAX_TOKENS = 64
 SELECT_GROUPS = 16
 SPLIT_CFG = dict(gather=dict(BLOCK=4096, num_warps=8), final=dict(CB=128, num_warps=16))
+# Launches whose rows hold at most this many entries select with every key in registers (no τ₀, no
+# candidate copy; `select._select_resident`): a CSA layer's rows up to 16K context.
+RESIDENT_SELECT_MAX = 4096
 
 
 def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,10 +409,10 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                                        CB=fcfg["CB"],
                                        CBLOCK=select_cfg["CBLOCK"], KPAD=kpad, num_warps=fcfg["num_warps"])
         else:
+            vpad = triton.next_power_of_2(n_max) if n_max <= RESIDENT_SELECT_MAX else 0
             select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1],
                                  cand.stride(1), vis[a:b], out[a:b], out.stride(0), topk, RATIO=vis_ratio,
-                                 TILE_N=per_max, KPAD=kpad,
-                                 **select_cfg)
+                                 TILE_N=per_max, KPAD=kpad, VPAD=vpad, **select_cfg)
     return out
 
 

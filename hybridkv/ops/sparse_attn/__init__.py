@@ -25,7 +25,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
                       ring: torch.Tensor | None, pool: torch.Tensor | None, idx: torch.Tensor | None = None,
                       ratio: int = 0, fmt: str = "bf16", head_dim: int | None = None, rope_dim: int = 0,
                       window: int = 128, max_pos: int | None = None,
-                      tables: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      tables: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every token of a paged batch over its window and compressed rows.
 
     q [T, H, D]; new_kv [T, E] the chunk's own rows; ring [num_slots, window, E]; pool
@@ -35,7 +36,10 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
     window rows in the ring and new rows, global KV entries in the pool; `hybridkv.ops.kv_formats`). `tables` [R, blocks]: where
     the pool holds each block's entries, when not at `batch.block_tables` (a memory policy's device
     pages). Returns [T, H, D] in `out_dtype` (float32 computed, rounded once when stored: a bf16
-    model's prefill holds no float32 copy of its attention output).
+    model's prefill holds no float32 copy of its attention output). `out` [T, H, D] of out_dtype,
+    contiguous: where the kernels write the result, and may be q itself (each program reads its
+    token's query heads before it writes their output, and no other program reads them); the
+    reference path returns a new tensor. Use the returned tensor.
     """
     head_dim = head_dim or q.shape[-1]
     if tables is not None:
@@ -43,6 +47,6 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
     if use_triton(q):
         from hybridkv.ops.sparse_attn import triton as kernels
         return kernels.sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx, ratio, fmt, head_dim,
-                                         rope_dim, window, max_pos, out_dtype=out_dtype)
+                                         rope_dim, window, max_pos, out_dtype=out_dtype, out=out)
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, fmt, head_dim, rope_dim, window)
     return reference.sparse_attn(q, rows, index, sink, scale).to(out_dtype)

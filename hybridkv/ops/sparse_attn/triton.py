@@ -325,7 +325,7 @@ def _bytes(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, positions, slots,
             seg_start, seg_row0, window, mode, ratio, epb, paged, fmt, head_dim, rope_dim, max_pos, cfg=None,
-            out_dtype=torch.float32):
+            out_dtype=torch.float32, out=None):
     t, h, _ = q.shape
     dev = q.device
     block_d = triton.next_power_of_2(head_dim)
@@ -347,7 +347,8 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     rows_max = window + n_comp_max
     bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev, fmt_code > 0)
     n_split = max(1, triton.cdiv(rows_max, split))
-    out = torch.empty(t, h, head_dim, dtype=out_dtype, device=dev)     # (stores round float32 to it)
+    if out is None:
+        out = torch.empty(t, h, head_dim, dtype=out_dtype, device=dev)     # (stores round float32 to it)
     if t == 0:
         return out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -393,7 +394,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torc
 
 
 def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio=0, fmt="bf16", head_dim=None,
-                      rope_dim=0, window=128, max_pos=None, cfg=None, out_dtype=torch.float32):
+                      rope_dim=0, window=128, max_pos=None, cfg=None, out_dtype=torch.float32, out=None):
     """See `hybridkv.ops.sparse_attn.sparse_attn_paged`. `cfg` overrides the launch shape
     (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages)."""
     mode = 1 if idx is not None else (2 if ratio else 0)
@@ -404,4 +405,5 @@ def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio
     return _launch(q, sink.float().contiguous(), scale, new_kv, ring, pool_flat, batch.block_tables,
                    None if idx is None else idx.to(torch.int32), batch.token_req, batch.positions, batch.slots,
                    batch.seg_start, batch.seg_row0, window=window, mode=mode, ratio=ratio, epb=epb, paged=True,
-                   fmt=fmt, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0, cfg=cfg, out_dtype=out_dtype)
+                   fmt=fmt, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0, cfg=cfg, out_dtype=out_dtype,
+                   out=out)
