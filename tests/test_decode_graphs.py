@@ -135,6 +135,39 @@ def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decod
     assert follow.num_cached_tokens == 1152
 
 
+V41_FIXTURE = ROOT / "tests" / "fixtures" / "v41-tiny"
+
+
+def test_v41_decode_through_the_fixed_shape_forward_matches_its_batched_decode():
+    """V4.1 in its packed layout: three requests (ratios 2 and 1; Full, Reindex and Reuse layers),
+    one completing a ratio-2 entry every other step, through the fixed-shape forward (the Full
+    layers' entries appended with fixed shapes) and through the engine's batched decode: the same
+    tokens, logits within the MoE's summation order, the same stored entries."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (300, 263, 150)]
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(V41_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format="v41")
+        eng = llm.engine
+        eng.store.kernel_formats = ("v41", "fp4")          # the paged path, as on CUDA
+        eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False) if graphs else None
+        eng.record_logits, eng.finished = True, {}
+        before = eng.stats.graph_steps
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        logits = [torch.stack(eng.finished[o.request_id].step_logits).float() for o in outs]
+        runs.append((eng, outs, logits, eng.stats.graph_steps - before))
+    (ref_eng, ref, ref_logits, n_ref), (eng, out, logits, n_graph) = runs
+    assert n_ref == 0 and n_graph == 7
+    for a, b, la, lb in zip(ref, out, ref_logits, logits):
+        assert a.output_ids == b.output_ids
+        assert (la - lb).norm() / la.norm() < 1e-4
+    for layer, (ents, ref_ents) in enumerate(zip(eng.store.entries, ref_eng.store.entries)):
+        for kind, pool in ents.items():
+            codec = eng.store.codec[kind]
+            a, b = codec.decode(codec.block_rows(pool)), codec.decode(codec.block_rows(ref_ents[kind]))
+            assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (layer, kind)
+
+
 def test_fixed_shape_forward_is_refused_where_the_paged_path_does_not_run(fp8_llm):
     eng = fp8_llm.engine
     eng.store.kernel_formats = None

@@ -18,9 +18,10 @@ captures at most seven sizes per bucket: padding rows decode token 0 at position
 reserved for them (no block completes at position 0, so they store no entry, and they read only
 their own window row).
 
-Taken only where the batched decode runs on the paged kernels (V4, a store with kernel formats, no
-offloading memory policy, the native indexer) and every request's window is complete; other steps
-run eagerly. Window-state snapshots for the prefix cache are taken after the replay (each layer's
+Taken only where the batched decode runs on the paged kernels (V4, or V4.1 in its packed layout: a
+store with kernel formats, no offloading memory policy, the native indexer) and every request's
+window is complete; other steps run eagerly. V4.1's Full layers append the entries their tokens
+complete with fixed shapes too (`Attention._append_global_kv_decode` on the kernels' path). Window-state snapshots for the prefix cache are taken after the replay (each layer's
 state is final once the step is).
 """
 
@@ -97,8 +98,9 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model, store: PagedKVStore, indexer_mode: str) -> bool:
-        """Whether this engine's batched decode runs on the paged kernels at all."""
-        return (model.config.family == "v4" and store.kernel_formats is not None and not store.offload
+        """Whether this engine's batched decode runs on the paged kernels at all (V4; V4.1 in its
+        packed layout, whose decode attention and indexer scoring the kernels run)."""
+        return (model.config.family in ("v4", "v4.1") and store.kernel_formats is not None and not store.offload
                 and indexer_mode == "native")
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:

@@ -413,7 +413,7 @@ class Attention(nn.Module):
         kargs = self._v41_kernel_args(dkv)
         if self.ratio:
             if self.mode == "full":
-                self._append_global_kv_decode(dkv, rows)
+                self._append_global_kv_decode(dkv, rows, kargs)
             n_entries = (pos + 1) // self.ratio
             if self.indexer is None:
                 sel = share.topk[DECODE_GROUP]
@@ -466,10 +466,36 @@ class Attention(nn.Module):
         dkv.done(lid)
         return out
 
-    def _append_global_kv_decode(self, dkv: DecodeKV, rows) -> None:
+    def _append_global_kv_decode(self, dkv: DecodeKV, rows, kargs=None) -> None:
         """`_append_global_kv` for a decode group: the requests whose token completes a block store
-        its global KV and indexer keys."""
+        its global KV and indexer keys. On the paged kernels' path (`kargs`) with fixed shapes and no
+        host synchronisation (what a CUDA graph captures): every request's candidate entry is
+        computed, and written where its entry id is not −1 (`PagedDecodeKV.write_entries`)."""
         pos = dkv.positions
+        if kargs is not None:
+            which = torch.arange(pos.shape[0], device=pos.device)
+            if self.compressor.stateless:         # every token completes an entry (ratio 1)
+                # but position 0: there only a CUDA graph's padding rows decode (a request decodes
+                # past its prompt), with block table 0, whose entry 0 belongs to a request
+                latent = rows["comp_kv"]
+                entry_ids = torch.where(pos > 0, torch.div(pos, self.ratio, rounding_mode="floor"), -1)
+            else:
+                st_kv, st_score = dkv.compressor_state(self.layer_id, "kv")
+                done = {}
+
+                def pool(block_rows, block_starts, requests, ids):   # (before the state advances)
+                    done.update(latent=self.compressor.finish(block_rows, block_starts, self.inv_freq), ids=ids)
+                self.compressor.update_decode(st_kv, st_score, rows["comp_kv"], rows["comp_score"], pos,
+                                              self.inv_freq, write=pool)
+                dkv.store_compressor_state(self.layer_id, "kv", st_kv, st_score)
+                entry_ids = done["ids"]
+                # a request that completes no block pools a partial state (NaN where its scores are
+                # all −inf): any finite row will do, `write_entries` keeps the pool's there
+                latent = torch.where((entry_ids >= 0).unsqueeze(-1), done["latent"], 0.0)
+            freqs = rope_freqs(entry_ids.clamp(min=0) * self.ratio, self.inv_freq)
+            dkv.write_entries(self.layer_id, "index", which, entry_ids, self.indexer.keys(latent, freqs))
+            dkv.write_entries(self.layer_id, "kv", which, entry_ids, global_kv(latent, freqs))
+            return
         if self.compressor.stateless:
             which, latent = torch.arange(pos.shape[0], device=pos.device), rows["comp_kv"]
         else:

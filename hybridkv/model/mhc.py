@@ -40,7 +40,7 @@ def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def identity_pre(x: torch.Tensor) -> torch.Tensor:
     """The one-hot mix V4.1's first sub-block collapses the stream with: [T, hc], copy 0 only."""
     pre = x.new_zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-    pre[:, 0] = 1.0
+    pre[:, 0].fill_(1.0)           # (a fill, not a host scalar lifted to a tensor: capturable)
     return pre
 
 

@@ -17,6 +17,7 @@ from hybridkv.engine.graphs import DecodeGraphs, context_bucket
 from hybridkv.ops.indexer_topk import triton as indexer_kernels
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
+V41_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v41-tiny"
 aten = torch.ops.aten
 # a value read back by the host, a shape that depends on values, a tensor made from host data
 HOST_BOUND = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
@@ -70,3 +71,31 @@ def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
     with eager:
         eng.step()                                    # the same step, launched eagerly
     assert eager.flagged                              # what the recorder catches, and why graphs need their own path
+
+
+@interpreter_only
+def test_v41_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
+    """V4.1 in its packed layout: the decode group scored over the stored keys by the kernels, the
+    Full layers' entries appended with fixed shapes (one request completes a ratio-2 entry in this
+    step, the other does not), the Reuse layers' shared selection; no host synchronisation."""
+    llm = LLM(V41_FIXTURE, num_blocks=64, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="v41")
+    eng = llm.engine
+    eng.store.kernel_formats = ("v41", "fp4")
+    g = torch.Generator().manual_seed(0)
+    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=4, ignore_eos=True)) for n in (299, 262)]
+    while any(s.first_token_time is None for s in seqs):
+        eng.step()
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
+    assert (positions[0] + 1) % 2 == 0 and (positions[1] + 1) % 2 == 1
+    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
+    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)]
+                         + [[0, 0, graphs.pad_slot]] * 2)
+    cap = context_bucket(max(positions), eng.store.block_tokens)
+    inputs = graphs._host_inputs(heads, caches, cap)
+    static = _Recorder()
+    with static:
+        logits = graphs._forward(inputs, cap)
+    assert torch.isfinite(logits).all()
+    assert not static.flagged, dict(static.flagged)
