@@ -67,3 +67,25 @@ def decode_after_prefill(engine, formats: tuple[str, str] | None, monkeypatch, p
     while engine.has_unfinished():
         engine.step()
     monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)
+
+
+def next_decode_step(model_dir, kv_format: str, formats: tuple[str, str], seed: int, padding: int,
+                     num_blocks: int = 16):
+    """An engine (CPU) with two requests of 299 and 262 prompt tokens prefilled on the plain-torch
+    paged definitions, its store read in `formats` as on CUDA, and the fixed-shape decode forward of
+    their next step: (engine, requests, DecodeGraphs without capture, its inputs' heads [2 +
+    padding, 3], the context bucket). The caller turns the kernels on (HYBRIDKV_KERNELS=triton)."""
+    from hybridkv.engine import LLM, SamplingParams
+    from hybridkv.engine.graphs import DecodeGraphs, context_bucket
+    eng = LLM(model_dir, num_blocks=num_blocks, max_num_seqs=3, max_num_batched_tokens=1024,
+              kv_format=kv_format).engine
+    eng.store.kernel_formats = formats
+    g = torch.Generator().manual_seed(seed)
+    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=4, ignore_eos=True)) for n in (299, 262)]
+    while any(s.first_token_time is None for s in seqs):
+        eng.step()
+    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
+    heads = torch.tensor([[s.token_ids[s.num_computed], s.num_computed, s.cache.slot] for s in seqs]
+                         + [[0, 0, graphs.pad_slot]] * padding)
+    return eng, seqs, graphs, heads, context_bucket(max(s.num_computed for s in seqs), eng.store.block_tokens)

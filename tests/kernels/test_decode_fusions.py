@@ -9,9 +9,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import interpreter_only
-from hybridkv.engine import LLM, SamplingParams
-from hybridkv.engine.graphs import DecodeGraphs, context_bucket
+from helpers import interpreter_only, next_decode_step
 from hybridkv.model import attention, linear
 from hybridkv.model.attention import Attention
 
@@ -30,21 +28,10 @@ def _store_tensors(store) -> list[torch.Tensor]:
 
 @interpreter_only      # the CPU engine with the kernels in the interpreter; on CUDA the GPU tests compare paths
 def test_fused_decode_launches_equal_the_unfused_operations(monkeypatch):
-    llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="fp8")
-    eng = llm.engine
-    eng.store.kernel_formats = ("fp8", "fp4")        # the paged path, as on CUDA
-    g = torch.Generator().manual_seed(1)
-    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=4, ignore_eos=True)) for n in (299, 262)]
-    while any(s.first_token_time is None for s in seqs):
-        eng.step()
+    eng, seqs, graphs, heads, cap = next_decode_step(FP8_FIXTURE, "fp8", ("fp8", "fp4"), seed=1, padding=1)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
     assert (positions[0] + 1) % 4 == 0 and (positions[1] + 1) % 4
-    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
-    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)]
-                         + [[0, 0, graphs.pad_slot]])
-    cap = context_bucket(max(positions), eng.store.block_tokens)
     before = [t.clone() for t in _store_tensors(eng.store)]
 
     def step():

@@ -11,9 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import interpreter_only
-from hybridkv.engine import LLM, SamplingParams
-from hybridkv.engine.graphs import DecodeGraphs, context_bucket
+from helpers import interpreter_only, next_decode_step
 from hybridkv.ops.indexer_topk import triton as indexer_kernels
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
@@ -41,23 +39,12 @@ class _Recorder(TorchDispatchMode):
 
 @interpreter_only
 def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
-    llm = LLM(FP8_FIXTURE, num_blocks=16, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="fp8")
-    eng = llm.engine
-    eng.store.kernel_formats = ("fp8", "fp4")        # the paged path, as on CUDA
-    g = torch.Generator().manual_seed(0)
-    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=4, ignore_eos=True)) for n in (299, 262)]
-    while any(s.first_token_time is None for s in seqs):
-        eng.step()                                   # prefill on the plain-torch definitions (fast)
+    eng, seqs, graphs, heads, cap = next_decode_step(FP8_FIXTURE, "fp8", ("fp8", "fp4"), seed=0, padding=2)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")  # from here the ops run their kernels
     # the selection that 1M-token decode steps use: candidates gathered by several programs per token
     monkeypatch.setattr(indexer_kernels, "SPLIT_MIN_TILES", 1)
-    caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
-    assert (positions[0] + 1) % 4 == 0              # the first request completes a CSA entry now
-    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
-    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)]
-                         + [[0, 0, graphs.pad_slot]] * 2)      # and two padding rows
-    cap = context_bucket(max(positions), eng.store.block_tokens)
+    caches = [s.cache for s in seqs]
+    assert (seqs[0].num_computed + 1) % 4 == 0        # the first request completes a CSA entry now
     saved = {(c.slot, i): eng.store.capture_state(c.slot, i) for c in caches for i in range(eng.store.num_layers)}
     inputs = graphs._host_inputs(heads, caches, cap)     # host work before the replay: not recorded
     static = _Recorder()
@@ -77,23 +64,13 @@ def test_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
 def test_v41_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
     """V4.1 in its packed layout: the decode group scored over the stored keys by the kernels, the
     Full layers' entries appended with fixed shapes (one request completes a ratio-2 entry in this
-    step, the other does not), the Reuse layers' shared selection; no host synchronisation."""
-    llm = LLM(V41_FIXTURE, num_blocks=64, max_num_seqs=3, max_num_batched_tokens=1024, kv_format="v41")
-    eng = llm.engine
-    eng.store.kernel_formats = ("v41", "fp4")
-    g = torch.Generator().manual_seed(0)
-    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=4, ignore_eos=True)) for n in (299, 262)]
-    while any(s.first_token_time is None for s in seqs):
-        eng.step()
+    step, the other does not; ratio-1 layers complete one every step, the padding rows none), the
+    Reuse layers' shared selection; no host synchronisation."""
+    eng, seqs, graphs, heads, cap = next_decode_step(V41_FIXTURE, "v41", ("v41", "fp4"), seed=0, padding=2,
+                                                     num_blocks=64)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
-    caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
-    assert (positions[0] + 1) % 2 == 0 and (positions[1] + 1) % 2 == 1
-    graphs = DecodeGraphs(eng.model, eng.store, capture=False)
-    heads = torch.tensor([[s.token_ids[p], p, c.slot] for s, p, c in zip(seqs, positions, caches)]
-                         + [[0, 0, graphs.pad_slot]] * 2)
-    cap = context_bucket(max(positions), eng.store.block_tokens)
-    inputs = graphs._host_inputs(heads, caches, cap)
+    assert (seqs[0].num_computed + 1) % 2 == 0 and (seqs[1].num_computed + 1) % 2 == 1
+    inputs = graphs._host_inputs(heads, [s.cache for s in seqs], cap)
     static = _Recorder()
     with static:
         logits = graphs._forward(inputs, cap)
