@@ -41,7 +41,7 @@ from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, apply_rope_, rope_freqs, yarn_inv_freq
-from hybridkv.ops.rmsnorm import rms_norm
+from hybridkv.ops.rmsnorm import rms_norm_
 from hybridkv.ops.compress import compress_decode_ok, compress_decode_paged, compress_paged
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
@@ -125,8 +125,8 @@ class Attention(nn.Module):
         q_a, kv_a = paired_forward(self.wq_a, self.wkv, x)
         qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        if not self.v41:  # V4 RMS-normalises each query head (without a weight)
-            q = rms_norm(q, None, self.eps)
+        if not self.v41:  # V4 RMS-normalises each query head (without a weight), over the projection's
+            q = rms_norm_(q, None, self.eps)          # own output
         q = apply_rope_(q, freqs)                  # (a fresh tensor: rotated where it lies)
         kv = apply_rope(self.kv_norm(kv_a), freqs)
         if self.v41:

@@ -18,3 +18,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         from hybridkv.ops.rmsnorm import triton as kernels
         return kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` written over x where it can (the Triton path, contiguous rows: each program reads
+    its whole row before it writes it), x returned: for a tensor the caller owns and no longer needs
+    unnormalised (a V4 prefill chunk's query heads: one [T, H, D] tensor instead of two). Elsewhere
+    (the reference path, autograd, strided rows) a new tensor, as `rms_norm`."""
+    needs_grad = x.requires_grad or (weight is not None and weight.requires_grad)
+    if use_triton(x) and not (torch.is_grad_enabled() and needs_grad) and x.is_contiguous():
+        from hybridkv.ops.rmsnorm import triton as kernels
+        kernels.rms_norm(x, weight, eps, in_place=True)
+        return x
+    return rms_norm(x, weight, eps)

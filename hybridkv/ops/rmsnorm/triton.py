@@ -23,14 +23,15 @@ def rms_norm_kernel(X, W, Y, D, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.co
     tl.store(Y + r * D + c, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in_place: bool = False) -> torch.Tensor:
+    """in_place (x contiguous): the rows written over x (a program reads its whole row first)."""
     d = x.shape[-1]
     if d > MAX_ROW:
         raise ValueError(f"rms_norm kernel: rows of {d} values exceed {MAX_ROW}")
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = x2 if in_place else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         rms_norm_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, d, x2.stride(0), float(eps),
