@@ -131,6 +131,9 @@ attempt("mhc_pre_fn tokens=100", lambda: mhc_kernels.mhc_pre_fn(torch.zeros(100,
                                                                 torch.zeros(24), 20, 1e-6, 1e-6))
 attempt("mix_partials tokens=100 float32", lambda: mhc_kernels.mix_partials(torch.zeros(100, 4 * 4096),
                                                                             torch.zeros(24, 4 * 4096)))
+for rows in (1, 8):      # the MoE gate's scores at decode: a float32 weight of 256 experts
+    attempt(f"gate rows_linear rows={rows}", lambda: float_rows.rows_linear(torch.zeros(rows, 4096).bfloat16(),
+                                                                           torch.zeros(256, 4096)))
 attempt("batch_invariant bmm", lambda: batch_invariant.mm(torch.zeros(3, 70, 64).bfloat16(),
                                                           torch.zeros(3, 64, 96).bfloat16()))
 attempt("rope (3, 64, 512) in place", lambda: rope_kernels.apply_rope(torch.zeros(3, 64, 512).bfloat16(), freqs,

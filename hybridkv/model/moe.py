@@ -23,7 +23,7 @@ from torch import nn
 from hybridkv.config import ModelConfig
 from hybridkv.distributed.group import SINGLE, Parallel
 from hybridkv.distributed.sharding import expert_inter_part, expert_range, record_linear, shared_expert_part
-from hybridkv.model.linear import Linear, pair_storage, paired_forward
+from hybridkv.model.linear import Linear, pair_storage, paired_forward, widened_linear
 from hybridkv.ops import grouped_moe
 from hybridkv.ops.backend import is_deterministic
 
@@ -48,7 +48,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> routing weights [T, k] (float32), expert ids [T, k]."""
-        scores = F.linear(x.float(), self.weight.float())
+        # float32 products and sums; at decode sizes one split-K launch that reads x as it is
+        scores = widened_linear(x, self.weight, torch.float32)
         if grouped_moe.gate_kernel_ok(scores, self.v41, self.score_func):
             # one launch for the activation, the selection, the gather and the normalisation
             return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale, self.norm_topk,

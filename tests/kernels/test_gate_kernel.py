@@ -1,8 +1,11 @@
-"""V4's gate selection in one launch against `Gate.forward`'s torch operations."""
+"""V4's gate selection in one launch against `Gate.forward`'s torch operations (the scores from
+one GEMM in both), and the scores' split-K launch at decode sizes against the float32 GEMM."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from hybridkv.model import moe
 from hybridkv.model.moe import Gate
 from hybridkv.presets import get_preset
 
@@ -25,6 +28,12 @@ def test_gate_select_matches_the_gate(device, monkeypatch, tokens, hash_layer):
     x[0] *= 300                                    # logits past softplus' threshold (20) and far below 0
     x, ids_in = x.to(device), torch.randint(0, cfg.vocab_size, (tokens,), generator=g).to(device)
     with torch.no_grad():
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+        scores = moe.widened_linear(x, gate.weight, torch.float32)
+        ref = F.linear(x.float(), gate.weight.float())
+        assert ((scores - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 1e-6    # float32 round-off
+        # the selection compared on the same scores (the split-K launch sums in another order)
+        monkeypatch.setattr(moe, "widened_linear", lambda a, w, dtype: F.linear(a.float(), w.float()))
         monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
         want_w, want_ids = gate(x, ids_in)
         monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
