@@ -15,14 +15,15 @@ position are masked in the kernels, so a longer bucket costs idle programs, not 
 
 Batch sizes are padded to the next power of two, so a server whose batch changes every few steps
 captures at most seven sizes per bucket: padding rows decode token 0 at position 0 in a request slot
-reserved for them (no block completes at position 0, so they store no entry, and they read only
-their own window row).
+reserved for them (no block completes at position 0, and V4.1's ratio-1 layers, where one would,
+store nothing there: they store no entry, and they read only their own window row).
 
 Taken only where the batched decode runs on the paged kernels (V4, or V4.1 in its packed layout: a
 store with kernel formats, no offloading memory policy, the native indexer) and every request's
 window is complete; other steps run eagerly. V4.1's Full layers append the entries their tokens
-complete with fixed shapes too (`Attention._append_global_kv_decode` on the kernels' path). Window-state snapshots for the prefix cache are taken after the replay (each layer's
-state is final once the step is).
+complete with fixed shapes too (`Attention._append_global_kv_decode` on the kernels' path).
+Window-state snapshots for the prefix cache are taken after the replay (each layer's state is
+final once the step is).
 """
 
 from __future__ import annotations

@@ -169,10 +169,12 @@ class Attention(nn.Module):
                 r = seg.rows
                 o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
                                             {k: v[r] for k, v in rows.items()}, share, out_dtype=x.dtype)
+        own = True                                # o is this forward's: rotated back in place below
         if batch.decode is not None:
             r = batch.decode.rows
             if batch.decode.whole and not self.v41:   # a decode-only batch (CUDA graphs): no gathers
                 o = self._attend_decode(batch.decode.kv, q, kv, rows, fused)
+                own = o.dtype != x.dtype                  # (the cast below copies it)
             else:
                 drows = {k: v[r] for k, v in rows.items()}
                 if self.v41:
@@ -187,9 +189,6 @@ class Attention(nn.Module):
         for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
             r = wave.rows
             o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}).to(o.dtype)
-        # rotated in place where o is this forward's own tensor; a decode-only batch's o is the
-        # decode path's (float32 in a float32 model: left as it is)
-        own = o.dtype != x.dtype or not (batch.decode is not None and batch.decode.whole and not self.v41)
         o = (apply_rope_ if own else apply_rope)(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -473,28 +472,25 @@ class Attention(nn.Module):
         computed, and written where its entry id is not −1 (`PagedDecodeKV.write_entries`)."""
         pos = dkv.positions
         if kargs is not None:
-            which = torch.arange(pos.shape[0], device=pos.device)
+            def write(which, entry_ids, latent):
+                freqs = rope_freqs(entry_ids.clamp(min=0) * self.ratio, self.inv_freq)
+                dkv.write_entries(self.layer_id, "index", which, entry_ids, self.indexer.keys(latent, freqs))
+                dkv.write_entries(self.layer_id, "kv", which, entry_ids, global_kv(latent, freqs))
+
             if self.compressor.stateless:         # every token completes an entry (ratio 1)
                 # but position 0: there only a CUDA graph's padding rows decode (a request decodes
                 # past its prompt), with block table 0, whose entry 0 belongs to a request
-                latent = rows["comp_kv"]
-                entry_ids = torch.where(pos > 0, torch.div(pos, self.ratio, rounding_mode="floor"), -1)
-            else:
-                st_kv, st_score = dkv.compressor_state(self.layer_id, "kv")
-                done = {}
-
-                def pool(block_rows, block_starts, requests, ids):   # (before the state advances)
-                    done.update(latent=self.compressor.finish(block_rows, block_starts, self.inv_freq), ids=ids)
-                self.compressor.update_decode(st_kv, st_score, rows["comp_kv"], rows["comp_score"], pos,
-                                              self.inv_freq, write=pool)
-                dkv.store_compressor_state(self.layer_id, "kv", st_kv, st_score)
-                entry_ids = done["ids"]
-                # a request that completes no block pools a partial state (NaN where its scores are
-                # all −inf): any finite row will do, `write_entries` keeps the pool's there
-                latent = torch.where((entry_ids >= 0).unsqueeze(-1), done["latent"], 0.0)
-            freqs = rope_freqs(entry_ids.clamp(min=0) * self.ratio, self.inv_freq)
-            dkv.write_entries(self.layer_id, "index", which, entry_ids, self.indexer.keys(latent, freqs))
-            dkv.write_entries(self.layer_id, "kv", which, entry_ids, global_kv(latent, freqs))
+                write(torch.arange(pos.shape[0], device=pos.device),
+                      torch.where(pos > 0, torch.div(pos, self.ratio, rounding_mode="floor"), -1), rows["comp_kv"])
+                return
+            st_kv, st_score = dkv.compressor_state(self.layer_id, "kv")
+            # a request that completes no block pools a partial state (NaN where its scores are all
+            # −inf): any finite row will do there, `write_entries` keeps the pool's row
+            self.compressor.update_decode(
+                st_kv, st_score, rows["comp_kv"], rows["comp_score"], pos, self.inv_freq,
+                write=lambda block_rows, starts, requests, ids: write(requests.long(), ids, torch.where(
+                    (ids >= 0).unsqueeze(-1), self.compressor.finish(block_rows, starts, self.inv_freq), 0.0)))
+            dkv.store_compressor_state(self.layer_id, "kv", st_kv, st_score)
             return
         if self.compressor.stateless:
             which, latent = torch.arange(pos.shape[0], device=pos.device), rows["comp_kv"]

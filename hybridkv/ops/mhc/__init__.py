@@ -35,7 +35,7 @@ def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
 
 def fn_in_kernels(x: torch.Tensor, fn: torch.Tensor) -> bool:
     """Whether the mixes of x [T, hc, dim] with fn come from the kernels (`mhc_pre_fn`, `raw_mixes`;
-    per-chunk partial sums at decode sizes, one tiled pass beyond): the Triton path, a float32 fn,
+    per-chunk partial sums, on the tensor cores beyond decode sizes): the Triton path, a float32 fn,
     no gradient wanted, not deterministic mode (whose GEMMs keep one path whatever the batch)."""
     return _ok(x) and not is_deterministic() and fn.dtype == torch.float32 and not (
         torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad))

@@ -11,10 +11,14 @@ from hybridkv.ops.backend import use_triton
 from hybridkv.ops.rmsnorm import reference
 
 
+def _kernel_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    needs_grad = x.requires_grad or (weight is not None and weight.requires_grad)
+    return use_triton(x) and not (torch.is_grad_enabled() and needs_grad)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """weight · x / sqrt(mean(x²) + eps) over the last dimension (weight None: no weight)."""
-    needs_grad = x.requires_grad or (weight is not None and weight.requires_grad)
-    if use_triton(x) and not (torch.is_grad_enabled() and needs_grad):
+    if _kernel_ok(x, weight):
         from hybridkv.ops.rmsnorm import triton as kernels
         return kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -25,8 +29,7 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     its whole row before it writes it), x returned: for a tensor the caller owns and no longer needs
     unnormalised (a V4 prefill chunk's query heads: one [T, H, D] tensor instead of two). Elsewhere
     (the reference path, autograd, strided rows) a new tensor, as `rms_norm`."""
-    needs_grad = x.requires_grad or (weight is not None and weight.requires_grad)
-    if use_triton(x) and not (torch.is_grad_enabled() and needs_grad) and x.is_contiguous():
+    if _kernel_ok(x, weight) and x.is_contiguous():
         from hybridkv.ops.rmsnorm import triton as kernels
         kernels.rms_norm(x, weight, eps, in_place=True)
         return x
