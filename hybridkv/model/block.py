@@ -53,5 +53,5 @@ class Block(nn.Module):
         x = hc_post(self.attn(self.attn_norm(hc_collapse(x, pre)), batch, share), x, post, comb)
         ffn_pre, post, comb = hc_mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
                                        self.hc_eps, self.norm_eps)
-        x = hc_post(self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), input_ids), x, post, comb)
+        x = hc_post(self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), input_ids, batch.static), x, post, comb)
         return x, ffn_pre

@@ -23,9 +23,26 @@ HOST_BOUND = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._
 
 
 class _Recorder(TorchDispatchMode):
+    """Counts the host-bound operations dispatched inside it, and `Tensor.tolist` (a host read that
+    dispatches no operator on the CPU)."""
+
     def __init__(self):
         super().__init__()
         self.flagged = Counter()
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        recorder, tolist = self, self._tolist
+
+        def counted_tolist(t, *args, **kwargs):
+            recorder.flagged["tolist"] += 1
+            return tolist(t, *args, **kwargs)
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = func.overloadpacket
