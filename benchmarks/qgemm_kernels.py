@@ -4,7 +4,10 @@ For each FP8 linear of a V4-Flash block and each row count, the Triton kernel
 (`hybridkv.ops.qgemm.triton.fp8_linear`) against a bf16 GEMM of the dequantised weight (what the
 dense-copy path runs) and the prefill path through torch's block-scaled matmul
 (`hybridkv.ops.qgemm.scaled`, its activation quantisation included); then the routed experts (256 × 2048, top-6) as the two
-grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected.
+grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected;
+then the widened decode linears (`--float-rows`: the bf16 compressor stacks and the MoE gate, float32
+out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--block 32` times the FP8 linears at
+V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM; the tensor-core kernels are 128's).
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
 fastest (`--experts-used N` routes the tokens among N experts, several rows each) (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
 time of CUDA-graph replays (the decode step runs as a graph). A launch replayed back to back finds
@@ -12,7 +15,7 @@ a weight of up to tens of MiB still in the GPU's L2 (50 MB on an H200), which a 
 does: `--cold` times each FP8 linear over copies of its weight that together exceed L2 several
 times, one launch a copy, so that every launch reads its weight from DRAM as in the engine.
 
-    python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--cold] [--bandwidth 4.13e12]
+    python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--cold] [--block 32] [--float-rows]
     python benchmarks/qgemm_kernels.py --smoke     # small shapes in Triton's interpreter (CPU)
 """
 
@@ -44,7 +47,13 @@ from hybridkv.ops.quant.triton import fp8_round_trip  # noqa: E402
 # (name, N, K) of V4-Flash's FP8 linears
 FLASH = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
          ("shared w1/w3", 2048, 4096), ("shared w2", 4096, 2048), ("indexer wq_b", 8192, 1024)]
+# V4.1-Flash's (hidden 5120, q_lora 1280, shared expert 2304)
+FLASH_V41 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
+             ("shared w1/w3", 4608, 5120), ("shared w2", 5120, 2304)]
 SMOKE = [("small", 256, 512)]
+# (name, N, K) of V4-Flash's widened decode linears: a CSA layer's compressors' and indexer's stacked
+# projections, an HCA layer's, the MoE gate
+FLOAT_ROWS = [("CSA projections", 2624, 4096), ("HCA projections", 1024, 4096), ("gate", 256, 4096)]
 
 
 def bench(fn, cuda: bool, reps: int = 20) -> float:
@@ -81,29 +90,30 @@ def bench_each(fn, items: list, cuda: bool) -> float:
 
 
 def fp8_rows(a, cuda: bool, dev: str) -> None:
-    print("\n| linear | N × K | rows | triton ms | GB/s (weight) | TFLOP/s | dense bf16 ms | scaled_mm ms | "
-          "rel rms | fp8_mma ms | GB/s (fp8_mma) |")
+    b = a.block
+    print(f"\n| linear ({b}×{b} scale tiles) | N × K | rows | triton ms | GB/s (weight) | TFLOP/s | dense bf16 ms | "
+          "scaled_mm ms | rel rms | fp8_mma ms | GB/s (fp8_mma) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes = set()
-    for name, n, k in (SMOKE if a.smoke else FLASH):
-        q, s = quant_fp8_weight(torch.randn(n, k, device=dev) * 0.02)
-        dense = dequant_fp8_weight(q, s, (128, 128), torch.bfloat16 if cuda else torch.float32)
+    for name, n, k in (SMOKE if a.smoke else FLASH if b == 128 else FLASH_V41):
+        q, s = quant_fp8_weight(torch.randn(n, k, device=dev) * 0.02, (b, b))
+        dense = dequant_fp8_weight(q, s, (b, b), torch.bfloat16 if cuda else torch.float32)
         packed_copies, dense_copies = copies((q, s), a.cold and cuda), copies((dense,), a.cold and cuda)
         for m in a.rows:
             x = torch.randn(m, k, device=dev).to(dense.dtype)
             out_dtype = dense.dtype
-            t_k = bench_each(lambda w: kernels.fp8_linear(x, w[0], w[1], out_dtype), packed_copies, cuda)
+            t_k = bench_each(lambda w: kernels.fp8_linear(x, w[0], w[1], out_dtype, block=b), packed_copies, cuda)
             t_d = bench_each(lambda w: torch.nn.functional.linear(x, w[0]), dense_copies, cuda)
-            fn, why = (lambda: scaled.fp8_linear(x, q, s, out_dtype), None) if cuda else (None, "CPU")
+            fn, why = (lambda: scaled.fp8_linear(x, q, s, out_dtype), None) if cuda and b == 128 else (None, "CPU")
             if cuda and scaled.layout(x.device)[0] is None:
                 fn, why = None, scaled.layout(x.device)[1]
             t_s = bench(fn, cuda) if fn else None
             if why:
                 notes.add(why)
-            err = float((reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32)
-                         - kernels.fp8_linear(x, q, s, out_dtype).float()).pow(2).mean().sqrt()
-                        / reference.fp8_linear(x.float(), q, s, (128, 128), torch.float32).pow(2).mean().sqrt())
-            mma = cuda and fp8_mma.usable(x, q, out_dtype)
+            want = reference.fp8_linear(x.float(), q, s, (b, b), torch.float32)
+            err = float((want - kernels.fp8_linear(x, q, s, out_dtype, block=b).float()).pow(2).mean().sqrt()
+                        / want.pow(2).mean().sqrt())
+            mma = cuda and b == 128 and fp8_mma.usable(x, q, out_dtype)
             t_m = bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype), packed_copies, cuda) if mma else None
             print(f"| {name} | {n} × {k} | {m} | {t_k:.4f} | {n * k / t_k / 1e6:.0f} | {2 * m * n * k / t_k / 1e9:.1f} | "
                   f"{t_d:.4f} | {'—' if t_s is None else f'{t_s:.4f}'} | {err:.1e} | "
@@ -245,6 +255,43 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
                         print(f"    sweep {name} {t} tokens, {family}: {tm:.4f} ms {cfg}", flush=True)
 
 
+def float_rows_bench(a, cuda: bool, dev: str) -> None:
+    """The widened decode linears: `rows_linear` (its own tiles and, with --sweep, a grid) against
+    torch's GEMM with a float32 output, over weight copies beyond L2 with --cold."""
+    from hybridkv.ops.qgemm import float_rows
+    print("\n| widened linear | N × K | rows | rows_linear ms | GB/s | config | best swept ms | best config | "
+          "torch.mm ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, n, k in (SMOKE if a.smoke else FLOAT_ROWS):
+        w = torch.randn(n, k, device=dev).to(torch.bfloat16 if cuda else torch.float32) * 0.02
+        ws = copies((w,), a.cold and cuda)
+        for m in a.rows:
+            if m > float_rows.MAX_ROWS:
+                continue
+            x = torch.randn(m, k, device=dev).to(w.dtype)
+            cfg = float_rows.rows_config(m, n, k, w.element_size())
+            t = bench_each(lambda c: float_rows.rows_linear(x, c[0]), ws, cuda)
+            best = (None, None)
+            if a.sweep and cuda and m in a.sweep_rows:
+                for bn, bk, split, warps in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32), (4, 8)):
+                    if split * bk > k:
+                        continue
+                    c2 = dict(BM=16, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=3)
+                    try:
+                        t2 = bench_each(lambda c: float_rows.rows_linear(x, c[0], c2), ws, cuda)
+                    except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
+                        print(f"  skipped {c2}: {type(e).__name__}")
+                        continue
+                    if best[0] is None or t2 < best[0]:
+                        best = (t2, c2)
+            t_mm = bench_each(lambda c: torch.mm(x, c[0].t(), out_dtype=torch.float32), ws, cuda) if cuda else None
+            short = {k2: v for k2, v in cfg.items() if k2 in ("BN", "BK", "SPLIT_K", "num_warps")}
+            bshort = best[1] and {k2: v for k2, v in best[1].items() if k2 in ("BN", "BK", "SPLIT_K", "num_warps")}
+            print(f"| {name} | {n} × {k} | {m} | {t:.4f} | {w.nbytes / t / 1e6:.0f} | {short} | "
+                  f"{'—' if best[0] is None else f'{best[0]:.4f}'} | {bshort or '—'} | "
+                  f"{'—' if t_mm is None else f'{t_mm:.4f}'} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,8,64,4096", help="FP8 linears' row counts ('' for none)")
@@ -263,6 +310,10 @@ def main() -> int:
                     help="grouped FP4: each expert its own tensors (address tables) instead of stacked buffers")
     ap.add_argument("--fp4-dots", default="", help="also time the grouped launches with each of these "
                     "FP4_DOT modes (e.g. 0,1), beside the one the device check chose")
+    ap.add_argument("--block", type=int, default=128, choices=(32, 64, 128),
+                    help="the FP8 linears' scale tiles (32: V4.1-Flash's shapes and tiles)")
+    ap.add_argument("--float-rows", action="store_true", help="also the widened decode linears (float_rows)")
+    ap.add_argument("--no-moe", action="store_true", help="skip the grouped FP4 experts")
     a = ap.parse_args()
     a.fp4_dots = [int(m) for m in a.fp4_dots.split(",") if m]
     a.rows = [int(r) for r in a.rows.split(",") if r]
@@ -277,7 +328,10 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name() if cuda else 'CPU interpreter (smoke: not a result)'}, "
           f"torch {torch.__version__}; command: python benchmarks/qgemm_kernels.py {' '.join(sys.argv[1:])}")
     fp8_rows(a, cuda, dev)
-    moe_rows(a, cuda, dev)
+    if not a.no_moe:
+        moe_rows(a, cuda, dev)
+    if a.float_rows:
+        float_rows_bench(a, cuda, dev)
     return 0
 
 

@@ -106,7 +106,7 @@ class Linear(nn.Module):
         if not self.gemm_on_dense(x):
             if self.fmt == "float":
                 return widened_linear(x, self.weight, self.compute_dtype)
-            return packed_fp8_linear(x, self.weight, self.scale, self.compute_dtype)
+            return packed_fp8_linear(x, self.weight, self.scale, self.compute_dtype, self.block[1])
         y = F.linear(self.prepare_input(x), self.dense_weight())
         return y if y.dtype == self.compute_dtype else y.to(self.compute_dtype)
 
@@ -163,7 +163,7 @@ def paired_forward(first: Linear, second: Linear, x: torch.Tensor) -> tuple[torc
     pair = paired_weights(first, second)
     if pair is None or not fp8_kernel_ok(x, first.weight, first.block):
         return first(x), second(x)
-    both = packed_fp8_linear(x, *pair, first.compute_dtype)
+    both = packed_fp8_linear(x, *pair, first.compute_dtype, first.block[1])
     return both[..., : first.out_features], both[..., first.out_features:]
 
 

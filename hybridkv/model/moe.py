@@ -167,7 +167,8 @@ class MoE(nn.Module):
             plus = (lambda: shared(x)) if shared is not None else None
             y = grouped_moe.routed_experts_fp4(x, *self._local_routing(weights, ids), tables, first.limit,
                                                first.w1.compute_dtype, plus=plus,
-                                               result_dtype=x.dtype if par.single else torch.float32)
+                                               result_dtype=x.dtype if par.single else torch.float32,
+                                               act_block=first.w1.act_block)
             return y if par.single else par.all_reduce(y).to(x.dtype)
         if static:
             y = self._routed_static(x, *self._local_routing(weights, ids))

@@ -12,7 +12,7 @@ from hybridkv.ops import grouped_moe
 from hybridkv.ops.qgemm import reference
 from hybridkv.ops.qgemm import triton as kernels
 from hybridkv.ops.quant import quant_fp8_weight
-from hybridkv.presets import get_preset
+from hybridkv.presets import PRESETS, get_preset
 
 # fp32 in the interpreter: what differs is the order of the fp32 additions (~1e-7); the activation
 # round trip is bit-identical, so a wrong scale or block index shows as errors of 1e-2 and more
@@ -43,6 +43,26 @@ def test_fp8_linear_matches_dequantised_gemm(device, rows, n, k):
     assert rel_rms(want, got) < (1e-3 if device == "cuda" and rows > 64 else TOL)
 
 
+@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_fp8_linear_with_v41_scale_tiles_matches_dequantised_gemm(device, block, rows):
+    """V4.1's release scales its FP8 weights per 32×32 tile and quantises the input per 32 values:
+    the GEMM steps K by the tile, and a 64-column output tile spans two rows of scales (N = 160
+    ends inside one)."""
+    g = torch.Generator().manual_seed(block + rows)
+    n, k = 160, 256
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n // 32).repeat_interleave(32)[:, None]
+    q, s = quant_fp8_weight(w, (block, block))
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, :block] *= 1e-3                                 # input blocks of very different scale
+    q, s, x = q.to(device), s.to(device), x.to(device)
+    want = reference.fp8_linear(x, q, s, (block, block), torch.float32)
+    got = kernels.fp8_linear(x, q, s, torch.float32, block=block)
+    assert rel_rms(want, got) < (1e-3 if device == "cuda" and rows > 64 else TOL)
+    with pytest.raises(ValueError, match="scale tiles of 48"):
+        kernels.fp8_linear(x, q, s, torch.float32, block=48)
+
+
 def test_fp8_linear_keeps_leading_dims_and_ragged_n(device):
     g = torch.Generator().manual_seed(7)
     q, s = _fp8_weight(384, 256, g)
@@ -52,8 +72,9 @@ def test_fp8_linear_keeps_leading_dims_and_ragged_n(device):
     assert rel_rms(reference.fp8_linear(x, q.to(device), s.to(device), (128, 128), torch.float32), got) < TOL
 
 
-def _fp4_moe(seed, experts=6, topk=2, device="cpu"):
-    cfg = get_preset("v4-tiny-fp8", n_routed_experts=experts, num_experts_per_tok=topk)
+def _fp4_moe(seed, experts=6, topk=2, device="cpu", block=128):
+    quant = {**PRESETS["v4-tiny-fp8"]["quantization_config"], "weight_block_size": [block, block]}
+    cfg = get_preset("v4-tiny-fp8", n_routed_experts=experts, num_experts_per_tok=topk, quantization_config=quant)
     with torch.device(device):          # made where it runs: the experts' stacked buffers with it
         moe = MoE(cfg, 2, "fp8", "fp4", torch.float32)
     g = torch.Generator().manual_seed(seed)
@@ -173,14 +194,17 @@ def test_one_row_decode_kernel_matches_torch(device, bn, bk, layout, x_scale):
 
 
 @interpreter_only
-def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch):
+@pytest.mark.parametrize("block", [128, 32])
+def test_moe_and_linear_dispatch_to_the_kernels(monkeypatch, block):
     """With the kernels switched on (HYBRIDKV_KERNELS=triton, the interpreter standing in for CUDA)
     the MoE takes the grouped path and FP8 linears the packed GEMM, and no dense copy of a weight is
-    made; HYBRIDKV_DENSE_WEIGHTS=1 brings the dense path back."""
-    moe = _fp4_moe(4)
+    made, with V4's 128-value blocks and V4.1's 32; HYBRIDKV_DENSE_WEIGHTS=1 brings the dense path
+    back."""
+    moe = _fp4_moe(4, block=block)
+    assert moe.experts[0].w1.act_block == block
     with torch.no_grad():
         for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
-            q, s = quant_fp8_weight(torch.randn(lin.weight.shape) * 0.05)
+            q, s = quant_fp8_weight(torch.randn(lin.weight.shape) * 0.05, (block, block))
             lin.weight.copy_(q)
             lin.scale.copy_(s)
     x = torch.randn(4, 256)

@@ -1,5 +1,5 @@
 """The routed experts as grouped GEMMs over tokens sorted by expert. With the kernels on (FP4
-experts, 128-wide activation blocks; on CUDA only with `cuda_kernel_enabled`) two launches compute
+experts, activations quantised per 32, 64 or 128 values; on CUDA only with `cuda_kernel_enabled`) two launches compute
 every routed expert: w1 and w3 with the SwiGLU and the
 routing weight, then w2, each reading the packed FP4 weights; sorting, tiling and the weighted
 sum back are torch operations without host synchronisation (CUDA-graph capturable). Prefill
@@ -21,7 +21,8 @@ from hybridkv.ops.backend import dense_weights, use_triton
 from hybridkv.ops.grouped_moe import reference  # noqa: F401
 from hybridkv.ops.grouped_moe.reference import ExpertSort, combine, expert_tiles, sort_by_expert  # noqa: F401
 
-ACT_BLOCK = 128      # the activations' FP8 quantisation block in front of every expert GEMM
+ACT_BLOCK = 128      # V4's FP8 quantisation block of the activations in front of every expert GEMM
+ACT_BLOCKS = (32, 64, 128)   # the blocks the kernels take (V4.1's release quantises per 32)
 
 
 @dataclass(frozen=True)
@@ -126,16 +127,17 @@ def cuda_kernel_enabled() -> bool:
 
 def grouped_kernel_ok(x: torch.Tensor, act_block: int, dim: int, inter: int) -> bool:
     """Whether the grouped FP4 kernels run for x: the interpreter with HYBRIDKV_KERNELS=triton, or
-    CUDA with `cuda_kernel_enabled()`; 128-value activation blocks, both widths multiples of 128."""
+    CUDA with `cuda_kernel_enabled()`; activation blocks of `ACT_BLOCKS`, both widths multiples
+    of 128."""
     return (not dense_weights() and use_triton(x) and not (x.requires_grad and torch.is_grad_enabled())
             and (not x.is_cuda or cuda_kernel_enabled())
-            and act_block == 128 and dim % 128 == 0 and inter % 128 == 0
+            and act_block in ACT_BLOCKS and dim % 128 == 0 and inter % 128 == 0
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
                        limit: float, out_dtype: torch.dtype, plus: torch.Tensor | Callable | None = None,
-                       result_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       result_dtype: torch.dtype = torch.float32, act_block: int = ACT_BLOCK) -> torch.Tensor:
     """x [T, D], routing weights [T, k], ids [T, k] -> [T, D] of result_dtype: the routed experts'
     float32 sum (plus `plus` [T, D], the shared expert's output, when given; a callable giving it is
     called where its launches overlap a host wait), in two grouped
@@ -148,7 +150,8 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     n_experts = tables.w1.shape[0]
     p = ids.numel()
     if widen_ok(x, p, tables, out_dtype):
-        return routed_experts_widened(x, weights, ids, tables, limit, plus=plus, result_dtype=result_dtype)
+        return routed_experts_widened(x, weights, ids, tables, limit, plus=plus, result_dtype=result_dtype,
+                                      act_block=act_block)
     if callable(plus):
         plus = plus()
     mma = out_dtype in (torch.bfloat16, torch.float32) and fp4_mma.usable(x, (tables.inter, tables.dim),
@@ -156,7 +159,7 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     cfg_up = kernels.grouped_config(p, tables.inter, n_experts, gated=True, mma=mma)
     cfg_down = kernels.grouped_config(p, tables.dim, n_experts, mma=mma)
     shift = fp4_mma.scale_shift(tables.scale_max)
-    xq = fp8_round_trip(x.contiguous(), ACT_BLOCK)           # each token's input quantised once
+    xq = fp8_round_trip(x.contiguous(), act_block)           # each token's input quantised once
     if p <= combine_kernels.MAX_FUSED_PAIRS and cfg_down["BM"] == cfg_up["BM"]:
         # decode: the sort, the tile table and the sorted rows' tokens and weights in one launch
         token, route, inverse, tiles = combine_kernels.route(ids, weights, n_experts, cfg_up["BM"])
@@ -169,7 +172,7 @@ def routed_experts_fp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         tiles_down = tiles if cfg_down["BM"] == cfg_up["BM"] else expert_tiles(sort, cfg_down["BM"])
     h = kernels.grouped_fp4(xq, token, tiles, (tables.w1, tables.s1), tables.inter, out_dtype,
                             w3=(tables.w3, tables.s3), route=route, limit=limit, config=cfg_up, shift=shift)
-    out = kernels.grouped_fp4(fp8_round_trip(h, ACT_BLOCK), None, tiles_down, (tables.w2, tables.s2), tables.dim,
+    out = kernels.grouped_fp4(fp8_round_trip(h, act_block), None, tiles_down, (tables.w2, tables.s2), tables.dim,
                               out_dtype, config=cfg_down, shift=shift)
     return combine_kernels.combine(out, inverse, ids, plus, result_dtype)
 
@@ -199,14 +202,14 @@ def widen_ok(x: torch.Tensor, pairs: int, tables: ExpertTables, out_dtype: torch
 def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tables: ExpertTables,
                            limit: float, plus: torch.Tensor | Callable | None = None,
                            result_dtype: torch.dtype = torch.float32,
-                           scratch_bytes: int = WIDEN_SCRATCH_BYTES) -> torch.Tensor:
+                           scratch_bytes: int = WIDEN_SCRATCH_BYTES, act_block: int = ACT_BLOCK) -> torch.Tensor:
     """`routed_experts_fp4` for prefill, in bf16: the experts that have tokens, a group at a time
     (as many as `scratch_bytes` holds widened), widened to bf16 (`fp4_widen`), then per group one
     grouped GEMM for w1 and w3 side by side, the SwiGLU times the routing weight, the FP8 round trip
     and one grouped GEMM for w2. One host synchronisation (the experts' row offsets; a callable
     `plus` is launched before the host waits for them, so the device has work meanwhile). The same
     definition as the FP4 kernels: each projection's output rounded to bf16, activations through
-    their FP8 round trip per 128 values; only the accumulation order differs."""
+    their FP8 round trip per `act_block` values; only the accumulation order differs."""
     from hybridkv.ops.grouped_moe import triton as combine_kernels
     from hybridkv.ops.qgemm.fp4_widen import widen_experts
     from hybridkv.ops.quant.triton import fp8_round_trip
@@ -219,7 +222,7 @@ def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         arrived.record()
     if callable(plus):
         plus = plus()
-    xq = fp8_round_trip(x.contiguous().to(torch.bfloat16), ACT_BLOCK)
+    xq = fp8_round_trip(x.contiguous().to(torch.bfloat16), act_block)
     route = weights.reshape(-1)[sort.order].float()
     if arrived is not None:
         arrived.synchronize()          # the device still has the work queued above
@@ -241,7 +244,7 @@ def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=ends)
         h = swiglu(gate_up[:, :inter], gate_up[:, inter:], limit, route[lo:hi, None], torch.bfloat16)
         w2 = widen_experts(tables.w2, tables.s2, ids_dev, down_buf)
-        out[lo:hi] = torch._grouped_mm(fp8_round_trip(h, ACT_BLOCK), w2.transpose(-2, -1), offs=ends)
+        out[lo:hi] = torch._grouped_mm(fp8_round_trip(h, act_block), w2.transpose(-2, -1), offs=ends)
     return combine_kernels.combine(out, sort.inverse, ids, plus, result_dtype)
 
 

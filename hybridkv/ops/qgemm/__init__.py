@@ -16,10 +16,10 @@ from hybridkv.ops.qgemm import reference  # noqa: F401
 
 
 def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    """Whether `fp8_linear` runs the kernel for this input and weight: CUDA, 128×128 blocks, K a
-    multiple of 128, no gradient wanted (the kernel has no backward), not forced dense, and not in
-    deterministic mode (whose batch-invariant GEMMs replace torch's, and the kernel's split-K
-    depends on the batch)."""
+    """Whether `fp8_linear` runs the kernel for this input and weight: CUDA, square scale tiles of
+    32, 64 or 128 values, K a multiple of the tile, no gradient wanted (the kernel has no
+    backward), not forced dense, and not in deterministic mode (whose batch-invariant GEMMs replace
+    torch's, and the kernel's split-K depends on the batch)."""
     if (dense_weights() or is_deterministic() or not use_triton(x) or (x.requires_grad and torch.is_grad_enabled())
             or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         return False
@@ -28,20 +28,24 @@ def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int])
 
 
 
-def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The kernel path of `fp8_linear` (for inputs where `fp8_kernel_ok`)."""
+def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                      block: int = 128) -> torch.Tensor:
+    """The kernel path of `fp8_linear` (for inputs where `fp8_kernel_ok`), the weight's scale tiles
+    block×block: at 128 (V4) few rows take the FP8 tensor-core kernel (`fp8_mma`) and many torch's
+    block-scaled matmul (`scaled`), both built for 128; every block the Triton GEMM."""
     from hybridkv.ops.qgemm import fp8_mma
     from hybridkv.ops.qgemm import triton as kernels
     k = weight.shape[1]
     x2 = x.reshape(-1, k)
-    if x.is_cuda and x2.shape[0] <= fp8_mma.MAX_ROWS and fp8_mma.usable(x2, weight, out_dtype):
-        return fp8_mma.fp8_linear(x2, weight, scale, out_dtype).view(*x.shape[:-1], weight.shape[0])
-    if x.is_cuda and x2.shape[0] > kernels.DECODE_ROWS:
-        from hybridkv.ops.qgemm import scaled
-        y = scaled.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale, out_dtype)
-        if y is not None:
-            return y.view(*x.shape[:-1], weight.shape[0])
-    return kernels.fp8_linear(x, weight, scale, out_dtype)
+    if block == fp8_mma.SCALE_BLOCK and x.is_cuda:
+        if x2.shape[0] <= fp8_mma.MAX_ROWS and fp8_mma.usable(x2, weight, out_dtype):
+            return fp8_mma.fp8_linear(x2, weight, scale, out_dtype).view(*x.shape[:-1], weight.shape[0])
+        if x2.shape[0] > kernels.DECODE_ROWS:
+            from hybridkv.ops.qgemm import scaled
+            y = scaled.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale, out_dtype)
+            if y is not None:
+                return y.view(*x.shape[:-1], weight.shape[0])
+    return kernels.fp8_linear(x, weight, scale, out_dtype, block=block)
 
 
 def widened_rows_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -63,5 +67,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                out_dtype: torch.dtype) -> torch.Tensor:
     """act_quant_sim(x) @ dequant(weight, scale)ᵀ -> [..., N] of out_dtype (see `reference`)."""
     if fp8_kernel_ok(x, weight, block):
-        return packed_fp8_linear(x, weight, scale, out_dtype)
+        return packed_fp8_linear(x, weight, scale, out_dtype, block[1])
     return reference.fp8_linear(x, weight, scale, block, out_dtype)

@@ -1,10 +1,10 @@
 """Triton GEMMs that read the release's packed weights; no dense copy of a weight is ever made.
 
-- `fp8_linear`: e4m3 weight [N, K] with one e8m0 scale per 128×128 tile. The input is first
-  quantised to e4m3 codes and power-of-two scales per 128 values (`act_codes`, the rounding of
-  `act_quant_sim`); the GEMM multiplies codes by codes on the FP8 tensor cores and applies the
-  input's and the weight's scales to each 128-deep block's fp32 partial sum (the promotion the
-  release's kernels do), so no operand is ever widened in registers. Two configurations: decode
+- `fp8_linear`: e4m3 weight [N, K] with one e8m0 scale per b×b tile (b = 128 in V4's release,
+  32 in V4.1's). The input is first quantised to e4m3 codes and power-of-two scales per b values
+  (`act_codes`, the rounding of `act_quant_sim`); the GEMM multiplies codes by codes on the FP8
+  tensor cores and applies the input's and the weight's scales to each b-deep block's fp32 partial
+  sum (the promotion the release's kernels do), so no operand is ever widened in registers. Two configurations: decode
   (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few rows still spread over
   every SM, partial sums added and cast by one launch) and prefill (128×128 tiles, grouped launch order
   for L2 reuse; on CUDA prefill usually runs through `hybridkv.ops.qgemm.scaled` instead).
@@ -39,7 +39,8 @@ from hybridkv.ops.qgemm.layout import FP4_BLOCK, _e8m0, _expert_base
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round
 
-SCALE_BLOCK = 128      # FP8 weights: the scale tile, also the K step and the activation block
+SCALE_BLOCK = 128      # V4's FP8 weights: the scale tile, also the K step and the activation block
+FP8_BLOCKS = (32, 64, 128)   # the square scale tiles `fp8_linear` takes (V4.1's release: 32)
 NUM_SMS_GUESS = 132    # H200; only sizes the decode split
 DECODE_ROWS = 64       # at most this many rows: the decode tiles (and, on CUDA, this GEMM rather than torch's)
 
@@ -64,7 +65,7 @@ def _e2m1(nib):
 @triton.jit
 def act_codes_kernel(X, Q, S, M, MP, K, stride_x, s_stride_row, s_stride_blk,
                      FLOOR: tl.constexpr, QMAX: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows [R] of one 128-column block of x -> e4m3 codes and the block's power-of-two scale per row
+    """Rows [R] of one BLOCK-column block of x -> e4m3 codes and the block's power-of-two scale per row
     (rows in [M, MP), the padding, get zero codes)."""
     rows = tl.program_id(0) * R + tl.arange(0, R)
     kb = tl.program_id(1)
@@ -78,22 +79,23 @@ def act_codes_kernel(X, Q, S, M, MP, K, stride_x, s_stride_row, s_stride_blk,
     tl.store(S + rows.to(tl.int64) * s_stride_row + kb * s_stride_blk, s, mask=keep)
 
 
-def act_codes(x2: torch.Tensor, row_pad: int = 1, outer_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 codes [Mp, K], float32 power-of-two scales [Mp, K/128]), the activation
-    quantisation of `act_quant_sim` (x = codes × scale per 128 values) with Mp = M rounded up to
-    `row_pad`; the scales' memory is [K/128, Mp] (outer-dim-major) when `outer_major`."""
+def act_codes(x2: torch.Tensor, row_pad: int = 1, outer_major: bool = False,
+              block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [Mp, K], float32 power-of-two scales [Mp, K/block]), the activation
+    quantisation of `act_quant_sim` (x = codes × scale per `block` values) with Mp = M rounded up to
+    `row_pad`; the scales' memory is [K/block, Mp] (outer-dim-major) when `outer_major`."""
     m, k = x2.shape
     mp = -(-m // row_pad) * row_pad
     q = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=x2.device)
     if outer_major:
-        s = torch.empty(k // SCALE_BLOCK, mp, dtype=torch.float32, device=x2.device).t()
+        s = torch.empty(k // block, mp, dtype=torch.float32, device=x2.device).t()
     else:
-        s = torch.empty(mp, k // SCALE_BLOCK, dtype=torch.float32, device=x2.device)
+        s = torch.empty(mp, k // block, dtype=torch.float32, device=x2.device)
     if mp:
         r = 16
-        act_codes_kernel[(triton.cdiv(mp, r), k // SCALE_BLOCK)](
+        act_codes_kernel[(triton.cdiv(mp, r), k // block)](
             x2, q, s, m, mp, k, x2.stride(0), s.stride(0), s.stride(1), FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, R=r,
-            BLOCK=SCALE_BLOCK)
+            BLOCK=block)
     return q, s
 
 
@@ -134,8 +136,9 @@ def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, x
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, NATIVE: tl.constexpr, QUANT_IN: tl.constexpr,
                     OUT_BF16: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
-    """One [BM, BN] tile of codes × codes. QUANT_IN: the program quantises its own rows of X per
-    128 values (`act_codes`' rounding, bit for bit) instead of reading XQ/XS. SPLIT_K > 1: each
+    """One [BM, BN] tile of codes × codes, K in BK-deep steps (BK: the weight's square scale tile
+    and the input's quantisation block). QUANT_IN: the program quantises its own rows of X per
+    BK values (`act_codes`' rounding, bit for bit) instead of reading XQ/XS. SPLIT_K > 1: each
     program adds a share of the K blocks into P [SPLIT_K, M, N]; the last of a tile's programs to
     arrive (CNT counts them and is reset to zero) adds the shares in split order and stores Y."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -153,7 +156,7 @@ def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, x
     per = tl.cdiv(n_kb, SPLIT_K)
     kb0 = pid_k * per
     kb1 = tl.minimum(kb0 + per, n_kb)
-    srow = (pid_n * BN) // BK          # BN divides the 128-row scale tile
+    srow = (pid_n * BN) // BK          # where BN ≤ BK: BN divides the scale tile, one scale a tile
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb0, kb1):
         if QUANT_IN:
@@ -168,12 +171,15 @@ def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, x
                          other=0.0)
             xs = tl.load(XS + rm * xs_row + kb * xs_blk, mask=m_ok, other=0.0)
         w = tl.load(W + rn.to(tl.int64)[:, None] * K + (kb * BK + rk)[None, :], mask=n_ok[:, None], other=0.0)
-        s = _e8m0(tl.load(WS + srow * ws_stride + kb))
-        if NATIVE:     # e4m3 × e4m3 on the tensor cores, promoted to fp32 once per 128-deep block
+        if NATIVE:     # e4m3 × e4m3 on the tensor cores, promoted to fp32 once per BK-deep block
             d = tl.dot(xq, tl.trans(w))
         else:
             d = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)))
-        acc += d * (xs[:, None] * s)
+        if BN <= BK:
+            acc += d * (xs[:, None] * _e8m0(tl.load(WS + srow * ws_stride + kb)))
+        else:          # the tile spans several scale tiles: one scale per output column
+            s = _e8m0(tl.load(WS + (rn // BK) * ws_stride + kb, mask=n_ok, other=0))
+            acc += d * (xs[:, None] * s[None, :])
     at = rm.to(tl.int64)[:, None] * N + rn[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
@@ -186,13 +192,14 @@ def fp8_gemm_kernel(X, XQ, XS, W, WS, Y, P, CNT, M, N, K, stride_x, stride_xq, x
             tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], total.to(Y.dtype.element_ty), mask=ok)
 
 
-def fp8_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes for an [m, k] × [n, k]ᵀ FP8 GEMM: decode-shaped (few rows) or prefill-shaped."""
+def fp8_config(m: int, n: int, k: int, block: int = SCALE_BLOCK) -> dict:
+    """Tile sizes for an [m, k] × [n, k]ᵀ FP8 GEMM with `block`-deep K steps: decode-shaped (few
+    rows) or prefill-shaped."""
     if m <= DECODE_ROWS:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 64
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        n_kb = k // SCALE_BLOCK
+        n_kb = k // block
         split = 1
         while split * 2 <= n_kb // 2 and tiles * split < 2 * NUM_SMS_GUESS:
             split *= 2
@@ -226,10 +233,10 @@ QUANT_IN_WEIGHT = 8 << 20
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-               config: dict | None = None, quantise_in: bool | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] of out_dtype, the weight e4m3 [N, K] with e8m0 scales per 128×128
-    tile; the input is quantised to e4m3 per 128 values (`act_codes`' rounding) and the GEMM
-    multiplies codes by codes and applies both scales per 128-deep block. With K split (decode
+               config: dict | None = None, quantise_in: bool | None = None, block: int = SCALE_BLOCK) -> torch.Tensor:
+    """x [..., K] -> [..., N] of out_dtype, the weight e4m3 [N, K] with e8m0 scales per block×block
+    tile (one of `FP8_BLOCKS`); the input is quantised to e4m3 per `block` values (`act_codes`'
+    rounding) and the GEMM multiplies codes by codes and applies both scales per block-deep step. With K split (decode
     shapes) the last program of each tile adds the partial sums. The input is quantised inside the
     GEMM (`quantise_in`; by default for few rows into small weights, see QUANT_IN_ROWS) or first
     by `act_codes` (one more launch)."""
@@ -239,25 +246,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    cfg = dict(config or fp8_config(m, n, k))
+    if block not in FP8_BLOCKS or k % block:
+        raise ValueError(f"FP8 linear: scale tiles of {block} (one of {FP8_BLOCKS}) for K {k}")
+    cfg = dict(config or fp8_config(m, n, k, block))
     split = cfg.pop("SPLIT_K")
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
         tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
         quant_in = (m <= QUANT_IN_ROWS and n * k <= QUANT_IN_WEIGHT) if quantise_in is None else quantise_in
-        xq, xs = (x2, x2) if quant_in else act_codes(x2)
+        xq, xs = (x2, x2) if quant_in else act_codes(x2, block=block)
         partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
         counters = _arrivals(x.device, tiles) if split > 1 else y
         fp8_gemm_kernel[(tiles, split)](
             x2, xq, xs, weight, scale.view(torch.uint8), y, partials, counters, m, n, k, x2.stride(0), xq.stride(0),
             xs.stride(0) if not quant_in else 0, xs.stride(1) if not quant_in else 0, n, scale.stride(0),
-            BK=SCALE_BLOCK, SPLIT_K=split, NATIVE=not interpreting(), QUANT_IN=quant_in,
+            BK=block, SPLIT_K=split, NATIVE=not interpreting(), QUANT_IN=quant_in,
             OUT_BF16=out_dtype == torch.bfloat16, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, **cfg)
     return y.view(*lead, n)
 
 
 def fp8_supported(weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    return tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and weight.shape[1] % SCALE_BLOCK == 0
+    """Square scale tiles of `FP8_BLOCKS`, K a multiple of the tile."""
+    return block[0] == block[1] and block[0] in FP8_BLOCKS and weight.shape[1] % block[0] == 0
 
 
 @triton.jit
