@@ -72,11 +72,13 @@ def unpack_main_fp8(buf: torch.Tensor, head_dim: int, rope_dim: int, dtype: torc
 
 
 def pack_index_fp4(x: torch.Tensor) -> torch.Tensor:
-    """[N, d] indexer keys (already on the FP4 power-of-two grid) -> uint8 [N, d/2 + d/32]."""
+    """[N, d] indexer keys (already on the FP4 power-of-two grid, as the indexer's quantiser leaves
+    them) -> uint8 [N, d/2 + d/32]. Not checked: it runs in every decode step, captured in CUDA
+    graphs, and the check would read the device's answer on the host."""
     n, d = x.shape
     blocks = x.float().reshape(n, d // FP4_TILE, FP4_TILE)
     scale = pow2_scale(blocks.abs().amax(-1).clamp(min=FP4_AMAX_FLOOR), 6.0)
-    codes = pack_fp4((blocks / scale.unsqueeze(-1)).reshape(n, d)).view(torch.uint8)
+    codes = pack_fp4((blocks / scale.unsqueeze(-1)).reshape(n, d), check=False).view(torch.uint8)
     return torch.cat([codes, _e8m0_bytes(scale)], dim=1)
 
 
@@ -130,13 +132,16 @@ def v41_window_bytes(dim: int) -> int:
 _E2M1_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
 
 
-def pack_v41_global(x: torch.Tensor) -> torch.Tensor:
+def pack_v41_global(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     """[N, d] global KV entries (on the FP4 grid with e4m3 scales per 16) -> uint8 [N, d/2 + d/16].
 
     The scale of a block is recovered exactly: it is amax / m for the E2M1 magnitude m its largest
     value was quantised to. Usually m = 6 (the scale quant_fp4 would pick again), but with e4m3
     subnormal scales (tiny blocks) rounding can leave the largest value at 4 or less, so every
-    magnitude is tried and the first scale that reproduces the whole block is kept."""
+    magnitude is tried and the first scale that reproduces the whole block is kept. `check`: stop
+    trying once every block is reproduced, and raise where one is not (both read the device's
+    answer on the host); without it (a decode step captured in a CUDA graph) every magnitude is
+    tried and a block no scale reproduces keeps quant_fp4's."""
     n, d = x.shape
     blocks = x.float().reshape(n, d // V41_GLOBAL_TILE, V41_GLOBAL_TILE)
     amax = blocks.abs().amax(-1)
@@ -144,7 +149,7 @@ def pack_v41_global(x: torch.Tensor) -> torch.Tensor:
     q = q.reshape(blocks.shape)
     ok = (q * scale.unsqueeze(-1) == blocks).all(-1)
     for m in _E2M1_MAGNITUDES[1:]:
-        if bool(ok.all()):
+        if check and bool(ok.all()):
             break
         s = (amax / m).to(torch.float8_e4m3fn).float()
         qm = blocks / s.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
@@ -154,9 +159,9 @@ def pack_v41_global(x: torch.Tensor) -> torch.Tensor:
         q = torch.where(take.unsqueeze(-1), e2m1_round(qm), q)
         scale = torch.where(take, s, scale)
         ok = ok | take
-    if not bool(ok.all()):
+    if check and not bool(ok.all()):
         raise ValueError("global KV values are not on the FP4 grid with e4m3 scales per 16")
-    codes = pack_fp4(q.reshape(n, d)).view(torch.uint8)
+    codes = pack_fp4(q.reshape(n, d), check=check).view(torch.uint8)
     return torch.cat([codes, scale.to(torch.float8_e4m3fn).view(torch.uint8)], dim=1)
 
 

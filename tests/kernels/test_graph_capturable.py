@@ -19,7 +19,7 @@ V41_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v41-tiny"
 aten = torch.ops.aten
 # a value read back by the host, a shape that depends on values, a tensor made from host data
 HOST_BOUND = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
-              aten.bincount, aten.lift_fresh, aten.lift_fresh_copy}
+              aten.bincount, aten.lift_fresh, aten.lift_fresh_copy, aten.equal, aten.is_nonzero}
 
 
 class _Recorder(TorchDispatchMode):
