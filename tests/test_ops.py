@@ -209,3 +209,27 @@ def test_hadamard_after_inference_mode_still_trains():
     x = torch.randn(2, 64, requires_grad=True)
     hadamard_transform(x).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("layer", [6, 8])      # v41-tiny's candidate source, and a layer inside its pool
+def test_v41_selection_in_row_slices_equals_the_whole(monkeypatch, layer):
+    """A prefill chunk's V4.1 selection runs in row slices when [rows, heads, entries] would not fit
+    at once: the same top-k and the same published candidate pool as in one piece."""
+    from hybridkv.config import ModelConfig
+    from hybridkv.model import csa2
+    cfg = ModelConfig.from_json("tests/fixtures/v41-tiny/config.json")
+    ind = csa2.LatentIndexer(cfg, layer, "float", torch.float32)
+    g = torch.Generator().manual_seed(layer)
+    t, n = 37, 60
+    q = torch.randn(t, ind.n_heads, ind.head_dim, generator=g)
+    w = torch.randn(t, ind.n_heads, generator=g)
+    keys = torch.randn(n, ind.head_dim, generator=g)
+    positions = torch.arange(n * ind.ratio - t, n * ind.ratio)
+    pool = torch.rand(t, n, generator=g) < 0.5 if ind.uses_candidates else None
+    whole = ind.select(q, w, keys, positions, pool)
+    monkeypatch.setattr(csa2, "SCORE_ELEMENTS", 5 * ind.n_heads * n)    # slices of 5 rows
+    sliced = ind.select(q, w, keys, positions, pool)
+    assert torch.equal(whole[0], sliced[0])
+    assert (whole[1] is None) == (not ind.is_candidate_source)
+    if whole[1] is not None:
+        assert torch.equal(whole[1], sliced[1])

@@ -38,6 +38,9 @@ class CrossLayerShare:
         self.candidates: dict[int, torch.Tensor] = {}
 
 
+SCORE_ELEMENTS = 1 << 27    # float32 products [rows, heads, entries] a prefill selection holds at once (512 MiB)
+
+
 class LatentIndexer(nn.Module):
     """The V4.1 indexer of a Full or Reindex layer (release names `indexer.{wq_b, weights_proj}`,
     plus `indexer.{wk, k_norm}` on Full layers, which derive the keys)."""
@@ -74,7 +77,19 @@ class LatentIndexer(nn.Module):
         """Top-k entry ids [T, k] in position order (−1 = unused), and the candidate pool this
         layer publishes (candidate source only). `pool` restricts the choice (Reindex layers)."""
         visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
-        return self._choose(mask_invisible(index_scores(q, w, keys), visible), visible, pool)
+        # rows in slices whose [rows, heads, N] float32 products stay within SCORE_ELEMENTS (a
+        # prefill chunk of 8192 rows at 128K entries would need 137 GB at once); every step is row-wise
+        step = max(1, SCORE_ELEMENTS // max(1, q.shape[1] * keys.shape[0]))
+        if q.shape[0] <= step:
+            return self._choose(mask_invisible(index_scores(q, w, keys), visible), visible, pool)
+        ids, pools = [], []
+        for a in range(0, q.shape[0], step):
+            r = slice(a, a + step)
+            got, published = self._choose(mask_invisible(index_scores(q[r], w[r], keys), visible[r]), visible[r],
+                                          None if pool is None else pool[r])
+            ids.append(got)
+            pools.append(published)
+        return torch.cat(ids), (None if pools[0] is None else torch.cat(pools))
 
     def select_batched(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                        pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
