@@ -10,7 +10,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.distributed.group import SINGLE, Parallel
 from hybridkv.model.attention import Attention
 from hybridkv.model.csa2 import CrossLayerShare
-from hybridkv.model.mhc import hc_collapse, hc_mixes, hc_post, hc_pre
+from hybridkv.model.mhc import hc_mixes_collapse, hc_post, hc_pre
 from hybridkv.model.moe import MoE
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import ForwardBatch
@@ -48,10 +48,10 @@ class Block(nn.Module):
                             share: CrossLayerShare) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1: (x [T, hc, dim], the previous sub-block's pre mix [T, hc]) -> (x', the FFN's pre mix
         for the next block). Each sub-block's own mixes give its post/comb and the next one's pre."""
-        attn_pre, post, comb = hc_mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
-                                        self.hc_eps, self.norm_eps)
-        x = hc_post(self.attn(self.attn_norm(hc_collapse(x, pre)), batch, share), x, post, comb)
-        ffn_pre, post, comb = hc_mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
-                                       self.hc_eps, self.norm_eps)
-        x = hc_post(self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), input_ids, batch.static), x, post, comb)
+        y, attn_pre, post, comb = hc_mixes_collapse(x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                                                    self.hc_iters, self.hc_eps, self.norm_eps)
+        x = hc_post(self.attn(self.attn_norm(y), batch, share), x, post, comb)
+        y, ffn_pre, post, comb = hc_mixes_collapse(x, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+                                                   self.hc_iters, self.hc_eps, self.norm_eps)
+        x = hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb)
         return x, ffn_pre

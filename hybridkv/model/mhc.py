@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.mhc import fn_in_kernels, mhc_post, mhc_pre, mhc_pre_fn, raw_mixes
+from hybridkv.ops.mhc import fn_in_kernels, mhc_mixes_collapse, mhc_post, mhc_pre, mhc_pre_fn, raw_mixes
 from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 
 
@@ -30,6 +30,16 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hc, dim] -> pre [T, hc], post [T, hc], comb [T, hc, hc]."""
     return hc_split_sinkhorn(_mixes(x, fn, norm_eps), scale, base, x.shape[1], iters, eps)
+
+
+def hc_mixes_collapse(x: torch.Tensor, prev_pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                      base: torch.Tensor, iters: int, eps: float, norm_eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A V4.1 site: (hc_collapse(x, prev_pre), *hc_mixes(x, ...)); on the kernels' path two launches
+    (the mixes, then the Sinkhorn and the collapse in one), elsewhere the two functions."""
+    if fn_in_kernels(x, fn):
+        return mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps)
+    return (hc_collapse(x, prev_pre), *hc_mixes(x, fn, scale, base, iters, eps, norm_eps))
 
 
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

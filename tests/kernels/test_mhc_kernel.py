@@ -138,3 +138,27 @@ def test_a_tokens_mix_partials_do_not_depend_on_the_batch(device):
     m = fn.shape[0] + 1                    # the mixes and the sum of squares (the rest is padding)
     many = kernels.mix_partials(x2, fn)[..., :m]
     assert torch.equal(kernels.mix_partials(x2[13:14], fn)[..., :m], many[13:14])
+
+
+@pytest.mark.parametrize("t,dim,dtype", [(3, 96, torch.float32), (2, 1000, torch.bfloat16), (11, 1000, torch.bfloat16)])
+def test_v41_site_collapses_with_the_previous_mix(device, t, dim, dtype):
+    """V4.1's single-pass site (`hc_mixes_collapse` on the kernels' path): the stream collapsed with
+    the previous sub-block's pre mix, and this site's own pre, post and comb, against `hc_collapse`
+    and `hc_mixes` (the reference mixes and Sinkhorn)."""
+    from hybridkv.model.mhc import hc_collapse
+    from hybridkv.ops.mhc import triton as kernels
+    from hybridkv.ops.sinkhorn.reference import hc_split_sinkhorn
+    hc = 4
+    x, fn, scale, base, _ = _inputs(t, hc, dim, seed=3)
+    x = x.to(dtype)
+    prev = torch.rand(t, hc, generator=torch.Generator().manual_seed(4)) + 0.1
+    flat = x.flatten(1).double()
+    mixes = (flat @ fn.double().T * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)).float()
+    pre_ref, post_ref, comb_ref = hc_split_sinkhorn(mixes, scale, base, hc, 20, 1e-6)
+    y_ref = hc_collapse(x.float(), prev)
+    dv = lambda a: a.to(device)  # noqa: E731
+    y, pre, post, comb = kernels.mhc_mixes_collapse(dv(x), dv(prev), dv(fn), dv(scale), dv(base), 20, 1e-6, 1e-6)
+    assert y.dtype == dtype
+    assert rel_rms(y_ref, y.cpu().float()) <= (1e-6 if dtype == torch.float32 else 4e-3)   # y rounded to bf16
+    for want, got in ((pre_ref, pre), (post_ref, post), (comb_ref, comb)):
+        assert rel_rms(want, got.cpu()) <= 1e-4

@@ -49,6 +49,16 @@ def mhc_pre_fn(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
     return kernels.mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps)
 
 
+def mhc_mixes_collapse(x: torch.Tensor, prev_pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                       base: torch.Tensor, iters: int, eps: float, norm_eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V4.1's single-pass mHC site in the kernels (where `fn_in_kernels`): x [T, hc, dim] collapsed
+    with the previous sub-block's pre mix [T, hc], and this site's pre, post and comb from x's own
+    mixes: (y [T, dim], pre [T, hc], post [T, hc], comb [T, hc, hc]). Two launches."""
+    from hybridkv.ops.mhc import triton as kernels
+    return kernels.mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps)
+
+
 def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x2 · fnᵀ, Σ x2² per row) in float32 for x2 [T, K] (where `fn_in_kernels`)."""
     from hybridkv.ops.mhc import triton as kernels

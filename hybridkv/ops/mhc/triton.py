@@ -7,6 +7,8 @@ over its columns (the chunk-0 program stores post and comb). The raw mixes come 
 program adds up itself: the mixes and the sum of squares in one launch that reads each stream row
 once, instead of a GEMM of a float32 copy and a pass per program over the row
 (`mix_partials_kernel` at decode sizes, `mixes_kernel` on the tensor cores for prefill).
+V4.1's single-pass mHC (`GIVEN_PRE`) collapses the stream with the pre mix the previous sub-block
+computed instead of its own, and stores its own for the next one (`mhc_mixes_collapse`).
 `post_kernel`: x'_k = post_k · f + Σ_j comb[j, k] x_j over its columns. With few tokens (decode)
 the row's columns are split over programs so that the step's mHC is not a handful of SMs streaming
 a whole row each; every chunk's program repeats the (small, L2-resident) Sinkhorn, identically.
@@ -47,10 +49,11 @@ def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: t
 
 
 @triton.jit
-def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters, eps, norm_eps,
+def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, PRE_IN, PRE_OUT, DIM, CHUNK, NCH, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, MP: tl.constexpr,
-               NCHP: tl.constexpr):
-    """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials`' [T, NCH, MP]."""
+               NCHP: tl.constexpr, GIVEN_PRE: tl.constexpr):
+    """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials`' [T, NCH, MP]. GIVEN_PRE:
+    y = Σ_j PRE_IN[t, j] x_j, and this site's pre is stored in PRE_OUT [T, hc]."""
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
     j = tl.arange(0, HC)
@@ -91,6 +94,10 @@ def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, DIM, CHUNK, NCH, iters,
     if first == 0:
         tl.store(POST + t * HC + j, post)
         tl.store(COMB + t * HC * HC + k2, cm)
+        if GIVEN_PRE:
+            tl.store(PRE_OUT + t * HC + j, pre)
+    if GIVEN_PRE:
+        pre = tl.load(PRE_IN + t * HC + j)
     last = tl.minimum(first + CHUNK, DIM)
     for c0 in range(first, last, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
@@ -248,7 +255,16 @@ def mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps):
     return _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps)
 
 
-def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
+def mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps):
+    """V4.1's single-pass site: (Σ_j prev_pre_j x_j [T, dim], and this site's pre [T, hc], post,
+    comb from flat(x) · fnᵀ), in the two launches of `mhc_pre_fn`."""
+    pre = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    y, post, comb = _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps,
+                         given=(prev_pre.float().contiguous(), pre))
+    return y, pre, post, comb
+
+
+def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None):
     t, hc, dim = x.shape
     x = x.contiguous()
     y = torch.empty(t, dim, dtype=x.dtype, device=x.device)
@@ -258,9 +274,11 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps):
         block, chunk, chunks = column_split(t, dim)
         nch, mp = (mixes.shape[1], mixes.shape[2]) if partials else (1, 1)
         mixes = mixes if partials else mixes.float().contiguous()
+        pre_in, pre_out = given if given is not None else (post, post)
         pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
-                                post, comb, dim, chunk, nch, iters, eps, norm_eps, HC=hc, BLOCK=block,
-                                PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch), num_warps=PRE_WARPS)
+                                post, comb, pre_in, pre_out, dim, chunk, nch, iters, eps, norm_eps, HC=hc,
+                                BLOCK=block, PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch),
+                                GIVEN_PRE=given is not None, num_warps=PRE_WARPS)
     return y, post, comb
 
 
