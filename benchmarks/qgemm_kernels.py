@@ -121,7 +121,7 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
                   flush=True)
             if a.sweep and m in a.sweep_rows:
                 if "fp8-triton" in a.families.split(","):
-                    sweep_fp8(x, q, s, out_dtype, cuda)
+                    sweep_fp8(x, q, s, out_dtype, cuda, b)
                 if mma and "fp8-mma" in a.families.split(","):
                     sweep_fp8_mma(x, packed_copies, out_dtype)
     for why in notes:
@@ -130,16 +130,17 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
         print(f"scaled_mm layout: {scaled.layout(torch.device(dev))[1]}")
 
 
-def sweep_fp8(x, q, s, out_dtype, cuda: bool) -> None:
+def sweep_fp8(x, q, s, out_dtype, cuda: bool, block: int = 128) -> None:
     m, (n, k) = x.shape[0], q.shape
     best = []
     bms = [16 if m <= 16 else (32 if m <= 32 else 64)]
-    for bm, bn, split, warps, stages in itertools.product(bms, [32, 64, 128], [1, 4, 8, 16], [2, 4], [3]):
-        if split > 1 and m > 64 or split > (k // 128) // 2 and split > 1:
+    grid = ([32, 64, 128], [1, 4, 8, 16], [2, 4], [3]) if block == 128 else ([64, 128, 256], [4, 8, 16], [4, 8], [4])
+    for bm, bn, split, warps, stages in itertools.product(bms, *grid):
+        if split > 1 and m > 64 or split > (k // block) // 2 and split > 1:
             continue
         cfg = dict(BM=bm, BN=bn, SPLIT_K=split, GROUP_M=8 if m > 64 else 1, num_warps=warps, num_stages=stages)
         try:
-            t = bench(lambda: kernels.fp8_linear(x, q, s, out_dtype, config=cfg), cuda)
+            t = bench(lambda: kernels.fp8_linear(x, q, s, out_dtype, config=cfg, block=block), cuda)
         except Exception as e:  # out of shared memory and the like: not a candidate
             print(f"    {cfg}: {type(e).__name__}")
             continue

@@ -1,5 +1,6 @@
 """Packed KV entry formats: exact round trips of values the model already quantised."""
 
+import pytest
 import torch
 
 from hybridkv.ops.hadamard import hadamard_transform
@@ -63,3 +64,21 @@ def test_v41_packed_entries_round_trip_exactly():
     assert pg.shape == (64, 288) and pw.shape == (64, 528) and pg.dtype == pw.dtype == torch.uint8
     assert torch.equal(unpack_v41_global(pg, 512), glob)
     assert torch.equal(unpack_v41_window(pw, 512), win)
+
+
+def test_v41_global_entries_of_tiny_blocks_pack_without_host_reads():
+    """Blocks so small that their e4m3 scale is subnormal left their largest value at a magnitude
+    below 6: the scale is searched over every magnitude at once. The unchecked form (what a captured
+    decode step runs, no host read) packs exactly what the checked one does."""
+    from hybridkv.ops.kv_formats import pack_v41_global, unpack_v41_global
+    from hybridkv.ops.quant import fp4_round_trip, quant_fp4
+    g = torch.Generator().manual_seed(1)
+    x = fp4_round_trip(torch.randn(256, 512, generator=g) * torch.logspace(-12, 0, 256).unsqueeze(1), 16, "e4m3")
+    q, s = quant_fp4(x, 16, "e4m3")
+    again = (q.reshape(256, 32, 16) * s.unsqueeze(-1)).reshape(256, 512)
+    assert (again != x).any()                           # quant_fp4 alone does not reproduce some blocks
+    checked = pack_v41_global(x)
+    assert torch.equal(unpack_v41_global(checked, 512), x)
+    assert torch.equal(pack_v41_global(x, check=False), checked)
+    with pytest.raises(ValueError, match="not on the FP4 grid"):
+        pack_v41_global(x + 1e-3)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.ops.quant import (FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, e2m1_round, pack_fp4, pow2_scale, quant_fp4,
+from hybridkv.ops.quant import (FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, e2m1_magnitude, e2m1_round, pack_fp4, pow2_scale, quant_fp4,
                                 unpack_fp4)
 
 FP8_TILE = 64
@@ -129,7 +129,6 @@ def v41_window_bytes(dim: int) -> int:
     return dim + dim // V41_WINDOW_TILE
 
 
-_E2M1_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
 
 
 def pack_v41_global(x: torch.Tensor, check: bool = True) -> torch.Tensor:
@@ -138,26 +137,26 @@ def pack_v41_global(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     The scale of a block is recovered exactly: it is amax / m for the E2M1 magnitude m its largest
     value was quantised to. Usually m = 6 (the scale quant_fp4 would pick again), but with e4m3
     subnormal scales (tiny blocks) rounding can leave the largest value at 4 or less, so every
-    magnitude is tried and the first scale that reproduces the whole block is kept. `check`: stop
-    trying once every block is reproduced, and raise where one is not (both read the device's
-    answer on the host); without it (a decode step captured in a CUDA graph) every magnitude is
-    tried and a block no scale reproduces keeps quant_fp4's."""
+    magnitude is tried at once and the first (largest) whose scale reproduces the whole block is
+    kept. `check`: skip the search when quant_fp4 reproduces every block, and raise where no scale
+    does (both read the device's answer on the host); without it (a decode step captured in a CUDA
+    graph) the search always runs and a block no scale reproduces keeps quant_fp4's."""
     n, d = x.shape
     blocks = x.float().reshape(n, d // V41_GLOBAL_TILE, V41_GLOBAL_TILE)
-    amax = blocks.abs().amax(-1)
     q, scale = quant_fp4(x.float(), V41_GLOBAL_TILE, "e4m3")       # the usual case, and all-zero blocks
     q = q.reshape(blocks.shape)
     ok = (q * scale.unsqueeze(-1) == blocks).all(-1)
-    for m in _E2M1_MAGNITUDES[1:]:
-        if check and bool(ok.all()):
-            break
-        s = (amax / m).to(torch.float8_e4m3fn).float()
-        qm = blocks / s.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
-        on_grid = (e2m1_round(qm) == qm) & (qm.abs() <= 6)
-        fits = on_grid.all(-1) & (e2m1_round(qm) * s.unsqueeze(-1) == blocks).all(-1)
-        take = ~ok & fits
-        q = torch.where(take.unsqueeze(-1), e2m1_round(qm), q)
-        scale = torch.where(take, s, scale)
+    if not check or not bool(ok.all()):
+        mags = e2m1_magnitude(torch.arange(6, 0, -1, device=x.device))      # 4, 3, 2, 1.5, 1, 0.5
+        s = (blocks.abs().amax(-1, keepdim=True) / mags).to(torch.float8_e4m3fn).float()     # [N, B, M]
+        qm = blocks.unsqueeze(-2) / s.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)  # [N, B, M, 16]
+        rq = e2m1_round(qm)
+        fits = ((rq == qm) & (qm.abs() <= 6) & (rq * s.unsqueeze(-1) == blocks.unsqueeze(-2))).all(-1)
+        first = fits.int().argmax(-1, keepdim=True)                    # the largest magnitude that fits
+        take = ~ok & fits.any(-1)
+        q = torch.where(take.unsqueeze(-1), rq.gather(-2, first.unsqueeze(-1).expand(-1, -1, 1, rq.shape[-1]))
+                        .squeeze(-2), q)
+        scale = torch.where(take, s.gather(-1, first).squeeze(-1), scale)
         ok = ok | take
     if check and not bool(ok.all()):
         raise ValueError("global KV values are not on the FP4 grid with e4m3 scales per 16")

@@ -6,9 +6,11 @@ input).
 One launch: [BM, BN] tiles, the K loop split over programs so that a few rows still spread over
 every SM, and the last of a tile's programs to arrive adds the partial sums in split order (the
 protocol of `triton.fp8_gemm_kernel`). bf16 × bf16 runs on the tensor cores (its products are exact
-in float32); a float32 weight (or input) through IEEE float32 dots, the precision of torch's float32
-GEMM. What differs from torch is the order of the float32 additions only. Larger inputs (prefill)
-stay with torch's GEMMs (`widened_rows_ok`).
+in float32); a float32 weight (or input) in float32, the precision of torch's float32 GEMM: with at
+most `GEMV_ROWS` rows as products summed over K on the CUDA cores (`GEMV`, no MMA tile padded to 16
+rows: the MoE gates' float32 weights at decode), beyond as IEEE dots. What differs from torch is the
+order of the float32 additions only. Larger inputs (prefill) stay with torch's GEMMs
+(`widened_rows_ok`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _split_k_arrive,
 
 MAX_ROWS = 64              # more rows: torch's GEMM
 MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their byte time in cuBLAS
+GEMV_ROWS = 8              # float32 operands with at most this many rows: products summed on the CUDA cores
+GEMV_ELEMENTS = 8192       # BM × BN × BK of one GEMV step (64 float32 registers a thread at 4 warps)
 
 
 @triton.jit
 def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                     IEEE: tl.constexpr, FENCE: tl.constexpr):
+                     IEEE: tl.constexpr, FENCE: tl.constexpr, GEMV: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BN)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -47,7 +51,9 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                     other=0.0)
         w = tl.load(W + rn.to(tl.int64)[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        if IEEE:
+        if GEMV:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        elif IEEE:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -61,18 +67,23 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
             tl.store(out, _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, FENCE), mask=ok)
 
 
-def rows_config(m: int, n: int, k: int, weight_bytes: int) -> dict:
+def rows_config(m: int, n: int, k: int, weight_bytes: int, gemv: bool = False) -> dict:
     """Tiles for [m ≤ 64, k] × [n, k]ᵀ: 16–64-row tiles, 64 columns (32 for a float32 weight, whose
-    128-deep block is twice the bytes), K split until the tiles cover every SM twice."""
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn = 32 if weight_bytes == 4 else 64
-    bk = 128
+    128-deep block is twice the bytes), K split until the tiles cover every SM twice. `gemv` (float32
+    products of at most GEMV_ROWS rows): tiles of the rows rounded up to a power of two, 64
+    columns, as deep as GEMV_ELEMENTS allows."""
+    if gemv:
+        bm = max(2, triton.next_power_of_2(m))
+        bn, bk = 64, GEMV_ELEMENTS // (64 * bm)
+    else:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn, bk = (32 if weight_bytes == 4 else 64), 128
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     n_kb = triton.cdiv(k, bk)
     split = 1
     while split * 2 <= n_kb // 2 and tiles * split < 2 * NUM_SMS_GUESS:
         split *= 2
-    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=4, num_stages=3)
+    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, GEMV=gemv, num_warps=4, num_stages=3)
 
 
 def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -84,7 +95,9 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = No
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         raise ValueError("rows_linear: the weight's rows must be contiguous")
-    cfg = dict(config or rows_config(m, n, k, weight.element_size()))
+    widened = x2.dtype == torch.float32 or weight.dtype == torch.float32 or x2.dtype != weight.dtype
+    cfg = dict(config or rows_config(m, n, k, weight.element_size(), gemv=widened and m <= GEMV_ROWS))
+    cfg.setdefault("GEMV", False)
     split = cfg.pop("SPLIT_K")
     y = torch.empty(m, n, dtype=torch.float32, device=x2.device)
     if m == 0:
@@ -94,7 +107,7 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = No
     counters = _arrivals(x2.device, tiles) if split > 1 else y
     # bf16 × bf16 on the tensor cores; the interpreter's bf16 dots are not usable, and a float32
     # operand must not be rounded to tf32
-    ieee = interpreting() or x2.dtype == torch.float32 or weight.dtype == torch.float32 or x2.dtype != weight.dtype
+    ieee = interpreting() or widened
     rows_gemm_kernel[(tiles, split)](x2, weight, y, partials, counters, m, n, k, x2.stride(0), weight.stride(0),
                                      y.stride(0), SPLIT_K=split, IEEE=ieee, FENCE=not interpreting(), **cfg)
     return y

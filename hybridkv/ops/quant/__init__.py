@@ -11,6 +11,7 @@ from hybridkv.ops.quant.reference import (  # noqa: F401
     FP8_AMAX_FLOOR,
     dequant_fp4_weight,
     dequant_fp8_weight,
+    e2m1_magnitude,
     e2m1_round,
     fp4_round_trip,
     pack_fp4,

@@ -78,7 +78,7 @@ def fp4_round_trip(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -
     return out.reshape(x.shape).to(x.dtype)
 
 
-def _e2m1_magnitude(code: torch.Tensor) -> torch.Tensor:
+def e2m1_magnitude(code: torch.Tensor) -> torch.Tensor:
     """3-bit E2M1 magnitude codes -> float32 values (E2M1_VALUES[code]), computed rather than looked
     up: no host constant is moved to the device (a CUDA-graph capture refuses that)."""
     e, m = (code >> 1).float(), (code & 1).float()
@@ -89,7 +89,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 [..., n/2] (two E2M1 codes per byte, low nibble = even element) -> float32 [..., n]."""
     b = packed.view(torch.uint8).to(torch.int64)
     codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
-    mag = _e2m1_magnitude(codes & 0x7)
+    mag = e2m1_magnitude(codes & 0x7)
     return torch.where(codes >= 8, -mag, mag)
 
 
@@ -101,7 +101,7 @@ def pack_fp4(values: torch.Tensor, check: bool = True) -> torch.Tensor:
     mag = v.abs()
     # 0, 0.5, 1, 1.5 -> 0..3; 2, 3 -> 4, 5; 4, 6 -> 6, 7
     code = torch.where(mag < 2, mag * 2, torch.where(mag < 4, mag + 2, mag * 0.5 + 4)).clamp(0, 7).to(torch.int64)
-    if check and not torch.equal(_e2m1_magnitude(code), mag):
+    if check and not torch.equal(e2m1_magnitude(code), mag):
         raise ValueError("pack_fp4: values are not on the E2M1 grid")
     code = code | ((torch.signbit(v) & (mag > 0)).to(torch.int64) << 3)
     pairs = code.reshape(*code.shape[:-1], -1, 2)
