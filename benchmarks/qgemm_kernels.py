@@ -51,9 +51,10 @@ FLASH = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b
 FLASH_V41 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
              ("shared w1/w3", 4608, 5120), ("shared w2", 5120, 2304)]
 SMOKE = [("small", 256, 512)]
-# (name, N, K) of V4-Flash's widened decode linears: a CSA layer's compressors' and indexer's stacked
-# projections, an HCA layer's, the MoE gate
-FLOAT_ROWS = [("CSA projections", 2624, 4096), ("HCA projections", 1024, 4096), ("gate", 256, 4096)]
+# (name, N, K, weight dtype as the release stores it) of the widened decode linears: a V4-Flash CSA
+# layer's compressors' stacked projections, an HCA layer's, the MoE gates of V4-Flash and V4.1-Flash
+FLOAT_ROWS = [("CSA projections", 2560, 4096, torch.bfloat16), ("HCA projections", 1024, 4096, torch.bfloat16),
+              ("gate", 256, 4096, torch.float32), ("V4.1 gate", 384, 5120, torch.float32)]
 
 
 def bench(fn, cuda: bool, reps: int = 20) -> float:
@@ -263,17 +264,18 @@ def float_rows_bench(a, cuda: bool, dev: str) -> None:
     print("\n| widened linear | N × K | rows | rows_linear ms | GB/s | config | best swept ms | best config | "
           "torch.mm ms |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, n, k in (SMOKE if a.smoke else FLOAT_ROWS):
-        w = torch.randn(n, k, device=dev).to(torch.bfloat16 if cuda else torch.float32) * 0.02
+    for name, n, k, wdtype in ([(*SMOKE[0], torch.float32)] if a.smoke else FLOAT_ROWS):
+        w = torch.randn(n, k, device=dev).to(wdtype if cuda else torch.float32) * 0.02
         ws = copies((w,), a.cold and cuda)
         for m in a.rows:
             if m > float_rows.MAX_ROWS:
                 continue
             x = torch.randn(m, k, device=dev).to(w.dtype)
-            cfg = float_rows.rows_config(m, n, k, w.element_size())
+            cfg = float_rows.rows_config(m, n, k, w.element_size(),
+                                         gemv=w.dtype == torch.float32 and m <= float_rows.GEMV_ROWS)
             t = bench_each(lambda c: float_rows.rows_linear(x, c[0]), ws, cuda)
             best = (None, None)
-            if a.sweep and cuda and m in a.sweep_rows:
+            if a.sweep and cuda and m in a.sweep_rows and w.dtype != torch.float32:
                 for bn, bk, split, warps in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32), (4, 8)):
                     if split * bk > k:
                         continue
@@ -286,7 +288,7 @@ def float_rows_bench(a, cuda: bool, dev: str) -> None:
                     if best[0] is None or t2 < best[0]:
                         best = (t2, c2)
             t_mm = bench_each(lambda c: torch.mm(x, c[0].t(), out_dtype=torch.float32), ws, cuda) if cuda else None
-            short = {k2: v for k2, v in cfg.items() if k2 in ("BN", "BK", "SPLIT_K", "num_warps")}
+            short = {k2: v for k2, v in cfg.items() if k2 in ("BN", "BK", "SPLIT_K", "GEMV")}
             bshort = best[1] and {k2: v for k2, v in best[1].items() if k2 in ("BN", "BK", "SPLIT_K", "num_warps")}
             print(f"| {name} | {n} × {k} | {m} | {t:.4f} | {w.nbytes / t / 1e6:.0f} | {short} | "
                   f"{'—' if best[0] is None else f'{best[0]:.4f}'} | {bshort or '—'} | "
