@@ -274,7 +274,7 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None):
         block, chunk, chunks = column_split(t, dim)
         nch, mp = (mixes.shape[1], mixes.shape[2]) if partials else (1, 1)
         mixes = mixes if partials else mixes.float().contiguous()
-        pre_in, pre_out = given if given is not None else (post, post)
+        pre_in, pre_out = given if given is not None else (post, post)   # (not read or written then)
         pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
                                 post, comb, pre_in, pre_out, dim, chunk, nch, iters, eps, norm_eps, HC=hc,
                                 BLOCK=block, PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch),
