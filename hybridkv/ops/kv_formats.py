@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.ops.quant import (FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, e2m1_magnitude, e2m1_round, pack_fp4, pow2_scale, quant_fp4,
-                                unpack_fp4)
+from hybridkv.ops.quant import (FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, e2m1_magnitude, e2m1_round, pack_fp4, pow2_scale,
+                                quant_fp4, unpack_fp4)
 
 FP8_TILE = 64
 FP4_TILE = 32
@@ -127,8 +127,6 @@ def v41_global_bytes(dim: int) -> int:
 
 def v41_window_bytes(dim: int) -> int:
     return dim + dim // V41_WINDOW_TILE
-
-
 
 
 def pack_v41_global(x: torch.Tensor, check: bool = True) -> torch.Tensor:
