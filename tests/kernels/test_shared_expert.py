@@ -52,7 +52,8 @@ def test_paired_w1_w3_read_by_one_gemm_equal_two(device, monkeypatch):
         monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
         reads = []
         real = linear.packed_fp8_linear
-        monkeypatch.setattr(linear, "packed_fp8_linear", lambda x, w, s, dt: reads.append(w.shape) or real(x, w, s, dt))
+        monkeypatch.setattr(linear, "packed_fp8_linear",
+                            lambda x, w, s, dt, block: reads.append(w.shape) or real(x, w, s, dt, block))
         got = ex(x)
     assert reads == [(768, 256), (256, 384)]       # w1 and w3 in one GEMM, then w2
     assert rel_rms(want, got) < 1e-5
