@@ -5,8 +5,8 @@
            quantised to e4m3 per `block_in` values with power-of-two scales before the GEMM.
 - "fp4":   E2M1 pairs packed in int8 [out, in/2] (low nibble = even element) + e8m0 scale per 32
            inputs; the input is FP8-quantised per `act_block` values as for fp8.
-On CUDA, FP8 weights with 128×128 blocks run through GEMMs that read the e4m3 weight itself
-(`hybridkv.ops.qgemm`: a Triton kernel for decode, torch's block-scaled matmul for prefill) and FP4 experts through the MoE's grouped kernels: no dense copy is
+On CUDA, FP8 weights with square blocks of 32, 64 or 128 run through GEMMs that read the e4m3 weight
+itself (`hybridkv.ops.qgemm`) and FP4 experts through the MoE's grouped kernels: no dense copy is
 made. Elsewhere (the CPU, other block sizes, `HYBRIDKV_DENSE_WEIGHTS=1`) the weight is dequantised
 (exactly) once and cached; the activation quantisation is applied all the same, so the numerics
 equal the reference's.

@@ -484,7 +484,7 @@ def grouped_fp4(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.T
                 pipelined: bool | None = None, shift: int = 0) -> torch.Tensor:
     """Sorted rows P (x[rows[i]] for row i, or x's own rows with rows None) × their experts' packed
     weights -> [P, n] of out_dtype. x holds the activations already through their FP8 round trip
-    per 128 values (`act_quant_sim`; exact in bf16), so the kernel reads them as they are.
+    (`act_quant_sim` per the checkpoint's block; exact in bf16), so the kernel reads them as they are.
     `tiles` = (expert, first row, end row) per row tile, built by
     `hybridkv.ops.grouped_moe.expert_tiles` with the same BM; w1/w3 = (weights, scales) of every
     expert: the experts stacked (uint8 [E, N, K/2] and [E, N, K/32], any stride between experts),
