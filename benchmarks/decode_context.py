@@ -3,7 +3,8 @@ each context, then timed decode steps. Prints a row per context as it lands:
 
     context, prefill s, decode ms/step, tokens/s, drop against the shortest context, device ms
     per step (CUDA: the step's graph replayed back to back between device events), device busy per
-    step (CUDA, under torch.profiler) and the top operators by device time.
+    step (CUDA, under torch.profiler), the device bytes the requests hold once prefilled (blocks,
+    window rings, compressor states: the allocator's own count) and the top operators by device time.
 
 The headline is free of the host's jitter: the timed steps run in `--passes` passes (each pass's
 median step), and a row gives the median of those with their spread; the device time beside it
@@ -139,6 +140,8 @@ def main() -> int:
             eng.step()
         sync(a.device)
         prefill_s = time.perf_counter() - t
+        # the device bytes the requests hold at this context (blocks, window rings, compressor states)
+        kv_mib = sum(sum(eng.store.device_bytes(s.cache).values()) for s in seqs) / 2**20
         timed_steps(eng, WARM_STEPS, a.device)
         graphs, formats = eng.graphs, eng.store.kernel_formats
         # (name, kernel formats, graphs): the same cache, read one way or the other
@@ -156,7 +159,7 @@ def main() -> int:
             if gr is not None:
                 assert eng.stats.graph_steps - before == a.passes * a.steps + 2, "a step ran outside the graph"
             row = dict(context=ctx, batch=a.batch, path=name, prefill_s=prefill_s, step_ms=step_ms,
-                       pass_ms=[low_ms, high_ms], tok_s=1e3 * a.batch / step_ms)
+                       pass_ms=[low_ms, high_ms], tok_s=1e3 * a.batch / step_ms, kv_mib=kv_mib)
             if gr is not None and cuda:
                 row["replay_ms"] = replay_ms(eng)
             if name == paths[0][0]:
@@ -178,15 +181,15 @@ def main() -> int:
         for s in seqs:
             eng.abort(s.request_id)
     print(f"\n| context | path | prefill s | decode ms/step (median of {a.passes} passes) | passes' range | tok/s | "
-          "drop vs shortest | device ms/step (replayed) | device busy ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "drop vs shortest | device ms/step (replayed) | device busy ms/step | KV held, MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         drop = f"{r['drop_pct']:.1f}%" if "drop_pct" in r else "—"
         replay = f"{r['replay_ms']:.2f}" if r.get("replay_ms") is not None else "—"
         busy = f"{r['device_ms_per_step']:.2f}" if "device_ms_per_step" in r else "—"
         low, high = r["pass_ms"]
         print(f"| {r['context']:,} | {r['path']} | {r['prefill_s']:.1f} | {r['step_ms']:.2f} | {low:.2f}–{high:.2f} | "
-              f"{r['tok_s']:.1f} | {drop} | {replay} | {busy} |")
+              f"{r['tok_s']:.1f} | {drop} | {replay} | {busy} | {r['kv_mib']:.1f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
