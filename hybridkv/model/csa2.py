@@ -80,15 +80,12 @@ class LatentIndexer(nn.Module):
         # rows in slices whose [rows, heads, N] float32 products stay within SCORE_ELEMENTS (a
         # prefill chunk of 8192 rows at 128K entries would need 137 GB at once); every step is row-wise
         step = max(1, SCORE_ELEMENTS // max(1, q.shape[1] * keys.shape[0]))
-        if q.shape[0] <= step:
-            return self._choose(mask_invisible(index_scores(q, w, keys), visible), visible, pool)
-        ids, pools = [], []
-        for a in range(0, q.shape[0], step):
-            r = slice(a, a + step)
-            got, published = self._choose(mask_invisible(index_scores(q[r], w[r], keys), visible[r]), visible[r],
-                                          None if pool is None else pool[r])
-            ids.append(got)
-            pools.append(published)
+        parts = [self._choose(mask_invisible(index_scores(q[r], w[r], keys), visible[r]), visible[r],
+                              None if pool is None else pool[r])
+                 for r in (slice(a, a + step) for a in range(0, max(1, q.shape[0]), step))]
+        if len(parts) == 1:
+            return parts[0]
+        ids, pools = zip(*parts)
         return torch.cat(ids), (None if pools[0] is None else torch.cat(pools))
 
     def select_batched(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,

@@ -1,11 +1,11 @@
-"""The routed experts as grouped GEMMs over tokens sorted by expert. With the kernels on (FP4
-experts, activations quantised per 32, 64 or 128 values; on CUDA only with `cuda_kernel_enabled`) two launches compute
-every routed expert: w1 and w3 with the SwiGLU and the
-routing weight, then w2, each reading the packed FP4 weights; sorting, tiling and the weighted
-sum back are torch operations without host synchronisation (CUDA-graph capturable). Prefill
-chunks large enough (`widen_ok`) widen the experts with tokens to bf16 a group at a time for
-torch's grouped GEMM instead (`routed_experts_widened`, one host read of the row offsets). Elsewhere
-`reference.routed_experts`: one dense GEMM per expert segment."""
+"""The routed experts as grouped GEMMs over tokens sorted by expert. With the kernels on (FP4 experts,
+activations quantised per 32, 64 or 128 values; on CUDA only with `cuda_kernel_enabled`) two
+launches compute every routed expert: w1 and w3 with the SwiGLU and the routing weight, then w2,
+each reading the packed FP4 weights; sorting, tiling and the weighted sum back are torch operations
+without host synchronisation (CUDA-graph capturable). Prefill chunks large enough (`widen_ok`) widen
+the experts with tokens to bf16 a group at a time for torch's grouped GEMM instead
+(`routed_experts_widened`, one host read of the row offsets). Elsewhere `reference.routed_experts`:
+one dense GEMM per expert segment."""
 
 from __future__ import annotations
 

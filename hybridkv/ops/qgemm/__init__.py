@@ -1,12 +1,13 @@
-"""Linear layers over the release's packed weights (FP8 e4m3 with e8m0 scales per 128×128 tile in
-V4's release, per 32×32 in V4.1's; the experts' FP4 lives in `hybridkv.ops.grouped_moe`). `reference` is the definition (input FP8
-round trip, exact dequantisation, one dense GEMM); on CUDA the Triton kernel reads the FP8 weight
-itself. `HYBRIDKV_DENSE_WEIGHTS=1` keeps the old path on CUDA (a dense copy cached per weight, see
-`hybridkv.model.linear`), the baseline of the GPU benchmark. On CUDA, inputs of more than
-`triton.DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul where this torch computes
-it correctly (`scaled`), at most `fp8_mma.MAX_ROWS` rows through the CUDA kernel on the FP8 tensor cores
-(`fp8_mma`, sm_89 and newer), the rows between (and the interpreter) through the Triton kernel (`triton`);
-those first two are built for 128×128 tiles, so other tiles take the Triton kernel at every size."""
+"""Linear layers over the release's packed weights (FP8 e4m3 with e8m0 scales per 128×128 tile in V4's
+release, per 32×32 in V4.1's; the experts' FP4 lives in `hybridkv.ops.grouped_moe`). `reference` is
+the definition (input FP8 round trip, exact dequantisation, one dense GEMM); on CUDA the Triton
+kernel reads the FP8 weight itself. `HYBRIDKV_DENSE_WEIGHTS=1` keeps the old path on CUDA (a dense
+copy cached per weight, see `hybridkv.model.linear`), the baseline of the GPU benchmark. On CUDA,
+inputs of more than `triton.DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul
+where this torch computes it correctly (`scaled`), at most `fp8_mma.MAX_ROWS` rows through the CUDA
+kernel on the FP8 tensor cores (`fp8_mma`, sm_89 and newer), the rows between (and the interpreter)
+through the Triton kernel (`triton`); those first two are built for 128×128 tiles, so other tiles
+take the Triton kernel at every size."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
   32 in V4.1's). The input is first quantised to e4m3 codes and power-of-two scales per b values
   (`act_codes`, the rounding of `act_quant_sim`); the GEMM multiplies codes by codes on the FP8
   tensor cores and applies the input's and the weight's scales to each b-deep block's fp32 partial
-  sum (the promotion the release's kernels do), so no operand is ever widened in registers. Two configurations: decode
-  (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few rows still spread over
+  sum (the promotion the release's kernels do), so no operand is ever widened in registers. Two
+  configurations: decode (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few rows still spread over
   every SM, partial sums added and cast by one launch) and prefill (128×128 tiles, grouped launch order
   for L2 reuse; on CUDA prefill usually runs through `hybridkv.ops.qgemm.scaled` instead).
 - `grouped_fp4`: the routed experts' packed E2M1 weights (two per byte, low nibble = even element,
