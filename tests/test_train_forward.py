@@ -124,3 +124,32 @@ def test_v41_gradients(fixtures):
         assert out.aux.indexer_kl
         sum(out.aux.indexer_kl.values()).backward()
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in idx)
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_v41_reuse_layers_train_the_indexer_whose_topk_they_read(fixtures, dense):
+    """With `reuse_layers_train_indexer`, each V4.1 Reuse layer adds a KL term (its own attention
+    against the last index source's scores), in the warm-up and on the selected set; the terms
+    move only the indexers (their targets are detached), so the model's gradients are those of the
+    plain forward."""
+    from hybridkv.train.export import float_model
+    model = float_model(fixtures / "v41-tiny").train()
+    cfg = model.config
+    ids = torch.randint(2, cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+    grads, kls = {}, {}
+    for reuse in (False, True):
+        model.zero_grad(set_to_none=True)
+        out = train_forward(model, ids, TrainOptions(dense_indexer=dense, kl_queries=32, reuse_layers_train_indexer=reuse),
+                            torch.Generator().manual_seed(0))
+        loss = torch.nn.functional.cross_entropy(model.logits(out.stream)[:-1], ids[0, 1:])
+        (loss + sum(out.aux.indexer_kl.values())).backward()
+        grads[reuse] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        kls[reuse] = out.aux.indexer_kl
+    reuse_layers = [i for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "reuse"]
+    assert reuse_layers and not set(reuse_layers) & set(kls[False])
+    assert set(kls[True]) == set(kls[False]) | set(reuse_layers)
+    assert all(torch.isfinite(kls[True][i]) and kls[True][i] >= 0 for i in reuse_layers)
+    for name, g in grads[False].items():
+        if ".indexer." not in name:
+            assert torch.equal(g, grads[True][name]), name
+    assert any(not torch.equal(g, grads[True][n]) for n, g in grads[False].items() if ".indexer." in n)

@@ -23,6 +23,7 @@ from hybridkv.train.loop import train
 from hybridkv.train.recipes import RECIPES, SMOKE_MODEL, SMOKE_V41_MODEL, Stage, get_recipe
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
@@ -47,14 +48,17 @@ def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
 
 
 def test_tiny_v41_wide_scales_the_selection_to_v41s_finer_entries():
-    """tiny-v41-wide is tiny-v41 (data, curriculum, budget, layers) but for the selection: top-k
+    """tiny-v41-wide is tiny-v41 (data, curriculum, budget, layers) but for the indexer's training
+    (the Reuse layers' attention in its target, its gradients clipped apart) and the selection: top-k
     entries of ratio 1 cover what tiny-v4's top-64 entries of ratio 4 cover, and the candidate pool
     is 32 times the top-k, V4.1-Flash's proportion (top-512 in 16,384 positions)."""
     from hybridkv.config import ModelConfig
     from hybridkv.presets import PRESETS
 
     wide, base, v4 = get_recipe("tiny-v41-wide"), get_recipe("tiny-v41"), get_recipe("tiny-v4")
-    assert replace(wide, name=base.name, model=base.model) == base
+    assert replace(wide, name=base.name, model=base.model, reuse_layers_train_indexer=False,
+                   indexer_clip=None) == base
+    assert wide.reuse_layers_train_indexer and wide.indexer_clip == 1.0
     changed = {k for k in wide.model if wide.model[k] != base.model.get(k)}
     assert changed == {"index_topk", "candidate_topk_blocks"}
     cfg, v4_cfg, flash = (ModelConfig.from_dict(m) for m in (wide.model, v4.model, PRESETS["v4.1-flash"]))
@@ -219,3 +223,29 @@ def test_the_shipped_model_is_a_base_tiny_v4_prose_accepts(tmp_path):
     assert (tmp_path / "tokenizer.json").read_bytes() == (SHIPPED_TOKENIZER / "tokenizer.json").read_bytes()
     with pytest.raises(TrainingError, match="does not keep hex characters apart"):
         _take_base(get_recipe("tiny-v4-needles"), SHIPPED_TOKENIZER, tmp_path / "other")
+
+
+def test_indexer_clip_keeps_the_indexers_gradients_out_of_the_models_clip():
+    """With `indexer_clip`, however large the indexers' gradients, the rest of the model is clipped
+    by its own norm; without it one norm over every parameter scales both."""
+    from hybridkv.train.export import float_model
+    from hybridkv.train.loop import _clip
+    model = float_model(FIXTURES / "v41-tiny")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-4)
+    for n, p in model.named_parameters():
+        if ".indexer." in n:
+            p.grad.fill_(10.0)
+    rest = [p for n, p in model.named_parameters() if ".indexer." not in n]
+    rest_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in rest])))
+    saved = [p.grad.clone() for p in model.parameters()]
+    logs = {}
+    base = get_recipe("smoke-v41")
+    norm = _clip(model, replace(base, clip=1.0, indexer_clip=1.0), logs)
+    assert abs(float(norm) - rest_norm) < 1e-4 * rest_norm and rest_norm < 1.0
+    assert all(torch.equal(p.grad, torch.full_like(p, 1e-4)) for p in rest)      # under its own clip: untouched
+    assert logs["indexer_grad_norm"] > 100
+    for p, g in zip(model.parameters(), saved):
+        p.grad = g
+    _clip(model, replace(base, clip=1.0), {})
+    assert all(float(p.grad.max()) < 1e-5 for p in rest)                         # scaled by the indexers' norm

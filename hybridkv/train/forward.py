@@ -36,6 +36,7 @@ class TrainOptions:
     qat_experts: bool = False    # FP4 fake quantisation of the routed experts (switched on late)
     qat_indexer: bool = False    # FP4 round trip of the indexer QK path, as served
     kl_queries: int = 256        # query positions per sequence the indexer KL is computed on
+    reuse_layers_train_indexer: bool = False  # V4.1 Reuse layers' attention in the KL of the top-k they read
     query_tile: int = 2048       # queries per tile when the indexer selects top-k (bounds memory)
     capture_indexer: bool = False  # keep each V4 CSA layer's indexer inputs in `Aux.captured` (labels)
 
@@ -61,8 +62,10 @@ class _Ctx:
         self.positions = torch.arange(seq, device=device)
         self._freqs: dict = {}
         # V4.1 hand-offs within one forward: each Full layer's (global KV, indexer keys), the last
-        # index source's top-k, and the candidate pool (one bool [S, n] per sequence)
+        # index source's (layer, indexer queries, head weights) and top-k, and the candidate pool
+        # (one bool [S, n] per sequence)
         self.v41_entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.v41_indexer: tuple[Attention, torch.Tensor, torch.Tensor] | None = None
         self.v41_topk: torch.Tensor | None = None
         self.v41_pool: list[torch.Tensor] | None = None
 
@@ -213,11 +216,13 @@ def _select(attn: Attention, iq: torch.Tensor, iw: torch.Tensor, keys: torch.Ten
     return out
 
 
-def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.Tensor | None, ctx: _Ctx):
+def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.Tensor | None, ctx: _Ctx,
+                layer_id: int | None = None):
     """KL(head-summed main attention over compressed entries ‖ softmax of the indexer's scores) at
     `kl_queries` random query positions that see at least two entries, over all visible entries
     (dense warm-up) or the selected ones (`sel`). main_p [B, S, H, n]: the main attention's
-    probabilities of every entry (0 where not attended)."""
+    probabilities of every entry (0 where not attended), of `attn`'s layer or of the V4.1 Reuse
+    layer `layer_id` that reads `attn`'s top-k."""
     b, s = ctx.b, ctx.s
     vis = (ctx.positions + 1) // attn.ratio
     cand = torch.nonzero(vis >= 2).flatten()
@@ -241,7 +246,7 @@ def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.
         valid = idx >= 0
     target = target.masked_fill(~valid, 0)
     if sel is None:
-        _recall(attn, target, scores.detach(), vis[pick], ctx)
+        _recall(attn, target, scores.detach(), vis[pick], ctx, attn.layer_id if layer_id is None else layer_id)
     target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
     logp = scores.masked_fill(~valid, float("-inf")).log_softmax(-1)
     kl = torch.where(target > 0, target * (target.clamp(min=1e-12).log() - logp), torch.zeros_like(target))
@@ -249,7 +254,8 @@ def _indexer_kl(attn: Attention, iq, iw, keys, main_p: torch.Tensor, sel: torch.
 
 
 @torch.no_grad()
-def _recall(attn: Attention, target: torch.Tensor, scores: torch.Tensor, vis: torch.Tensor, ctx: _Ctx) -> None:
+def _recall(attn: Attention, target: torch.Tensor, scores: torch.Tensor, vis: torch.Tensor, ctx: _Ctx,
+            layer_id: int) -> None:
     k = attn.indexer.topk
     rows = vis > k
     if not rows.any():
@@ -259,7 +265,7 @@ def _recall(attn: Attention, target: torch.Tensor, scores: torch.Tensor, vis: to
     sc = sc.masked_fill(cols.view(1, 1, -1) >= vis[rows].view(1, -1, 1), float("-inf"))
     main_top = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, t.topk(k, dim=-1).indices, True)
     idx_top = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, sc.topk(k, dim=-1).indices, True)
-    ctx.aux.indexer_recall[attn.layer_id] = float((main_top & idx_top).sum() / main_top.sum())
+    ctx.aux.indexer_recall[layer_id] = float((main_top & idx_top).sum() / main_top.sum())
 
 
 def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
@@ -297,6 +303,7 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
             if ctx.opts.qat_indexer:
                 iq = fp4_round_trip_ste(iq, FP4_BLOCK)
             iw = ind.head_weights(x.detach())
+            ctx.v41_indexer = (attn, iq, iw)
             if not ctx.opts.dense_indexer and n:
                 ctx.v41_topk = _select_v41(attn, iq, iw, ikeys.detach(), ctx)
         if not ctx.opts.dense_indexer and n:
@@ -336,10 +343,16 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
     if attn.ratio:
         p_c = p[..., 2 * attn.window: -1]
         o = o + torch.einsum("bshn,bnd->bshd", p_c, entries)
+        kl = None
         if attn.indexer is not None and n:
             kl = _indexer_kl(attn, iq, iw, ikeys, p_c, sel, ctx)
-            if kl is not None:
-                ctx.aux.indexer_kl[attn.layer_id] = kl
+        elif attn.v41 and n and ctx.v41_indexer is not None and ctx.opts.reuse_layers_train_indexer:
+            # a Reuse layer attends within the top-k of the last index source: its attention is
+            # part of what that indexer must learn to select (the shared top-k serves every layer)
+            source, iq, iw = ctx.v41_indexer
+            kl = _indexer_kl(source, iq, iw, ikeys, p_c, sel, ctx, layer_id=attn.layer_id)
+        if kl is not None:
+            ctx.aux.indexer_kl[attn.layer_id] = kl
     o = apply_rope(o.reshape(b * s, h, d).to(x.dtype), freqs, inverse=True)
     o = o.reshape(b * s, attn.groups, -1)
     wo_a = attn.wo_a.dense_weight().view(attn.groups, attn.o_rank, -1)

@@ -1,6 +1,7 @@
 """Is the indexer doing its job? For long task prompts, with every CSA entry visible to the main
 attention (the DSA warm-up view), the recall of the indexer's top-k against the main attention's
-top-k (head-summed probabilities: the indexer's training target), per CSA layer.
+top-k (head-summed probabilities: the indexer's training target), per CSA layer; for a V4.1
+model also per Reuse layer, against the top-k of the index source it reads.
 
     python -m hybridkv.train.indexer_report MODEL_DIR [--length 16384] [--samples 4]
 
@@ -49,16 +50,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise TrainingError(f"--tasks {task} at {a.length} tokens: {e}") from None
             with torch.no_grad():
                 out = train_forward(model, ids, TrainOptions(dense_indexer=True, qat_indexer=True,
-                                                             kl_queries=a.queries),
+                                                             kl_queries=a.queries, reuse_layers_train_indexer=True),
                                     torch.Generator().manual_seed(i))
             for layer, r in out.aux.indexer_recall.items():
                 recall.setdefault(layer, []).append(r)
     k = model.config.index_topk
     print(f"indexer top-{k} recall of the main attention's top-{k}, {a.length}-token prompts "
           f"({a.tasks}, {a.samples} each, {a.queries} query positions per prompt)")
-    print("| CSA layer | recall | prompts |\n|---:|---:|---:|")
+    print("| layer | kind | recall | prompts |\n|---:|---|---:|---:|")
     for layer in sorted(recall):
-        print(f"| {layer} | {statistics.fmean(recall[layer]):.3f} | {len(recall[layer])} |")
+        print(f"| {layer} | {model.config.layer_kind(layer)} | {statistics.fmean(recall[layer]):.3f} | "
+              f"{len(recall[layer])} |")
     return 0
 
 

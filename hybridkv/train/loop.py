@@ -29,6 +29,18 @@ from hybridkv.train.recipes import Recipe
 from hybridkv.train.rundir import PORTABLE, load_portable, mismatch, model_config, prepare_tokenizer
 
 
+def _clip(model: torch.nn.Module, recipe: Recipe, logs: dict) -> torch.Tensor:
+    """Clips the gradients (one norm over every parameter, or with `recipe.indexer_clip` the
+    indexers' apart from the rest) and returns the model's norm before clipping."""
+    if recipe.indexer_clip is None:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
+    indexer, rest = [], []
+    for name, p in model.named_parameters():
+        (indexer if ".indexer." in name else rest).append(p)
+    logs["indexer_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(indexer, recipe.indexer_clip))
+    return torch.nn.utils.clip_grad_norm_(rest, recipe.clip)
+
+
 def _rewarm_steps(recipe: Recipe) -> int:
     """Steps of the linear lr re-warm-up after resuming without optimizer moments."""
     return max(1, recipe.warmup // 5)
@@ -218,7 +230,8 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 lr *= (step + 1 - (rewarm_until - _rewarm_steps(recipe))) / _rewarm_steps(recipe)
             _set_lr(optimizers, lr)
             opts = TrainOptions(dense_indexer=st.dense_indexer, qat_experts=st.qat_experts, qat_indexer=True,
-                                kl_queries=recipe.kl_queries)
+                                kl_queries=recipe.kl_queries,
+                                reuse_layers_train_indexer=recipe.reuse_layers_train_indexer)
             if autocast is not None:
                 with autocast:
                     out = train_forward(model, ids, opts, gen)
@@ -227,7 +240,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 out = train_forward(model, ids, opts, gen)
                 loss, logs = compute_losses(model, ids, sup, out, recipe.loss)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
+            grad_norm = _clip(model, recipe, logs)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -11,7 +11,8 @@ optimisation settings.
   --weight 0.5`) is the base of the prose recipes.
 - `tiny-v41`: tiny-v4's data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md). `tiny-v41-wide`: the same with a top-k and a candidate pool
-  scaled to V4.1's finer entries (not yet trained).
+  scaled to V4.1's finer entries, the Reuse layers' attention in the indexers' target and the
+  indexers' gradients clipped apart (not yet trained with the last two).
 - `tiny-v4-prose`: continues that average on its needle mix with half of every needle family's
   rows hiding the needles in real prose (`realtext_share`; the training part of
   `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same mix (half of each
@@ -59,6 +60,12 @@ class Recipe:
     loss: LossWeights = field(default_factory=LossWeights)
     task_weights: dict[str, float] | None = None
     kl_queries: int = 256
+    # V4.1: the Reuse layers' attention also trains the indexer whose top-k they read (else only the
+    # Full/Reindex layer's own attention does)
+    reuse_layers_train_indexer: bool = False
+    # the indexer's gradients clipped apart from the model's, at this norm (None: one clip over all,
+    # so the indexer's KL gradients scale the model's update)
+    indexer_clip: float | None = None
     log_every: int = 10
     seed: int = 0
     # the seed of the haystack material (filler sentences, distractor needles); None: `seed`. A
@@ -321,9 +328,11 @@ def _tiny_v41() -> Recipe:
 
 
 def _tiny_v41_wide() -> Recipe:
-    """tiny-v41 (data, curriculum, budget) with `TINY_V41_WIDE_MODEL`'s selection: the next V4.1
+    """tiny-v41 (data, curriculum, budget) with `TINY_V41_WIDE_MODEL`'s selection, the Reuse layers'
+    attention in the indexer's KL target, and the indexer's gradients clipped apart: the next V4.1
     experiment after tiny-v41 lost retrieval when its top-64 selection began (docs/v4-vs-v41.md)."""
-    return replace(_tiny_v41(), name="tiny-v41-wide", model=TINY_V41_WIDE_MODEL)
+    return replace(_tiny_v41(), name="tiny-v41-wide", model=TINY_V41_WIDE_MODEL, reuse_layers_train_indexer=True,
+                   indexer_clip=1.0)
 
 
 def _tiny_v41_prose() -> Recipe:
