@@ -20,7 +20,7 @@ from hybridkv.train.rundir import model_config
 from hybridkv.errors import TrainingError
 from hybridkv.tasks.generators import REALTEXT_FAMILIES
 from hybridkv.train.loop import train
-from hybridkv.train.recipes import RECIPES, SMOKE_MODEL, SMOKE_V41_MODEL, Stage, get_recipe
+from hybridkv.train.recipes import RECIPES, SMOKE_MODEL, SMOKE_V41_MODEL, SPARSE_FROM_2K, Stage, get_recipe
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -48,15 +48,22 @@ def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
 
 
 def test_tiny_v41_wide_scales_the_selection_to_v41s_finer_entries():
-    """tiny-v41-wide is tiny-v41 (data, curriculum, budget, layers) but for the indexer's training
-    (the Reuse layers' attention in its target, its gradients clipped apart) and the selection: top-k
+    """tiny-v41-wide is tiny-v41 (data, lengths, budget, layers) but for the indexer's training (the
+    Reuse layers' attention in its target, its gradients clipped apart, the top-k from halfway
+    through the 2K stage) and the selection: top-k
     entries of ratio 1 cover what tiny-v4's top-64 entries of ratio 4 cover, and the candidate pool
     is 32 times the top-k, V4.1-Flash's proportion (top-512 in 16,384 positions)."""
     from hybridkv.config import ModelConfig
     from hybridkv.presets import PRESETS
 
     wide, base, v4 = get_recipe("tiny-v41-wide"), get_recipe("tiny-v41"), get_recipe("tiny-v4")
-    assert replace(wide, name=base.name, model=base.model, reuse_layers_train_indexer=False,
+    # the same data and lengths at every step; the top-k from halfway through the 2K stage
+    assert wide.steps == base.steps and round(wide.tokens()) == round(base.tokens())
+    for step in range(wide.steps):
+        w, b = wide.stage(step), base.stage(step)
+        assert (w.seq_len, w.batch, w.tasks, w.qat_experts) == (b.seq_len, b.batch, b.tasks, b.qat_experts)
+        assert w.dense_indexer == (b.dense_indexer and step < SPARSE_FROM_2K), step
+    assert replace(wide, name=base.name, model=base.model, stages=base.stages, reuse_layers_train_indexer=False,
                    indexer_clip=None) == base
     assert wide.reuse_layers_train_indexer and wide.indexer_clip == 1.0
     changed = {k for k in wide.model if wide.model[k] != base.model.get(k)}

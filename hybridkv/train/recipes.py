@@ -11,8 +11,9 @@ optimisation settings.
   --weight 0.5`) is the base of the prose recipes.
 - `tiny-v41`: tiny-v4's data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md). `tiny-v41-wide`: the same with a top-k and a candidate pool
-  scaled to V4.1's finer entries, the Reuse layers' attention in the indexers' target and the
-  indexers' gradients clipped apart (not yet trained with the last two).
+  scaled to V4.1's finer entries, the Reuse layers' attention in the indexers' target, the
+  indexers' gradients clipped apart, and the top-k from the 2K stage on (not yet trained with the
+  last three).
 - `tiny-v4-prose`: continues that average on its needle mix with half of every needle family's
   rows hiding the needles in real prose (`realtext_share`; the training part of
   `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same mix (half of each
@@ -328,11 +329,23 @@ def _tiny_v41() -> Recipe:
 
 
 def _tiny_v41_wide() -> Recipe:
-    """tiny-v41 (data, curriculum, budget) with `TINY_V41_WIDE_MODEL`'s selection, the Reuse layers'
-    attention in the indexer's KL target, and the indexer's gradients clipped apart: the next V4.1
-    experiment after tiny-v41 lost retrieval when its top-64 selection began (docs/v4-vs-v41.md)."""
-    return replace(_tiny_v41(), name="tiny-v41-wide", model=TINY_V41_WIDE_MODEL, reuse_layers_train_indexer=True,
-                   indexer_clip=1.0)
+    """tiny-v41 (data, lengths, budget) with `TINY_V41_WIDE_MODEL`'s selection, the Reuse layers'
+    attention in the indexer's KL target, the indexer's gradients clipped apart, and the top-k from
+    the second half of the 2K stage (step 950) on, so that attention turns sparse before the length
+    grows: the next V4.1 experiment after tiny-v41 lost retrieval when its top-64 selection began at
+    4K (docs/v4-vs-v41.md, docs/training-log.md 2026-12-04)."""
+    r = _tiny_v41()
+    stages = []
+    for st in r.stages:
+        if st.seq_len == 2048 and st.dense_indexer:
+            stages.append(replace(st, until=SPARSE_FROM_2K))
+            st = replace(st, dense_indexer=False)
+        stages.append(st)
+    return replace(r, name="tiny-v41-wide", model=TINY_V41_WIDE_MODEL, stages=stages,
+                   reuse_layers_train_indexer=True, indexer_clip=1.0)
+
+
+SPARSE_FROM_2K = 950      # tiny-v41-wide's switch to the top-k, halfway through the 2K stage (700-1200)
 
 
 def _tiny_v41_prose() -> Recipe:
