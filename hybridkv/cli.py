@@ -216,10 +216,11 @@ def cmd_train(a: argparse.Namespace) -> int:
         from hybridkv.train.loop import train
         from hybridkv.train.rundir import load_run_weights, save_portable
 
-        progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume, init_from=a.init_from)
+        progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume, init_from=a.init_from,
+                         portable_dir=a.portable_state)
         print(f"step {progress['step']}/{recipe.steps}, {progress['tokens'] / 1e6:.1f}M tokens, "
               f"{progress['seconds'] / 60:.1f} min over {progress['commands']} command(s)", file=sys.stderr)
-        if a.portable_state:
+        if a.portable_state:   # again from the run's state, also when this command trained no step
             paths = save_portable(load_run_weights(run_dir), progress, Path(a.portable_state))
             print(f"portable state: {len(paths)} file(s) in {a.portable_state}", file=sys.stderr)
     if a.export:
@@ -336,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--answer-end-weight", type=float, default=None,
                    help="override the recipe's extra weight on the answers' closing tokens (period, EOS)")
     t.add_argument("--portable-state", default=None,
-                   help="also write the weights and progress in files of <= 15 MiB to this directory")
+                   help="also write the weights and progress in files of <= 15 MiB to this directory, at "
+                        "every checkpoint (every 5 minutes and the last)")
     t.add_argument("--export", default=None, help="write the trained model in the release format here")
     t.add_argument("--export-only", action="store_true", help="export the run in --out without training")
     t.set_defaults(func=cmd_train)

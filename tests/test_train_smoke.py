@@ -13,7 +13,7 @@ from hybridkv.tasks.tokenizer import TaskTokenizer
 from hybridkv.train.export import export_model
 from hybridkv.train.forward import TrainOptions, train_forward
 from hybridkv.train.loop import train
-from hybridkv.train.rundir import model_config, prepare_tokenizer, save_portable
+from hybridkv.train.rundir import load_portable, model_config, prepare_tokenizer, save_portable
 from hybridkv.train.recipes import get_recipe
 from hybridkv.weights import load_model
 
@@ -56,7 +56,7 @@ def test_resume_continues_the_same_run(smoke_run, tmp_path):
     torch.set_num_threads(1)
     try:
         train(short, a, echo=lambda *_: None)
-        train(short, b, echo=lambda *_: None, stop_at_step=3)
+        train(short, b, echo=lambda *_: None, stop_at_step=3, portable_dir=tmp_path / "p")
         with pytest.raises(ValueError, match=f"--seed {short.seed}"):   # another data stream is refused
             train(replace(short, seed=short.seed + 1), b, resume=True, echo=lambda *_: None)
         train(short, b, resume=True, echo=lambda *_: None)
@@ -67,6 +67,9 @@ def test_resume_continues_the_same_run(smoke_run, tmp_path):
     assert wa.keys() == wb.keys()
     differ = [k for k in wa if not torch.equal(wa[k], wb[k])]
     assert not differ, differ
+    # the checkpoint at step 3 also went to the portable directory, as the loop saved it
+    early = load_portable(tmp_path / "p")
+    assert early["progress"]["step"] == 3 and early["model"].keys() == wb.keys()
     # a fresh machine: only the portable files
     c = tmp_path / "c"
     save_portable(wb, torch.load(b / "state.pt", weights_only=False)["progress"], c)
@@ -147,3 +150,25 @@ def test_a_recipe_with_hex_chars_trains_its_tokenizer_with_them(tmp_path):
         assert (tmp_path / str(hex_chars) / "tokenizer.json").exists()
         assert (len(tok.encode(uuid)) == len(uuid)) == hex_chars
         assert tok.hex_chars == hex_chars == TaskTokenizer.load(tmp_path / str(hex_chars)).hex_chars
+
+
+def test_portable_parts_of_two_saves_are_refused_and_a_smaller_save_drops_old_parts(tmp_path):
+    """Parts that do not form one save (an interrupted copy, or parts of two saves mixed) get a
+    TrainingError naming the directory; a later save with fewer parts removes the earlier extra
+    ones, so the directory holds one state."""
+    from hybridkv.errors import TrainingError
+    from hybridkv.train import rundir
+    big = {"w": torch.randn(600_000)}                                     # 2.4 MB
+    small = {"w": torch.randn(16)}
+    d = tmp_path / "p"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rundir, "PART_BYTES", 1 << 20)                         # several parts for `big`
+        first = save_portable(big, {"step": 1}, d)
+        assert len(first) > 1
+        (d / first[0].name).write_bytes(b"not a part")
+        with pytest.raises(TrainingError, match="do not form one saved state"):
+            load_portable(d)
+        assert len(save_portable(small, {"step": 2}, d)) == 1
+    assert sorted(p.name for p in d.iterdir()) == [first[0].name]
+    state = load_portable(d)
+    assert state["progress"]["step"] == 2 and torch.equal(state["model"]["w"], small["w"])

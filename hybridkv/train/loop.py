@@ -26,7 +26,7 @@ from hybridkv.train.init import init_weights
 from hybridkv.train.losses import compute_losses, update_gate_biases
 from hybridkv.train.optim import build_optimizers, lr_schedule
 from hybridkv.train.recipes import Recipe
-from hybridkv.train.rundir import PORTABLE, load_portable, mismatch, model_config, prepare_tokenizer
+from hybridkv.train.rundir import PORTABLE, load_portable, mismatch, model_config, prepare_tokenizer, save_portable
 
 
 def _clip(model: torch.nn.Module, recipe: Recipe, logs: dict) -> torch.Tensor:
@@ -143,10 +143,12 @@ def _check_device(device: str) -> None:
 
 def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes: float | None = None,
           resume: bool = False, echo=print, stop_at_step: int | None = None,
-          init_from: str | Path | None = None) -> dict:
+          init_from: str | Path | None = None, portable_dir: str | Path | None = None) -> dict:
     """Run (or continue) `recipe` in run_dir, until its last step, `max_minutes` or `stop_at_step`;
     returns the progress dict. A fresh run of a recipe with a `base` starts from `init_from`, a model
-    directory exported from a run of that base recipe."""
+    directory exported from a run of that base recipe. With `portable_dir`, every checkpoint (every
+    5 minutes and the last) also writes the portable state there, so that a command killed from
+    outside still leaves its last checkpoint for a fresh machine."""
     run_dir = Path(run_dir)
     _check_device(device)
     if max_minutes is not None and not max_minutes > 0:
@@ -267,6 +269,8 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 progress["seconds"] += time.perf_counter() - t_start
                 t_start = time.perf_counter()
                 save_state(state_path, model, optimizers, progress)
+                if portable_dir is not None:
+                    save_portable(model.state_dict(), progress, Path(portable_dir))
                 last_save = time.perf_counter()
             if out_of_time:
                 echo(f"stopping at step {progress['step']}; continue with --resume")

@@ -47,24 +47,44 @@ def model_config(recipe: Recipe, vocab_size: int, release: bool = False) -> Mode
 
 def save_portable(weights: dict[str, torch.Tensor], progress: dict, out_dir: Path) -> list[Path]:
     """Float32 weights and progress (no optimizer state), in files of at most 15 MiB: what a run
-    carries to a fresh machine. Resuming from it restarts the optimizer moments."""
+    carries to a fresh machine. Resuming from it restarts the optimizer moments. Each part is
+    written beside its name and renamed into place, and parts left from a larger earlier state are
+    removed, so a process killed while saving leaves the previous state (or, between two renames,
+    parts that `load_portable` refuses)."""
     buf = io.BytesIO()
-    torch.save({"model": weights, "progress": progress}, buf)
+    torch.save({"model": {k: v.detach().cpu() for k, v in weights.items()}, "progress": progress}, buf)
     data = buf.getvalue()
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(0, len(data), PART_BYTES):
-        paths.append(out_dir / f"{PORTABLE}.{i // PART_BYTES:02d}")
-        paths[-1].write_bytes(data[i:i + PART_BYTES])
-    return paths
+    parts = [(out_dir / f"{PORTABLE}.{i // PART_BYTES:02d}", data[i:i + PART_BYTES])
+             for i in range(0, len(data), PART_BYTES)]
+    for path, chunk in parts:
+        path.with_name(path.name + ".tmp").write_bytes(chunk)
+    for path, _ in parts:
+        path.with_name(path.name + ".tmp").replace(path)
+    kept = {path for path, _ in parts}
+    for stale in _parts(out_dir):
+        if stale not in kept:
+            stale.unlink()
+    return [path for path, _ in parts]
+
+
+def _parts(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob(f"{PORTABLE}.*") if p.suffix != ".tmp")
 
 
 def load_portable(run_dir: Path, device: str = "cpu") -> dict | None:
     """What `save_portable` wrote into run_dir (None if nothing)."""
-    parts = sorted(run_dir.glob(f"{PORTABLE}.*"))
+    parts = _parts(run_dir)
     if not parts:
         return None
-    return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location=device, weights_only=False)
+    try:
+        return torch.load(io.BytesIO(b"".join(p.read_bytes() for p in parts)), map_location=device,
+                          weights_only=False)
+    except Exception as e:   # a torch.load of a truncated or mixed byte stream fails in several ways
+        raise TrainingError(f"{run_dir}: the {len(parts)} {PORTABLE}.* part(s) do not form one saved state "
+                            f"({type(e).__name__}); a save was interrupted or parts of two saves are mixed: "
+                            f"copy all parts of one save") from None
 
 
 def load_run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
