@@ -214,15 +214,15 @@ def cmd_train(a: argparse.Namespace) -> int:
     run_dir = Path(a.out or f"runs/{recipe.name}")
     if not a.export_only:
         from hybridkv.train.loop import train
-        from hybridkv.train.rundir import load_run_weights, save_portable
+        from hybridkv.train.rundir import portable_parts
 
         progress = train(recipe, run_dir, a.device, a.max_minutes, a.resume, init_from=a.init_from,
                          portable_dir=a.portable_state)
         print(f"step {progress['step']}/{recipe.steps}, {progress['tokens'] / 1e6:.1f}M tokens, "
               f"{progress['seconds'] / 60:.1f} min over {progress['commands']} command(s)", file=sys.stderr)
-        if a.portable_state:   # again from the run's state, also when this command trained no step
-            paths = save_portable(load_run_weights(run_dir), progress, Path(a.portable_state))
-            print(f"portable state: {len(paths)} file(s) in {a.portable_state}", file=sys.stderr)
+        if a.portable_state:
+            n = len(portable_parts(Path(a.portable_state)))
+            print(f"portable state: {n} file(s) in {a.portable_state}", file=sys.stderr)
     if a.export:
         from hybridkv.train.export import export_model
 

@@ -139,8 +139,8 @@ def test_v41_reuse_layers_train_the_indexer_whose_topk_they_read(fixtures, dense
     grads, kls = {}, {}
     for reuse in (False, True):
         model.zero_grad(set_to_none=True)
-        out = train_forward(model, ids, TrainOptions(dense_indexer=dense, kl_queries=32, reuse_layers_train_indexer=reuse),
-                            torch.Generator().manual_seed(0))
+        opts = TrainOptions(dense_indexer=dense, kl_queries=32, reuse_layers_train_indexer=reuse)
+        out = train_forward(model, ids, opts, torch.Generator().manual_seed(0))
         loss = torch.nn.functional.cross_entropy(model.logits(out.stream)[:-1], ids[0, 1:])
         (loss + sum(out.aux.indexer_kl.values())).backward()
         grads[reuse] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

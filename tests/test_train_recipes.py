@@ -236,7 +236,7 @@ def test_indexer_clip_keeps_the_indexers_gradients_out_of_the_models_clip():
     """With `indexer_clip`, however large the indexers' gradients, the rest of the model is clipped
     by its own norm; without it one norm over every parameter scales both."""
     from hybridkv.train.export import float_model
-    from hybridkv.train.loop import _clip
+    from hybridkv.train.loop import _Clip
     model = float_model(FIXTURES / "v41-tiny")
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-4)
@@ -248,11 +248,11 @@ def test_indexer_clip_keeps_the_indexers_gradients_out_of_the_models_clip():
     saved = [p.grad.clone() for p in model.parameters()]
     logs = {}
     base = get_recipe("smoke-v41")
-    norm = _clip(model, replace(base, clip=1.0, indexer_clip=1.0), logs)
+    norm = _Clip(model, replace(base, clip=1.0, indexer_clip=1.0))(logs)
     assert abs(float(norm) - rest_norm) < 1e-4 * rest_norm and rest_norm < 1.0
     assert all(torch.equal(p.grad, torch.full_like(p, 1e-4)) for p in rest)      # under its own clip: untouched
     assert logs["indexer_grad_norm"] > 100
     for p, g in zip(model.parameters(), saved):
         p.grad = g
-    _clip(model, replace(base, clip=1.0), {})
+    _Clip(model, replace(base, clip=1.0))({})
     assert all(float(p.grad.max()) < 1e-5 for p in rest)                         # scaled by the indexers' norm

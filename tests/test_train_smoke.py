@@ -67,9 +67,13 @@ def test_resume_continues_the_same_run(smoke_run, tmp_path):
     assert wa.keys() == wb.keys()
     differ = [k for k in wa if not torch.equal(wa[k], wb[k])]
     assert not differ, differ
-    # the checkpoint at step 3 also went to the portable directory, as the loop saved it
+    # the checkpoint at step 3 also went to the portable directory, as the loop saved it; a run
+    # already complete writes its state there without training
     early = load_portable(tmp_path / "p")
     assert early["progress"]["step"] == 3 and early["model"].keys() == wb.keys()
+    train(short, b, resume=True, echo=lambda *_: None, portable_dir=tmp_path / "done")
+    done = load_portable(tmp_path / "done")
+    assert done["progress"]["step"] == 6 and all(torch.equal(done["model"][k], wb[k]) for k in wb)
     # a fresh machine: only the portable files
     c = tmp_path / "c"
     save_portable(wb, torch.load(b / "state.pt", weights_only=False)["progress"], c)

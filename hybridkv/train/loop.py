@@ -29,16 +29,24 @@ from hybridkv.train.recipes import Recipe
 from hybridkv.train.rundir import PORTABLE, load_portable, mismatch, model_config, prepare_tokenizer, save_portable
 
 
-def _clip(model: torch.nn.Module, recipe: Recipe, logs: dict) -> torch.Tensor:
-    """Clips the gradients (one norm over every parameter, or with `recipe.indexer_clip` the
-    indexers' apart from the rest) and returns the model's norm before clipping."""
-    if recipe.indexer_clip is None:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
-    indexer, rest = [], []
-    for name, p in model.named_parameters():
-        (indexer if ".indexer." in name else rest).append(p)
-    logs["indexer_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(indexer, recipe.indexer_clip))
-    return torch.nn.utils.clip_grad_norm_(rest, recipe.clip)
+class _Clip:
+    """Gradient clipping: one norm over every parameter, or with `recipe.indexer_clip` the indexers'
+    apart from the rest (the split made once). Called after backward, it returns the model's norm
+    before clipping and logs the indexers' when they are apart."""
+
+    def __init__(self, model: torch.nn.Module, recipe: Recipe):
+        self.clip, self.indexer_clip = recipe.clip, recipe.indexer_clip
+        if self.indexer_clip is None:
+            self.rest, self.indexer = list(model.parameters()), []
+        else:
+            named = list(model.named_parameters())
+            self.indexer = [p for name, p in named if ".indexer." in name]
+            self.rest = [p for name, p in named if ".indexer." not in name]
+
+    def __call__(self, logs: dict) -> torch.Tensor:
+        if self.indexer:
+            logs["indexer_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.indexer, self.indexer_clip))
+        return torch.nn.utils.clip_grad_norm_(self.rest, self.clip)
 
 
 def _rewarm_steps(recipe: Recipe) -> int:
@@ -148,7 +156,8 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     returns the progress dict. A fresh run of a recipe with a `base` starts from `init_from`, a model
     directory exported from a run of that base recipe. With `portable_dir`, every checkpoint (every
     5 minutes and the last) also writes the portable state there, so that a command killed from
-    outside still leaves its last checkpoint for a fresh machine."""
+    outside still leaves its last checkpoint for a fresh machine (a run already complete writes its
+    state there once)."""
     run_dir = Path(run_dir)
     _check_device(device)
     if max_minutes is not None and not max_minutes > 0:
@@ -181,6 +190,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
         if layer.ffn.gate.bias is not None:
             layer.ffn.gate.bias.requires_grad_(False)
     optimizers = build_optimizers(model, recipe.lr)
+    clip = _Clip(model, recipe)
     progress = {"step": 0, "tokens": 0, "seconds": 0.0, "commands": 0, "seed": recipe.seed}
     if base_identity is not None:
         progress["init_from"] = {"path": Path(init_from).name, "identity": base_identity}
@@ -217,6 +227,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     echo(f"{recipe.name}: {n_params / 1e6:.2f}M parameters, {recipe.steps} steps, "
          f"{recipe.tokens() / 1e6:.0f}M tokens, vocab {tok.vocab_size}, device {device}")
     last_save = time.perf_counter()
+    portable_saved = False
     window_t, window_tokens = time.perf_counter(), 0
     with open(log_path, "a") as log:
         while progress["step"] < recipe.steps:
@@ -242,7 +253,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 out = train_forward(model, ids, opts, gen)
                 loss, logs = compute_losses(model, ids, sup, out, recipe.loss)
             loss.backward()
-            grad_norm = _clip(model, recipe, logs)
+            grad_norm = clip(logs)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -271,10 +282,13 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 save_state(state_path, model, optimizers, progress)
                 if portable_dir is not None:
                     save_portable(model.state_dict(), progress, Path(portable_dir))
+                    portable_saved = True
                 last_save = time.perf_counter()
             if out_of_time:
                 echo(f"stopping at step {progress['step']}; continue with --resume")
                 break
     data.close()
+    if portable_dir is not None and not portable_saved:   # the run was complete: nothing trained
+        save_portable(model.state_dict(), progress, Path(portable_dir))
     plot_log(log_path, run_dir / "loss.png")
     return progress

@@ -313,6 +313,7 @@ TINY_V41_MODEL = {
 # cover the 256 tokens tiny-v4's top-64 ratio-4 entries cover, and a candidate pool 32 times the top-k
 # (1,024 blocks of 8), as V4.1-Flash pairs its top-512 with a pool of 16,384 positions
 TINY_V41_WIDE_MODEL = {**TINY_V41_MODEL, "index_topk": 256, "candidate_topk_blocks": 1024}
+SPARSE_FROM_2K = 950      # tiny-v41-wide's switch to the top-k, halfway through the 2K stage (700-1200)
 
 
 def _tiny_v41() -> Recipe:
@@ -344,8 +345,6 @@ def _tiny_v41_wide() -> Recipe:
     return replace(r, name="tiny-v41-wide", model=TINY_V41_WIDE_MODEL, stages=stages,
                    reuse_layers_train_indexer=True, indexer_clip=1.0)
 
-
-SPARSE_FROM_2K = 950      # tiny-v41-wide's switch to the top-k, halfway through the 2K stage (700-1200)
 
 
 def _tiny_v41_prose() -> Recipe:

@@ -63,19 +63,20 @@ def save_portable(weights: dict[str, torch.Tensor], progress: dict, out_dir: Pat
     for path, _ in parts:
         path.with_name(path.name + ".tmp").replace(path)
     kept = {path for path, _ in parts}
-    for stale in _parts(out_dir):
+    for stale in portable_parts(out_dir):
         if stale not in kept:
             stale.unlink()
     return [path for path, _ in parts]
 
 
-def _parts(run_dir: Path) -> list[Path]:
+def portable_parts(run_dir: Path) -> list[Path]:
+    """The portable state's parts in run_dir, in order (not the `.tmp` files of a save under way)."""
     return sorted(p for p in run_dir.glob(f"{PORTABLE}.*") if p.suffix != ".tmp")
 
 
 def load_portable(run_dir: Path, device: str = "cpu") -> dict | None:
     """What `save_portable` wrote into run_dir (None if nothing)."""
-    parts = _parts(run_dir)
+    parts = portable_parts(run_dir)
     if not parts:
         return None
     try:

@@ -5,9 +5,10 @@
   (`act_codes`, the rounding of `act_quant_sim`); the GEMM multiplies codes by codes on the FP8
   tensor cores and applies the input's and the weight's scales to each b-deep block's fp32 partial
   sum (the promotion the release's kernels do), so no operand is ever widened in registers. Two
-  configurations: decode (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few rows still spread over
-  every SM, partial sums added and cast by one launch) and prefill (128×128 tiles, grouped launch order
-  for L2 reuse; on CUDA prefill usually runs through `hybridkv.ops.qgemm.scaled` instead).
+  configurations: decode (≤ 64 rows: 16-row tiles, the K loop split over programs so that a few
+  rows still spread over every SM, partial sums added and cast by one launch) and prefill (128×128
+  tiles, grouped launch order for L2 reuse; on CUDA prefill usually runs through
+  `hybridkv.ops.qgemm.scaled` instead).
 - `grouped_fp4`: the routed experts' packed E2M1 weights (two per byte, low nibble = even element,
   e8m0 scale per 32 inputs, multiplied by Triton's scaled dot, which widens them on the way to the
   MMA) over rows sorted by expert, their activations round-tripped through FP8 beforehand (`hybridkv.ops.grouped_moe`), one launch
