@@ -61,6 +61,7 @@ GEMM_KERNELS = re.compile(r"gemm|matmul|linear_mma|grouped_fp4|widen|cutlass|xmm
 # operator families of a step's kernels, first match wins (kernel names: Triton's function names,
 # torch's ATen kernel names, cuBLAS' nvjet/sm90 names)
 FAMILIES = [
+    ("communication (NCCL)", re.compile(r"nccl", re.I)),      # several GPUs: the collectives
     ("linear (GEMM)", GEMM_KERNELS),
     ("MoE routing / combine", re.compile(r"moe_combine|route_kernel", re.I)),
     ("attention", re.compile(r"sparse_attn|combine_kernel|score_decode|score_tile|indexer|attn|flash", re.I)),

@@ -91,6 +91,34 @@ def test_queued_decode_steps_equal_the_engine_without_them_to_the_bit():
         (stats.graph_steps, stats.steps, stats.forward_tokens)
 
 
+def test_a_sharded_engines_schedule_check_sees_every_forward_queued_ones_included():
+    """The check a sharded engine's ranks compare their schedules with (engine/sharded.py) does not
+    turn async scheduling off: it is called before every forward, each queued step's included, with
+    that forward's chunks, and the outputs are those of the engine without queued steps."""
+    params = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=13, ignore_eos=True),
+              SamplingParams(max_tokens=14, ignore_eos=True)]
+    ref, ref_stats = _run(False, params)
+    eng = _engine(True)
+    checked = []
+    eng.schedule_check = lambda chunks: checked.append([(c.seq.request_id, c.start, c.length) for c in chunks])
+    for i, (p, sp) in enumerate(zip(_prompts(), params)):
+        eng.add_request(p, sp, request_id=f"r{i}")
+    _same(ref, _drive(eng, {}))
+    assert eng.stats.queued_steps >= 10
+    # one check per forward: the scheduled ones (an empty schedule is checked too) and the queued ones
+    forwards = [c for c in checked if c]
+    assert len(forwards) == ref_stats.steps
+    assert sum(n for step in forwards for _, _, n in step) == eng.stats.forward_tokens == ref_stats.forward_tokens
+    # a queued step's check names the positions it decodes: each request's last prompt token onward
+    decoded = {}
+    for step in forwards:
+        for rid, start, n in step:
+            if n == 1:
+                decoded.setdefault(rid, []).append(start)
+    for i, p in enumerate(_prompts()):
+        assert decoded[f"r{i}"] == list(range(len(p), len(p) + len(decoded[f"r{i}"])))
+
+
 def test_a_stop_token_mid_batch_costs_one_dropped_row(reference_tokens):
     stop_token = reference_tokens[6]
     params = [SamplingParams(max_tokens=12, ignore_eos=True),

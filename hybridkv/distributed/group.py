@@ -10,6 +10,7 @@ collective with an error instead of a hang.
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ from hybridkv.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 120.0
 REDUCES = ("sum", "ordered")
+_HEADER_BYTES = 64      # a command's broadcast: its pickled length (int64), then up to 56 bytes of it
 
 
 class DistributedError(RuntimeError):
@@ -89,12 +91,26 @@ class Parallel:
         return torch.cat(parts, dim=-1)[..., :total]
 
     def broadcast(self, obj: object) -> object:
-        """Rank 0's `obj` on every rank (pickled, over the CPU group: the engine's commands)."""
+        """Rank 0's `obj` on every rank (pickled, over the CPU group: the engine's commands). A small
+        object (a step's command) travels inside the fixed-size header: one collective a step where
+        torch's broadcast_object_list takes two."""
         if self.single:
             return obj
-        box = [obj if self.rank == 0 else None]
-        _collective(dist.broadcast_object_list, box, src=0, group=self.control)
-        return box[0]
+        header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            data = pickle.dumps(obj)
+            header[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            if len(data) <= _HEADER_BYTES - 8:
+                header[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        _collective(dist.broadcast, header, src=0, group=self.control)
+        n = int(header[:8].view(torch.int64))
+        if n <= _HEADER_BYTES - 8:
+            payload = header[8:8 + n]
+        else:
+            payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                       else torch.empty(n, dtype=torch.uint8))
+            _collective(dist.broadcast, payload, src=0, group=self.control)
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
     def all_gather_ints(self, value: int) -> list[int]:
         """Every rank's `value` (int64), over the CPU group."""

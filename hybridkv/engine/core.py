@@ -125,8 +125,8 @@ class EngineCore:
         self.finished: dict[str, Sequence] | None = None
         self.stats = EngineStats()
         self.record_logits = False   # keep every sampled row's logits on the sequence (tests, debugging)
-        # called with each step's chunks before its forward (a sharded engine checks that every rank
-        # scheduled the same, engine/sharded.py)
+        # called with each forward's chunks before it is launched, a queued step's included (a sharded
+        # engine checks that every rank scheduled the same, engine/sharded.py)
         self.schedule_check = None
         self.graphs = DecodeGraphs(model, self.store) if graphs else None
         self.drafter = (MTPDrafter(model, MTPCache(self.config, self.store.max_slots, model.dtype, self.device),
@@ -255,7 +255,7 @@ class EngineCore:
         preemption, and the step a graph's. Requests this step's token ends by length are left out;
         those an EOS or a stop string ends are not known yet: their row is dropped when it settles."""
         sched = self.scheduler
-        if not (self.ec.async_scheduling and self.graphs is not None and self.schedule_check is None
+        if not (self.ec.async_scheduling and self.graphs is not None
                 and not sched.waiting and len(seqs) == len(sched.running)):
             return
         keep = [(seq, r) for seq, r in zip(seqs, rows)
@@ -271,6 +271,8 @@ class EngineCore:
                 index = index.pin_memory()
             ids = drawn.tokens.index_select(0, index.to(drawn.tokens.device, non_blocking=True))
         chunks = [Chunk(seq, seq.num_computed, 1, [(seq.num_computed, 1)], True) for seq, _ in keep]
+        if self.schedule_check is not None:   # a sharded engine's ranks compare every forward, queued ones too
+            self.schedule_check(chunks)
         logits = self._graph_decode(chunks, self.policy.snapshots and self.prefix.enabled, ids)
         if logits is None:
             return
