@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the recipe's extra weight on the answers' closing tokens (period, EOS)")
     t.add_argument("--portable-state", default=None,
                    help="also write the weights and progress in files of <= 15 MiB to this directory, at "
-                        "every checkpoint (every 5 minutes and the last)")
+                        "every checkpoint (every 5 minutes and the last); no optimizer moments: a run resumed "
+                        "from them restarts those")
     t.add_argument("--export", default=None, help="write the trained model in the release format here")
     t.add_argument("--export-only", action="store_true", help="export the run in --out without training")
     t.set_defaults(func=cmd_train)
