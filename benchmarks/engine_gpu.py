@@ -493,6 +493,25 @@ def report(rows: list[dict], a) -> None:
                   f"{fmt_bytes(over)} |")
 
 
+def collect_rows(cmd: list[str], env: dict, rows: list[dict], json_path: str | None, on_row=None) -> int:
+    """Run a worker process, echoing its output and appending its `ROW` lines to `rows` (each
+    passed to `on_row` first; the json file rewritten after every row, so that a run stopped early
+    keeps what it measured). Returns the worker's exit code."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+            if on_row is not None:
+                on_row(row)
+            rows.append(row)
+            print(json.dumps(row)[:400], flush=True)
+            if json_path:
+                Path(json_path).write_text(json.dumps(rows, indent=1))
+        else:
+            print(line, end="", flush=True)
+    return proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", default=None, help="checkpoint directory (written there if missing)")
@@ -541,17 +560,9 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", path] + [x for x in sys.argv[1:]]
         if path == "dense" and a.dense_layers:
             cmd += ["--ckpt", first_layers_view(a.ckpt, a.dense_layers)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        for line in proc.stdout:
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
-                print(line[4:].strip()[:400], flush=True)
-                if a.json:      # after every row, so that a run stopped early keeps what it measured
-                    Path(a.json).write_text(json.dumps(rows, indent=1))
-            else:
-                print(line, end="", flush=True)
-        if proc.wait():
-            print(f"# the {path} path failed (exit {proc.returncode}); its rows so far are kept", flush=True)
+        code = collect_rows(cmd, env, rows, a.json)
+        if code:
+            print(f"# the {path} path failed (exit {code}); its rows so far are kept", flush=True)
     report(rows, a)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

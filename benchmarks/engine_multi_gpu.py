@@ -53,8 +53,9 @@ sys.path.insert(0, str(ROOT))
 from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
 from decode_context import timed_steps  # noqa: E402  (this folder is on sys.path)
-from engine_gpu import (WARM_STEPS, ExpertCounter, decode_budget, device_ms, emit, ensure_checkpoint,  # noqa: E402
-                        fmt, fmt_bytes, kv_read_bytes, pool_blocks, steps_back_to_back, weight_bytes, workload)
+from engine_gpu import (WARM_STEPS, ExpertCounter, collect_rows, decode_budget, device_ms, emit,  # noqa: E402
+                        ensure_checkpoint, fmt, fmt_bytes, kv_read_bytes, pool_blocks, steps_back_to_back,
+                        weight_bytes, workload)
 
 COMMUNICATION = "communication (NCCL)"
 
@@ -183,7 +184,8 @@ def worker(a) -> None:
                   nccl_ms=fams.get(COMMUNICATION, 0.0) / a.steps if cuda else None,
                   must_read_bytes=must, experts_selected=sum(len(s) for s in per_layer), busiest_rank_experts=experts,
                   bytes_ms=bytes_ms, ratio=dev / bytes_ms if dev is not None and bytes_ms else None,
-                  host_ms_per_step={k: v / a.steps for k, v in host.ms.items()}, graph_steps=eng.stats.graph_steps, queued_steps=eng.stats.queued_steps, top=top[:40],
+                  host_ms_per_step={k: v / a.steps for k, v in host.ms.items()},
+                  graph_steps=eng.stats.graph_steps, queued_steps=eng.stats.queued_steps, top=top[:40],
                   families={k: v / a.steps for k, v in fams.items()},
                   routing=[sorted(s) for s in per_layer] if world == 1 else None))
         for s in seqs:
@@ -274,27 +276,23 @@ def main() -> int:
     ensure_checkpoint(a)
     rows: list[dict] = []
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
-    routing = Path(tempfile.mkdtemp()) / "routing.json"
-    for layout in a.layouts.split(","):
-        cmd = [sys.executable, __file__, "--layout", layout] + sys.argv[1:]
-        if layout != "1" and routing.exists():
-            cmd += ["--routing", str(routing)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        for line in proc.stdout:
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
-                print(line[4:].strip()[:400], flush=True)
-                if rows[-1].get("routing"):
-                    cells = json.loads(routing.read_text()) if routing.exists() else {}
-                    cells[f"{rows[-1]['batch']},{rows[-1]['context']}"] = rows[-1].pop("routing")
-                    routing.write_text(json.dumps(cells))
-                if a.json:      # after every row, so that a run stopped early keeps what it measured
-                    Path(a.json).write_text(json.dumps(rows, indent=1))
-            else:
-                print(line, end="", flush=True)
-        if proc.wait():
-            rows.append(dict(kind="failed", layout=layout, why=f"exit {proc.returncode}; its rows so far are kept"))
-            print(f"# layout {layout} failed (exit {proc.returncode})", flush=True)
+    cells: dict[str, list] = {}            # layout 1's experts per cell, for the layouts after it
+
+    def keep_routing(row: dict) -> None:
+        if row.get("routing"):
+            cells[f"{row['batch']},{row['context']}"] = row.pop("routing")
+            routing.write_text(json.dumps(cells))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        routing = Path(tmp) / "routing.json"
+        for layout in a.layouts.split(","):
+            cmd = [sys.executable, __file__, "--layout", layout] + sys.argv[1:]
+            if layout != "1" and cells:
+                cmd += ["--routing", str(routing)]
+            code = collect_rows(cmd, env, rows, a.json, keep_routing)
+            if code:
+                rows.append(dict(kind="failed", layout=layout, why=f"exit {code}; its rows so far are kept"))
+                print(f"# layout {layout} failed (exit {code})", flush=True)
     report(rows, a)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
