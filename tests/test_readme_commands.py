@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ["README.md", "models/tiny-v4/README.md"]
+DOCUMENTS = ["README.md", "models/tiny-v4/README.md", "models/tiny-v41/README.md"]
 PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*")
 
 

@@ -44,7 +44,21 @@ def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
     # continuations of the shipped model with the V4.1 twin (not yet trained)
     assert set(RECIPES) == {name for name, *_ in chain} | {"tiny-v41", "smoke", "smoke-v41", "tiny-v4-prose",
                                                            "tiny-v4-prose-keys", "tiny-v4-prose-uuid",
-                                                           "tiny-v41-prose", "tiny-v41-wide"}
+                                                           "tiny-v41-prose", "tiny-v41-wide", "tiny-v41-needles"}
+
+
+def test_the_shipped_v41_lineage_is_the_one_its_card_records():
+    """models/tiny-v41 is tiny-v41-needles continuing tiny-v41-wide's export, on the same model, the
+    indexer trained the same way; steps and tokens as its card reports."""
+    needles, wide = get_recipe("tiny-v41-needles"), get_recipe("tiny-v41-wide")
+    assert needles.base == "tiny-v41-wide" and wide.base is None
+    assert [(r.steps, round(r.tokens() / 1e6, 1)) for r in (wide, needles)] == [(2750, 80.3), (600, 16.4)]
+    assert needles.model == wide.model
+    assert (needles.reuse_layers_train_indexer, needles.indexer_clip) == (True, 1.0)
+    assert all(not st.dense_indexer and st.qat_experts for st in needles.stages)
+    assert [(st.seq_len, st.batch) for st in needles.stages] == [(4096, 8), (8192, 4), (16384, 1)]
+    assert json.loads((SHIPPED_TOKENIZER.parent / "tiny-v41" / "config.json").read_text())["index_topk"] == \
+        wide.model["index_topk"]
 
 
 def test_tiny_v41_wide_scales_the_selection_to_v41s_finer_entries():

@@ -12,8 +12,8 @@ optimisation settings.
 - `tiny-v41`: tiny-v4's data, curriculum and parameter budget on a DeepSeek-V4.1 model (the V4 vs
   V4.1 comparison, docs/v4-vs-v41.md). `tiny-v41-wide`: the same with a top-k and a candidate pool
   scaled to V4.1's finer entries, the Reuse layers' attention in the indexers' target, the
-  indexers' gradients clipped apart, and the top-k from the 2K stage on (not yet trained with the
-  last three).
+  indexers' gradients clipped apart, and the top-k from the 2K stage on. `tiny-v41-needles`
+  continues its export on the needle families at 4K-16K, as `tiny-v4-needles` continued `tiny-v4`.
 - `tiny-v4-prose`: continues that average on its needle mix with half of every needle family's
   rows hiding the needles in real prose (`realtext_share`; the training part of
   `hybridkv.tasks.prose`), 2K to 32K. `tiny-v41-prose`: `tiny-v41` on the same mix (half of each
@@ -210,14 +210,17 @@ def _tiny_v4() -> Recipe:
 
 @dataclass(frozen=True)
 class _Continuation:
-    """A recipe continuing `base`'s export on tiny-v4's model: stages of (until step, length,
-    batch), every one with the indexer's top-k and the experts' FP4 QAT (the weights start on the
-    FP4 grid they ship on), after a 30-step warm-up."""
+    """A recipe continuing `base`'s export (on tiny-v4's model unless `model` says otherwise):
+    stages of (until step, length, batch), every one with the indexer's top-k and the experts' FP4
+    QAT (the weights start on the FP4 grid they ship on), after a 30-step warm-up."""
     base: str
     schedule: tuple[tuple[int, int, int], ...]
     mix: dict[str, float]
     seed: int
     lr: float = 1e-3
+    model: dict | None = None
+    reuse_layers_train_indexer: bool = False
+    indexer_clip: float | None = None
     hex_chars: bool = False
     adds_hex_chars: bool = False
     filler_seed: int | None = None
@@ -228,12 +231,13 @@ class _Continuation:
     def recipe(self, name: str) -> Recipe:
         stages = [Stage(until, seq_len, batch, dense_indexer=False, qat_experts=True)
                   for until, seq_len, batch in self.schedule]
-        return Recipe(name=name, model=TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000,
+        return Recipe(name=name, model=self.model or TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000,
                       steps=stages[-1].until, stages=stages, lr=self.lr, warmup=30, log_every=20,
                       task_weights=self.mix, base=self.base, seed=self.seed, filler_seed=self.filler_seed,
                       loss=LossWeights(answer=self.answer_weight), hex_chars=self.hex_chars or self.adds_hex_chars,
                       adds_hex_chars=self.adds_hex_chars, next_document=self.next_document,
-                      realtext_share=self.realtext_share)
+                      realtext_share=self.realtext_share,
+                      reuse_layers_train_indexer=self.reuse_layers_train_indexer, indexer_clip=self.indexer_clip)
 
 
 _POLISH_SCHEDULE = ((200, 1024, 32), (350, 2048, 16), (550, 4096, 8), (700, 8192, 4), (800, 16384, 2))
@@ -347,6 +351,16 @@ def _tiny_v41_wide() -> Recipe:
 
 
 
+# continues tiny-v41-wide's export as tiny-v4-needles continued tiny-v4's: the needle families at
+# 4K-16K (16K x 1, tiny-v41's longest stage), the indexer trained as in tiny-v41-wide; 600 steps
+# against tiny-v4-needles' 1400, so that the run and the evaluation fit one GPU command
+_V41_CONTINUATIONS = {
+    "tiny-v41-needles": _Continuation("tiny-v41-wide", ((200, 4096, 8), (400, 8192, 4), (600, 16384, 1)),
+                                      _NEEDLES, seed=1, model=TINY_V41_WIDE_MODEL,
+                                      reuse_layers_train_indexer=True, indexer_clip=1.0),
+}
+
+
 def _tiny_v41_prose() -> Recipe:
     """tiny-v41 with tiny-v4-prose's real-text share: half of the rows of every family with a
     real-text variant hide their needles in the training part of the real prose."""
@@ -374,6 +388,7 @@ RECIPES = {
     **{name: partial(c.recipe, name) for name, c in _CONTINUATIONS.items()},
     "tiny-v41": _tiny_v41,
     "tiny-v41-wide": _tiny_v41_wide,
+    **{name: partial(c.recipe, name) for name, c in _V41_CONTINUATIONS.items()},
     **{name: partial(c.recipe, name) for name, c in _PROSE_CONTINUATIONS.items()},
     "tiny-v41-prose": _tiny_v41_prose,
 }
