@@ -7,7 +7,8 @@ dense-copy path runs) and the prefill path through torch's block-scaled matmul
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected;
 then the widened decode linears (`--float-rows`: the bf16 compressor stacks and the MoE gate, float32
 out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--block 32` times the FP8 linears at
-V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM; the tensor-core kernels are 128's).
+V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM, and the FP8 tensor-core kernel
+where `HYBRIDKV_FP8_MMA=all` enables it for 32×32 tiles).
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
 fastest (`--experts-used N` routes the tokens among N experts, several rows each) (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
 time of CUDA-graph replays (the decode step runs as a graph). A launch replayed back to back finds
@@ -114,8 +115,9 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
             want = reference.fp8_linear(x.float(), q, s, (b, b), torch.float32)
             err = float((want - kernels.fp8_linear(x, q, s, out_dtype, block=b).float()).pow(2).mean().sqrt()
                         / want.pow(2).mean().sqrt())
-            mma = cuda and b == 128 and fp8_mma.usable(x, q, out_dtype)
-            t_m = bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype), packed_copies, cuda) if mma else None
+            mma = cuda and fp8_mma.usable(x, q, out_dtype, b)
+            t_m = (bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype, block=b), packed_copies, cuda)
+                   if mma else None)
             print(f"| {name} | {n} × {k} | {m} | {t_k:.4f} | {n * k / t_k / 1e6:.0f} | {2 * m * n * k / t_k / 1e9:.1f} | "
                   f"{t_d:.4f} | {'—' if t_s is None else f'{t_s:.4f}'} | {err:.1e} | "
                   f"{'—' if t_m is None else f'{t_m:.4f}'} | {'—' if t_m is None else f'{n * k / t_m / 1e6:.0f}'} |",
@@ -124,7 +126,7 @@ def fp8_rows(a, cuda: bool, dev: str) -> None:
                 if "fp8-triton" in a.families.split(","):
                     sweep_fp8(x, q, s, out_dtype, cuda, b)
                 if mma and "fp8-mma" in a.families.split(","):
-                    sweep_fp8_mma(x, packed_copies, out_dtype)
+                    sweep_fp8_mma(x, packed_copies, out_dtype, b)
     for why in notes:
         print(f"scaled_mm: {why}")
     if cuda:
@@ -151,14 +153,15 @@ def sweep_fp8(x, q, s, out_dtype, cuda: bool, block: int = 128) -> None:
         print(f"    sweep {m}×{n}×{k}: {t:.4f} ms {cfg}")
 
 
-def sweep_fp8_mma(x, weights: list[tuple], out_dtype) -> None:
+def sweep_fp8_mma(x, weights: list[tuple], out_dtype, block: int = 128) -> None:
     m, (n, k) = x.shape[0], weights[0][0].shape
     best = []
     for mt, wk in itertools.product([1, 2, 4], [1, 2, 4, 8, 16]):
         if n % (16 * mt) or wk > k // 128:
             continue
         cfg = dict(MT=mt, WK=wk)
-        best.append((bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype, cfg), weights, True), cfg))
+        best.append((bench_each(lambda w: fp8_mma.fp8_linear(x, w[0], w[1], out_dtype, cfg, block), weights, True),
+                     cfg))
     best.sort(key=lambda tc: tc[0])
     for t, cfg in best[:3]:
         print(f"    sweep fp8_mma {m}×{n}×{k}: {t:.4f} ms {cfg} (default {fp8_mma.config(n, k)})")

@@ -74,6 +74,39 @@ def test_fp8_mma_linear_at_decode_rows(n, k, rows, x_dtype, out_dtype):
     assert torch.equal(packed_fp8_linear(x, q, s, out_dtype), fp8_mma.fp8_linear(x, q, s, out_dtype))
 
 
+# V4.1-Flash's FP8 linears (32×32 scale tiles): wq_a, wq_b, wkv, wo_b, the shared expert's w1/w3 and w2
+@pytest.mark.parametrize("n,k", [(1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_fp8_mma_linear_with_v41_scale_tiles(n, k, rows, x_dtype, out_dtype, monkeypatch):
+    """The same kernel with 32×32 scale tiles (each MMA one scale block): against the reference and,
+    in float32, the Triton kernel; inputs spread over four decades per 32 values so that every
+    block's activation scale differs; every tile configuration; repeated launches bit-equal; what
+    `packed_fp8_linear` runs once enabled."""
+    from hybridkv.ops.qgemm import fp8_mma, packed_fp8_linear
+    monkeypatch.setenv("HYBRIDKV_FP8_MMA", "all")
+    g = torch.Generator(device=DEV).manual_seed(n + k + rows)
+    q, s = quant_fp8_weight(torch.randn(n, k, device=DEV, generator=g) * 0.02
+                            * torch.logspace(-1, 1, n // 32, device=DEV).repeat_interleave(32)[:, None], (32, 32))
+    x = (torch.randn(rows, k, device=DEV, generator=g)
+         * torch.logspace(-2, 2, k // 32, device=DEV)[torch.randperm(k // 32, device=DEV, generator=g)]
+         .repeat_interleave(32)).to(x_dtype)
+    assert fp8_mma.usable(x, q, out_dtype, 32)
+    want = reference.fp8_linear(x.float(), q, s, (32, 32), torch.float32)
+    triton_out = kernels.fp8_linear(x, q, s, torch.float32, block=32)
+    for cfg in ({}, {"MT": 1, "WK": 1}, {"MT": 2, "WK": 4}, {"MT": 4, "WK": 16}):
+        if n % (16 * cfg.get("MT", 1)):
+            continue
+        got = fp8_mma.fp8_linear(x, q, s, out_dtype, cfg, block=32)
+        err = rel_rms(want, got)
+        print(f"fp8 mma 32x32 {rows}x{k} @ {n} {x_dtype}->{out_dtype} {cfg}: rel rms {err:.2e} against the reference")
+        assert got.shape == (rows, n) and err < (BF16_TOL if out_dtype == torch.bfloat16 else 1e-4)
+        if out_dtype == torch.float32:
+            assert rel_rms(triton_out, got) < 1e-4
+        assert torch.equal(got, fp8_mma.fp8_linear(x, q, s, out_dtype, cfg, block=32))
+    assert torch.equal(packed_fp8_linear(x, q, s, out_dtype, block=32), fp8_mma.fp8_linear(x, q, s, out_dtype, block=32))
+
+
 def test_fp8_mma_linear_reads_an_unaligned_input_view():
     from hybridkv.ops.qgemm import fp8_mma
     q, s = quant_fp8_weight(torch.randn(512, 1024, device=DEV) * 0.02)

@@ -2,6 +2,10 @@
 decode (split-K) and prefill configurations, and the grouped
 FP4 experts over tokens sorted by expert against the per-expert loop."""
 
+import itertools
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -358,6 +362,41 @@ def test_stacked_projections_equal_each_linear_alone(device, monkeypatch):
     for a, b, lin in zip(got, want, lins):
         assert a.dtype == b.dtype == lin.compute_dtype and a.shape == b.shape
         assert rel_rms(b.float(), a.float()) < (1e-5 if a.dtype == torch.float32 else 4e-3)
+
+
+def test_fp8_mma_reads_v41_scale_tiles_only_where_enabled(monkeypatch):
+    """32×32 scale tiles (V4.1) take the FP8 tensor-core kernel only with HYBRIDKV_FP8_MMA=all (it
+    has not yet run on a GPU); 128×128 (V4) by default; no other tile; its tiles divide every
+    V4.1-Flash FP8 linear."""
+    from hybridkv.ops.qgemm import fp8_mma
+    monkeypatch.delenv("HYBRIDKV_FP8_MMA", raising=False)
+    assert fp8_mma.enabled(128) and not fp8_mma.enabled(32)
+    monkeypatch.setenv("HYBRIDKV_FP8_MMA", "all")
+    assert fp8_mma.enabled(128) and fp8_mma.enabled(32)
+    monkeypatch.setenv("HYBRIDKV_FP8_MMA", "0")
+    assert not fp8_mma.enabled(128) and not fp8_mma.enabled(32)
+    with pytest.raises(ValueError, match="scale tiles of 64"):
+        fp8_mma.fp8_linear(torch.zeros(1, 1024), torch.zeros(512, 1024, dtype=torch.float8_e4m3fn),
+                           torch.zeros(8, 16), torch.float32, block=64)
+    for n, k in ((1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304)):
+        cfg = fp8_mma.config(n, k)
+        assert k % 128 == 0 and n % (16 * cfg["MT"]) == 0 and 1 <= cfg["WK"] <= min(8, k // 128), (n, k, cfg)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler on this machine")
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_mma_source_compiles_for_hopper_without_spills(block, tmp_path):
+    """Every input dtype of the kernel with `block` scale tiles compiles for sm_90 (what NVRTC builds
+    at first use on the H200) without register spills at the widest tiles `config` chooses (4 row
+    tiles, 8 warps) and the most warps (16; with 4 row tiles they would spill)."""
+    from hybridkv.ops.qgemm import fp8_mma
+    for x_dtype, (mt, wk) in itertools.product((torch.bfloat16, torch.float32), ((4, 8), (1, 16))):
+        src = tmp_path / f"fp8_mma_{block}_{str(x_dtype)[6:]}_{mt}_{wk}.cu"
+        src.write_text(fp8_mma.source(x_dtype, torch.bfloat16, mt, wk, block))
+        out = subprocess.run(["nvcc", "-arch=sm_90", "-c", "--resource-usage", str(src), "-o",
+                              str(src.with_suffix(".o"))], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert "0 bytes spill stores" in out.stderr and "spill stores, 0 bytes spill loads" in out.stderr, out.stderr
 
 
 def test_fp8_mma_takes_cuda_decode_rows_only_and_tiles_every_v4_flash_linear():

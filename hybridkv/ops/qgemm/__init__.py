@@ -6,8 +6,8 @@ copy cached per weight, see `hybridkv.model.linear`), the baseline of the GPU be
 inputs of more than `triton.DECODE_ROWS` rows (prefill) go through torch's block-scaled FP8 matmul
 where this torch computes it correctly (`scaled`), at most `fp8_mma.MAX_ROWS` rows through the CUDA
 kernel on the FP8 tensor cores (`fp8_mma`, sm_89 and newer), the rows between (and the interpreter)
-through the Triton kernel (`triton`); those first two are built for 128×128 tiles, so other tiles
-take the Triton kernel at every size."""
+through the Triton kernel (`triton`); `scaled` is built for 128×128 tiles, `fp8_mma` for 128×128
+and 32×32 (the latter opt-in, `fp8_mma.enabled`), so other tiles take the Triton kernel."""
 
 from __future__ import annotations
 
@@ -33,15 +33,16 @@ def fp8_kernel_ok(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int])
 def packed_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                       block: int = 128) -> torch.Tensor:
     """The kernel path of `fp8_linear` (for inputs where `fp8_kernel_ok`), the weight's scale tiles
-    block×block: at 128 (V4) few rows take the FP8 tensor-core kernel (`fp8_mma`) and many torch's
-    block-scaled matmul (`scaled`), both built for 128; every block the Triton GEMM."""
+    block×block: few rows take the FP8 tensor-core kernel (`fp8_mma`; at 32, V4.1's tiles, only where
+    `fp8_mma.enabled(32)`), many rows at 128 (V4) torch's block-scaled matmul (`scaled`), the rest the
+    Triton GEMM."""
     from hybridkv.ops.qgemm import fp8_mma
     from hybridkv.ops.qgemm import triton as kernels
     k = weight.shape[1]
     x2 = x.reshape(-1, k)
+    if x.is_cuda and x2.shape[0] <= fp8_mma.MAX_ROWS and fp8_mma.usable(x2, weight, out_dtype, block):
+        return fp8_mma.fp8_linear(x2, weight, scale, out_dtype, block=block).view(*x.shape[:-1], weight.shape[0])
     if block == fp8_mma.SCALE_BLOCK and x.is_cuda:
-        if x2.shape[0] <= fp8_mma.MAX_ROWS and fp8_mma.usable(x2, weight, out_dtype):
-            return fp8_mma.fp8_linear(x2, weight, scale, out_dtype).view(*x.shape[:-1], weight.shape[0])
         if x2.shape[0] > kernels.DECODE_ROWS:
             from hybridkv.ops.qgemm import scaled
             y = scaled.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale, out_dtype)
