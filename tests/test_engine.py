@@ -325,3 +325,17 @@ def test_random_indexer_ablation(fixtures):
     assert max(rel(a, b) for a, b in zip(outs["native"][1].step_logits, outs["random"][1].step_logits)) > 1e-3
     with pytest.raises(Exception, match="indexer"):
         make(fixtures / "v4-tiny", indexer="oracle")
+
+
+def test_random_indexer_ablation_on_v41(fixtures):
+    """On V4.1 the ablation replaces the Full and Reindex layers' scores (and so the candidate pool
+    and every top-k, the Reuse layers' included): a 4-token prompt decoding 4 tokens never sees more
+    than the top-k (8) visible entries, and its logits are native's; a 400-token prompt's are not."""
+    short, long_ = prompts_of([4, 400], seed=9)
+    outs = {}
+    for mode in ("native", "random"):
+        llm = make(fixtures / "v41-tiny", indexer=mode)
+        outs[mode] = [run_and_logits(llm, p, max_tokens=4) for p in (short, long_)]
+        assert_idle(llm)
+    assert max(rel(a, b) for a, b in zip(outs["native"][0].step_logits, outs["random"][0].step_logits)) < 1e-5
+    assert max(rel(a, b) for a, b in zip(outs["native"][1].step_logits, outs["random"][1].step_logits)) > 1e-3

@@ -138,10 +138,12 @@ class EngineCore:
         self._queued: _Queued | None = None
 
     def _set_indexer(self, mode: str, seed: int) -> None:
+        from hybridkv.model.csa2 import LatentIndexer
         from hybridkv.model.indexer import Indexer
-        indexers = [m for m in self.model.modules() if isinstance(m, Indexer)]
+        indexers = [m for m in self.model.modules() if isinstance(m, (Indexer, LatentIndexer))]
         if mode == "random" and not indexers:
-            raise ConfigError("indexer 'random' replaces the V4 Lightning Indexer's top-k; this checkpoint has none")
+            raise ConfigError("indexer 'random' replaces the Lightning Indexer's top-k (V4's CSA layers, V4.1's "
+                              "Full and Reindex layers); this checkpoint has none")
         self._indexer_mode = mode
         for i, ind in enumerate(indexers):
             ind.random_selection = torch.Generator().manual_seed(seed * 1000 + i) if mode == "random" else None

@@ -59,6 +59,9 @@ class LatentIndexer(nn.Module):
         self.is_candidate_source = layer_id == c.candidate_source_layer_id
         self.uses_candidates = c.uses_candidates(layer_id)
         self.pool_blocks, self.pool_block_size = c.candidate_topk_blocks, c.candidate_block_size
+        # the ablation of `Indexer.random_selection`: with a generator set, the scores of the visible
+        # entries are uniform noise, so the candidate pool and the top-k are random sets of their sizes
+        self.random_selection: torch.Generator | None = None
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim]: RoPE on the last dims of each head, FP4 round trip (no Hadamard)."""
@@ -106,6 +109,9 @@ class LatentIndexer(nn.Module):
     def _choose(self, scores: torch.Tensor, visible: torch.Tensor,
                 pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Masked scores -> (top-k ids in position order, the published candidate pool or None)."""
+        if self.random_selection is not None:
+            noise = torch.rand(scores.shape, generator=self.random_selection).to(scores.device)
+            scores = noise.masked_fill(scores == float("-inf"), float("-inf"))
         published = None
         if self.is_candidate_source:
             published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
