@@ -311,31 +311,20 @@ def test_v41_packed_layout_is_exact_and_priced_as_kv_calc(fixtures):
         PagedKVStore(flash, 1, 1, "fp8")
 
 
-def test_random_indexer_ablation(fixtures):
-    """`indexer="random"` replaces the CSA top-k by a random set of the same size: outputs change once
-    more entries are visible than the top-k keeps (16 here), and not before."""
-    short, long_ = prompts_of([60, 400], seed=9)
+@pytest.mark.parametrize("model,short_len", [("v4-tiny", 60), ("v41-tiny", 4)])
+def test_random_indexer_ablation(fixtures, model, short_len):
+    """`indexer="random"` replaces the top-k by a random set of the same size (V4: every CSA layer's;
+    V4.1: the Full and Reindex layers' scores, so the candidate pool and every top-k, the Reuse
+    layers' included): outputs change once more entries are visible than the top-k keeps (16 and
+    8 here), and not before (the short prompt, decoding 4 tokens)."""
+    short, long_ = prompts_of([short_len, 400], seed=9)
     outs = {}
     for mode in ("native", "random"):
-        llm = make(fixtures / "v4-tiny", indexer=mode)
+        llm = make(fixtures / model, indexer=mode)
         outs[mode] = [run_and_logits(llm, p, max_tokens=4) for p in (short, long_)]
         assert_idle(llm)
     # every visible entry selected either way (only the summation order differs)
     assert max(rel(a, b) for a, b in zip(outs["native"][0].step_logits, outs["random"][0].step_logits)) < 1e-5
     assert max(rel(a, b) for a, b in zip(outs["native"][1].step_logits, outs["random"][1].step_logits)) > 1e-3
     with pytest.raises(Exception, match="indexer"):
-        make(fixtures / "v4-tiny", indexer="oracle")
-
-
-def test_random_indexer_ablation_on_v41(fixtures):
-    """On V4.1 the ablation replaces the Full and Reindex layers' scores (and so the candidate pool
-    and every top-k, the Reuse layers' included): a 4-token prompt decoding 4 tokens never sees more
-    than the top-k (8) visible entries, and its logits are native's; a 400-token prompt's are not."""
-    short, long_ = prompts_of([4, 400], seed=9)
-    outs = {}
-    for mode in ("native", "random"):
-        llm = make(fixtures / "v41-tiny", indexer=mode)
-        outs[mode] = [run_and_logits(llm, p, max_tokens=4) for p in (short, long_)]
-        assert_idle(llm)
-    assert max(rel(a, b) for a, b in zip(outs["native"][0].step_logits, outs["random"][0].step_logits)) < 1e-5
-    assert max(rel(a, b) for a, b in zip(outs["native"][1].step_logits, outs["random"][1].step_logits)) > 1e-3
+        make(fixtures / model, indexer="oracle")

@@ -1,6 +1,6 @@
-"""The shipped DeepSeek-V4.1 model (`models/tiny-v41`) retrieves through the engine on the CPU in
-its packed `v41` layout (FP4 global KV with e4m3 scales, FP8 window rows, FP4 indexer keys), and
-its card's commands parse (tests/test_readme_commands.py)."""
+"""The shipped DeepSeek-V4.1 model (`models/tiny-v41`): a V4.1 config within the size limit, and
+retrieval through the engine on the CPU in its packed `v41` layout (FP4 global KV with e4m3
+scales, FP8 window rows, FP4 indexer keys). Its card's commands: tests/test_readme_commands.py."""
 
 import json
 import os

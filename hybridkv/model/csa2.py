@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hybridkv.config import FP4_BLOCK, V41_GLOBAL_FP4_BLOCK, ModelConfig
+from hybridkv.model.indexer import random_scores
 from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm
 from hybridkv.ops.indexer_topk import candidate_blocks, causal_topk, index_scores, mask_invisible
@@ -110,8 +111,7 @@ class LatentIndexer(nn.Module):
                 pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Masked scores -> (top-k ids in position order, the published candidate pool or None)."""
         if self.random_selection is not None:
-            noise = torch.rand(scores.shape, generator=self.random_selection).to(scores.device)
-            scores = noise.masked_fill(scores == float("-inf"), float("-inf"))
+            scores = random_scores(scores, self.random_selection)
         published = None
         if self.is_candidate_source:
             published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)

@@ -14,6 +14,13 @@ from hybridkv.ops.hadamard import rope_hadamard_fp4
 from hybridkv.ops.indexer_topk import causal_topk, index_scores, indexer_topk
 
 
+def random_scores(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The random-selection ablation's scores: uniform noise where `scores` is finite, −inf (an
+    invisible or excluded entry) kept, so a top-k over them is a random set among the same entries."""
+    noise = torch.rand(scores.shape, generator=generator).to(scores.device)
+    return noise.masked_fill(scores == float("-inf"), float("-inf"))
+
+
 class Indexer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, fmt: str, dtype: torch.dtype):
         super().__init__()
@@ -29,9 +36,7 @@ class Indexer(nn.Module):
 
     def ablate(self, scores: torch.Tensor) -> torch.Tensor:
         """scores unchanged, or uniform noise of the same shape under the random-selection ablation."""
-        if self.random_selection is None:
-            return scores
-        return torch.rand(scores.shape, generator=self.random_selection).to(scores.device)
+        return scores if self.random_selection is None else random_scores(scores, self.random_selection)
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim]: RoPE on the last dims of each head, Hadamard, FP4 round trip."""
