@@ -58,3 +58,12 @@ def one_step_smoke_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("smoke-one-step")
     train(replace(get_recipe("smoke"), steps=1, log_every=1), run, echo=lambda *_: None)
     return run
+
+
+@pytest.fixture(scope="session")
+def warm_start_indexer(fixtures, tmp_path_factory):
+    """A memory indexer for the v4-tiny fixture: the warm start from its native indexers."""
+    from hybridkv.memory.indexer import MemoryIndexer
+    from hybridkv.train.export import float_model
+
+    return MemoryIndexer.from_native(float_model(fixtures / "v4-tiny")).save(tmp_path_factory.mktemp("mi"))

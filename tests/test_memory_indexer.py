@@ -61,6 +61,21 @@ def test_the_weights_file_round_trips_and_a_wrong_file_is_refused(model, tmp_pat
         MemoryIndexer.load(tmp_path / "missing.safetensors")
 
 
+def test_a_random_memory_indexer_has_the_warm_starts_shape_and_rope(model):
+    """`MemoryIndexer.random` (benchmarks: what recall costs) from the config alone: the shape and
+    RoPE frequencies of the warm start, its own weights per seed, the caller's random state untouched."""
+    warm = MemoryIndexer.from_native(model)
+    state = torch.random.get_rng_state()
+    a, b = MemoryIndexer.random(model.config), MemoryIndexer.random(model.config, seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert a.config == warm.config and torch.equal(a.inv_freq, warm.inv_freq)
+    assert {k: v.shape for k, v in a.state_dict().items()} == {k: v.shape for k, v in warm.state_dict().items()}
+    assert torch.equal(a.scorers["1"].wq_a.weight, MemoryIndexer.random(model.config).scorers["1"].wq_a.weight)
+    assert not torch.equal(a.scorers["1"].wq_a.weight, b.scorers["1"].wq_a.weight)
+    with pytest.raises(ConfigError, match="not CSA layers"):
+        MemoryIndexer.random(model.config, layers=[2])
+
+
 def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget():
     policy = FlashMemory(0.3)
     visible = 42                      # 10 complete blocks of 4 chunks, block 10 being filled

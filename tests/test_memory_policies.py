@@ -110,15 +110,6 @@ def test_a_prefix_hit_under_an_offloading_policy_equals_the_request_computed_who
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
 
 
-@pytest.fixture(scope="module")
-def warm_start_indexer(fixtures, tmp_path_factory):
-    """A memory indexer for the v4-tiny fixture: the warm start from its native indexers."""
-    from hybridkv.memory.indexer import MemoryIndexer
-    from hybridkv.train.export import float_model
-
-    return MemoryIndexer.from_native(float_model(fixtures / "v4-tiny")).save(tmp_path_factory.mktemp("mi"))
-
-
 def test_flashmemory_with_its_whole_budget_matches_full(fixtures, warm_start_indexer):
     ids = prompt(700, seed=1)
     _, full = run(fixtures, "full", ids)

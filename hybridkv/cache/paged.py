@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.block_pool import BlockPool, OutOfBlocks
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
@@ -251,6 +251,41 @@ class PagedKVStore:
         seq.block_table, seq.pages = [], []
         self._free_slots.append(seq.slot)
 
+    def copy_seq(self, src: SeqCache) -> SeqCache:
+        """A new request's place holding a copy of `src`'s cache: a slot with its window ring and
+        compressor state, blocks of its own with every layer's entries, and (offload mode) the host
+        rows of its CSA main entries and a device page for each block resident in `src`. Nothing is
+        shared with `src`, so both may go on writing. `src`'s recall must be settled. Raises
+        OutOfBlocks, taking nothing, when the pools cannot hold the copy."""
+        if src.recall is not None:
+            raise RuntimeError("a recall is still in flight for this request: settle it first")
+        n, resident = len(src.block_table), [b for b, p in enumerate(src.pages) if p >= 0]
+        if not self._free_slots:
+            raise RuntimeError("no free request slot")
+        if self.pool.num_free < n or (self.offload and self.page_pool.num_free < len(resident)):
+            raise OutOfBlocks()
+        self.sync_host()           # the host rows of blocks written back on the copy stream
+        dst = self.new_seq()
+        dst.block_table = [self.pool.allocate() for _ in range(n)]
+        dst.window_start, dst.frozen_until = src.window_start, src.frozen_until
+        if n:
+            to, frm = (torch.tensor(t, device=self.device) for t in (dst.block_table, src.block_table))
+            for layer_id, ents in enumerate(self.entries):
+                for kind, t in ents.items():
+                    if not (layer_id in self.pages and kind == "kv"):     # host rows: below, all layers at once
+                        t[to] = t[frm]
+            if self.pages:
+                self._host_csa[to.cpu()] = self._host_csa[frm.cpu()]
+        if self.offload:
+            dst.pages = [-1] * len(src.pages)
+            for b in resident:
+                dst.pages[b] = self.page_pool.allocate()
+                if self.pages:
+                    self._page_csa[dst.pages[b]].copy_(self._page_csa[src.pages[b]])
+        for layer_id in range(self.num_layers):
+            self.restore_state(dst.slot, layer_id, self.capture_state(src.slot, layer_id))
+        return dst
+
     # ----- residency of CSA main entries (offload mode) -----
     def attach_pages(self, seq: SeqCache) -> None:
         """Give every block without a page entry one: new blocks start resident. A block a prefix hit
@@ -457,6 +492,10 @@ class PagedKVStore:
             for k, t in ents.items():
                 out[self._label(layer_id, k)] += t[0].nbytes
         return out
+
+    def host_bytes(self) -> int:
+        """Bytes of the host pool that holds every block's CSA main entries (offload mode; else 0)."""
+        return self._host_csa.nbytes if self.pages else 0
 
     def bytes_per_token(self) -> float:
         return sum(self.block_bytes().values()) / self.block_tokens

@@ -8,6 +8,7 @@ behind it first. The host's work therefore overlaps the device's."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import time
@@ -186,6 +187,54 @@ class EngineCore:
         seq = self.requests.get(request_id)
         if seq is not None:
             self._finish(seq, "abort")
+
+    def fork(self, request_id: str, n: int = 1, params: SamplingParams | None = None) -> list[Sequence]:
+        """n new requests that go on from where a decoding request stands, each in a copy of its cache
+        (a slot, blocks and device pages of its own: `PagedKVStore.copy_seq`), as if each had
+        prefilled the same prompt and sampled the same tokens. Under the same sampling (greedy, or
+        `params` None: the request's own, its random state included) a fork decodes what the request
+        decodes. For parallel sampling from one prefill, and for filling the pool with long contexts
+        that were prefilled once (benchmarks/flashmemory.py). Raises RequestError, taking nothing, when
+        the request cannot be forked now or the engine cannot hold n copies."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status is not Status.RUNNING or seq.in_prefill or not seq.output_ids:
+            raise RequestError(f"request {request_id!r} is not decoding: only a running request past its "
+                               f"prefill can be forked")
+        if self.speculative:
+            raise RequestError("fork copies no MTP draft state: not with speculative decoding")
+        if self._queued is not None and any(c.seq is seq for c in self._queued.chunks):
+            raise RequestError(f"a decode step of {request_id!r} is queued on the device (async scheduling): "
+                               f"fork before its decode steps, or with async_scheduling off")
+        if seq.cache.recall is not None:
+            self._count_recall(self.store.settle_recall(seq.cache, wait=True))
+        store, sched = self.store, self.scheduler
+        blocks, pages = len(seq.cache.block_table), sum(1 for p in seq.cache.pages if p >= 0)
+        room = [("requests", self.ec.max_num_seqs - len(sched.running)), ("slots", store.num_free_slots),
+                ("blocks", store.pool.num_free // max(blocks, 1))]
+        if store.offload:
+            room.append(("device pages", store.page_pool.num_free // max(pages, 1)))
+        short = [f"{what} for {left}" for what, left in room if left < n]
+        if n < 1 or short:
+            raise RequestError(f"cannot fork {request_id!r} {n} times: {'; '.join(short) or 'n must be ≥ 1'} "
+                               f"(a copy takes {blocks} blocks{f' and {pages} pages' if store.offload else ''})")
+        forks = []
+        for _ in range(n):
+            rid = f"{request_id}-fork-{next(self._ids)}"
+            f = Sequence(rid, list(seq.prompt_ids), replace(params or seq.params), seq.root,
+                         token_ids=list(seq.token_ids), status=Status.RUNNING, num_computed=seq.num_computed,
+                         cache=store.copy_seq(seq.cache), block_hashes=list(seq.block_hashes),
+                         num_cached_tokens=len(seq.prompt_ids), output_ids=list(seq.output_ids),
+                         logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), text=seq.text,
+                         decoded=copy.deepcopy(seq.decoded), first_token_time=time.perf_counter(),
+                         capture=seq.capture, generator_device=str(self.device))
+            if params is None and seq.generator is not None:
+                f.generator.set_state(seq.generator.get_state())
+            self.requests[rid] = f
+            sched.running.append(f)
+            self.stats.prompt_tokens += len(f.prompt_ids)
+            self.stats.cached_prompt_tokens += len(f.prompt_ids)
+            forks.append(f)
+        return forks
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

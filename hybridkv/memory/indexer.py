@@ -145,6 +145,24 @@ class MemoryIndexer(nn.Module):
                 sc.weights_proj.weight.copy_(wp)
         return mi
 
+    @classmethod
+    def random(cls, config, layers: list[int] | None = None, seed: int = 0) -> "MemoryIndexer":
+        """An untrained memory indexer of `from_native`'s default shape for a V4 checkpoint's
+        `config` (no weights read): its scores are arbitrary, so `flashmemory-B` recalls B of the
+        blocks whatever it finds. For measuring what recall costs (benchmarks/flashmemory.py)."""
+        from hybridkv.model.attention import layer_inv_freq
+
+        csa = [i for i in range(config.num_hidden_layers) if config.layer_kind(i) == "csa"]
+        layers = sorted(layers if layers is not None else csa)
+        if not layers or not set(layers) <= set(csa):
+            raise ConfigError(f"memory indexer layers {layers} are not CSA layers (those are {csa})")
+        c = MemoryIndexerConfig(layers, config.hidden_size, 2 * config.q_lora_rank, 2 * config.index_n_heads,
+                                config.index_head_dim, config.qk_rope_head_dim, config.q_lora_rank,
+                                config.index_n_heads, eps=config.rms_norm_eps)
+        with torch.random.fork_rng(devices=[]):     # nn.Linear's init draws from the global generator
+            torch.manual_seed(seed)
+            return cls(c, layer_inv_freq(config, config.compress_ratios[layers[0]]))
+
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file
 
