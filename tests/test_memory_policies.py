@@ -149,6 +149,50 @@ def test_flashmemory_recalls_what_its_scorer_names_at_its_cadence(fixtures, warm
     assert seq.device_kv_bytes["CSA main"] == 3 * store.page_bytes()
 
 
+def test_the_first_recall_scores_from_the_prompts_last_rows_however_it_was_chunked(fixtures, warm_start_indexer,
+                                                                                    monkeypatch):
+    """At the prefill's end the memory indexer's probabilities are the mean over the prompt's last
+    32 positions (their attention inputs gathered over the prefill's chunks); 64 decode steps later,
+    the step's one row. A prompt in one chunk and the same prompt whose last chunk has 10 rows score
+    the same rows; a prefix hit leaves those 32 positions to compute."""
+    from hybridkv.memory.indexer import MemoryIndexer
+    from hybridkv.memory.policies import FlashMemory
+
+    calls, policy_probs = [], []
+    probabilities, resident = MemoryIndexer.probabilities, FlashMemory.resident
+
+    def record(self, xs, positions, keys):
+        out = probabilities(self, xs, positions, keys)
+        calls.append((positions.tolist(), {layer: x.clone() for layer, x in xs.items()}, out))
+        return out
+
+    def spy(self, ctx):
+        policy_probs.append(ctx.extra["chunk_probs"])
+        return resident(self, ctx)
+    monkeypatch.setattr(MemoryIndexer, "probabilities", record)
+    monkeypatch.setattr(FlashMemory, "resident", spy)
+    ids = prompt(778, seed=8)
+    kw = dict(memory_indexer=str(warm_start_indexer), max_tokens=66)
+    run(fixtures, "flashmemory-0.3", ids, max_num_batched_tokens=1024, **kw)
+    run(fixtures, "flashmemory-0.3", ids, max_num_batched_tokens=384, **kw)     # chunks of 384, 384, 10
+    assert [c[0] for c in calls] == [list(range(746, 778)), [841]] * 2
+    (_, whole, _), (_, one_row, _), (_, chunked, _) = calls[0], calls[1], calls[2]
+    assert all(x.shape[0] == 1 for x in one_row.values())
+    for layer, x in whole.items():
+        assert x.shape[0] == 32 and torch.allclose(x, chunked[layer], atol=1e-5)
+    assert torch.allclose(policy_probs[0], calls[0][2].mean(0), atol=1e-6)
+    assert torch.allclose(policy_probs[0], policy_probs[2], atol=1e-5)
+
+    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=1, memory_policy="flashmemory-0.3",
+              memory_indexer=str(warm_start_indexer))
+    assert llm.engine.prefix.compute_tail == 32
+    for n in range(2):
+        seq = llm.engine.add_request(prompt(780, seed=9), SamplingParams(max_tokens=1))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    assert seq.num_cached_tokens == 640        # 6 blocks end before 780 - 32; 768 would leave 12
+
+
 def test_a_recalled_page_holds_the_host_copys_bytes(fixtures):
     llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy="recency-128")
     seq = llm.engine.add_request(prompt(900, seed=4), SamplingParams(max_tokens=2, ignore_eos=True))

@@ -140,8 +140,12 @@ class PrefixCache:
     publishes the blocks and snapshots requests produce (to the lower tiers as well, as each block
     completes or when the request ends), and counts hits."""
 
-    def __init__(self, store, policy: WindowPolicy, snapshot_bytes: int, enabled: bool = True, tiers=None):
+    def __init__(self, store, policy: WindowPolicy, snapshot_bytes: int, enabled: bool = True, tiers=None,
+                 compute_tail: int = 1):
+        """compute_tail: prompt tokens a hit always leaves to compute (≥ 1; flashmemory's first recall
+        scores from the attention inputs of the prompt's last rows, which a hit would not compute)."""
         self.store, self.policy, self.enabled = store, policy, enabled
+        self.compute_tail = max(1, compute_tail)
         self.block_tokens = store.block_tokens
         self.snapshots = SnapshotStore(snapshot_bytes)
         self.tiers = tiers if enabled else None      # a cache.tiers.TieredStore, or None
@@ -151,14 +155,14 @@ class PrefixCache:
         self.registered = 0           # blocks published by requests
 
     def match(self, root: bytes, tokens: list[int]) -> PrefixHit:
-        """The longest usable cached prefix (at least one token is always left to compute). Blocks
+        """The longest usable cached prefix (at least `compute_tail` tokens are left to compute). Blocks
         found only in a lower tier are loaded onto the device here (as cached, unreferenced blocks,
         as many as leave one block free); `apply` then takes them like any device hit."""
         if not self.enabled:
             return PrefixHit(0, [], [], None)
         bt = self.block_tokens
         pool = self.store.pool
-        hashes = chain_hashes(root, tokens, bt, (len(tokens) - 1) // bt)
+        hashes = chain_hashes(root, tokens, bt, max(0, len(tokens) - self.compute_tail) // bt)
         blocks = [tuple(tokens[b * bt:(b + 1) * bt]) for b in range(len(hashes))]
         ids: list[int | None] = []       # device block id, or None: in a lower tier
         lower = None

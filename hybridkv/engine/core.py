@@ -99,7 +99,10 @@ class EngineCore:
         if self.ec.enable_prefix_caching is None:
             self.ec = replace(self.ec, enable_prefix_caching=True)
         self._query_x: dict[int, torch.Tensor] = {}     # flashmemory: target layer -> this forward's attention input
-        self._query_rows: dict[str, int] = {}           # request id -> its last row in this forward
+        self._query_rows: dict[str, tuple[int, int]] = {}   # request id -> (first row, rows) in this forward
+        # flashmemory, requests in prefill: (end position, target layer -> attention inputs of the last
+        # ≤ query_rows positions computed), gathered over the prefill's chunks for its first recall
+        self._prompt_tail: dict[str, tuple[int, dict[int, torch.Tensor]]] = {}
         if self.memory.needs_query:
             self._attach_memory_indexer()
         self.speculative = self.ec.speculative is not None
@@ -116,7 +119,7 @@ class EngineCore:
         self.tiers = (TieredStore.build(self.ec.tiers, layout_identity(self.store, model_identity), self.device)
                       if self.ec.enable_prefix_caching else None)
         self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching,
-                                  self.tiers)
+                                  self.tiers, self.memory.query_rows if self.memory.needs_query else 1)
         self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
         self.model_identity = model_identity
         self.max_model_len = self.ec.max_model_len or self.config.max_position_embeddings
@@ -521,7 +524,8 @@ class EngineCore:
         if hidden is not None:
             hidden.update({rid: h[a:a + n] for rid, (a, n) in spans.items()})
         if self.memory.needs_query:
-            self._query_rows = {rid: a + n - 1 for rid, (a, n) in spans.items()}
+            self._query_rows = dict(spans)
+            self._keep_prompt_tails(chunks, spans)
         logits, i = {}, 0
         for owner in owners:
             if isinstance(owner, tuple):       # a verify chunk: every row's logits
@@ -661,18 +665,45 @@ class EngineCore:
         for layer in mi.config.layers:
             self.model.layers[layer].attn.register_forward_pre_hook(recorder(layer))
 
+    def _keep_prompt_tails(self, chunks: list[Chunk], spans: dict[str, tuple[int, int]]) -> None:
+        """Append each prefill chunk's rows of the target layers' attention inputs to its request's
+        prompt tail (the last `query_rows` positions), so that the first recall scores from the same
+        rows however the prompt was cut into chunks (a tail that does not end where the chunk starts,
+        as after a preemption, is dropped)."""
+        q = self.memory.query_rows
+        for c in chunks:
+            rid = c.seq.request_id
+            if c.draft or c.start + c.length > len(c.seq.prompt_ids) or rid not in spans:
+                continue          # decode rows score from themselves
+            first, n = spans[rid]
+            end, tail = self._prompt_tail.get(rid, (None, {}))
+            if end != c.start:
+                tail = {}
+            self._prompt_tail[rid] = (c.start + c.length, {
+                layer: torch.cat([tail.get(layer, x[:0]), x[first:first + n]])[-q:].clone()
+                for layer, x in self._query_x.items()})
+
     def _memory_scores(self, seq: Sequence) -> torch.Tensor:
-        """The memory indexer's probabilities [visible chunks] from the request's last computed row."""
+        """The memory indexer's probabilities [visible chunks] from the request's last computed rows:
+        at the prefill's end the mean over the prompt's last `query_rows` positions (its question and
+        what leads to it), in decoding the step's one row."""
         mi = self.memory.scorer
-        row, pos = self._query_rows[seq.request_id], seq.num_computed - 1
+        pos = seq.num_computed - 1
+        end, tail = self._prompt_tail.pop(seq.request_id, (None, None))
+        if end == pos + 1:
+            xs = tail
+        else:
+            first, n = self._query_rows[seq.request_id]
+            xs = {layer: self._query_x[layer][first + n - 1:first + n] for layer in mi.config.layers}
+        rows = next(iter(xs.values())).shape[0]
         ratio = self.model.layers[mi.config.layers[0]].attn.ratio
         visible = (pos + 1) // ratio
         view = self.store.view(seq.cache)
         with torch.inference_mode():
-            xs = {layer: self._query_x[layer][row:row + 1] for layer in mi.config.layers}
             keys = {layer: view.layer(layer).entries("index", visible) for layer in mi.config.layers}
-            probs = mi.probabilities(xs, torch.tensor([pos], device=self.device), keys)[0]
-        return probs.float().cpu()
+            positions = torch.arange(pos - rows + 1, pos + 1, device=self.device)
+            probs = mi.probabilities(xs, positions, keys).float().mean(0)
+        return probs.cpu()
 
     def _after_token(self, seq: Sequence) -> None:
         """Run the memory policy when the prefill has ended, then every `interval` decode steps: its
@@ -717,6 +748,7 @@ class EngineCore:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._prompt_tail.pop(seq.request_id, None)
         if self.policy.kind == "checkpoint" and seq.rolling_snapshot is not None and seq.cache is not None:
             boundary, snap = seq.rolling_snapshot
             self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)

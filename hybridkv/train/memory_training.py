@@ -16,7 +16,9 @@ the document's last 128 (where the question and the answer are).
 Validation, on held-out documents at every `stride`-th position: micro F1 of (prob > 0.5) against
 the window targets (max over target layers), and recall under the serving policy
 (`hybridkv.memory.policies.FlashMemory`): the share of window targets in the blocks a recall would make resident,
-next to the resident share of the visible chunks. The same policy is scored with the native indexer's
+next to the resident share of the visible chunks. Each position is scored from its own row, as the
+decode-time recalls are; the engine's first recall, at the prefill's end, averages the prompt's last
+32 rows (`FlashMemory.query_rows`), which the label files (no prompt length) cannot place. The same policy is scored with the native indexer's
 own logits (probability = sigmoid of the logit; a reference, uncalibrated), with recency at the
 same budget, and with the labels themselves (the oracle).
 """
