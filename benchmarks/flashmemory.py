@@ -19,7 +19,8 @@ own, and each context (--contexts, default 128k,512k,1m):
    copied on the copy stream while decoding goes on). The memory indexer is untrained
    (`MemoryIndexer.random`): it costs what a trained one costs, and recalls B of the blocks, about
    90 % of them new at every recall (a trained one keeps many: this is the traffic's upper end).
-   Reported: decode tokens/s, median and recall-step ms, device KV per request (the allocator's),
+   Reported: decode tokens/s, median and recall-step ms, the steps replayed from decode graphs
+   (batches up to 64 requests), device KV per request (the allocator's),
    pages recalled and their bytes, the recall rate over the window, and on CUDA from a profiled
    second window: host-to-device copy time and the share of it during which kernels ran (hidden).
 
@@ -148,7 +149,7 @@ def worker(a) -> None:
         for _ in range(WARM_STEPS):                   # decode graphs for the batch, kernels compiled
             eng.step()
         stats, preempted = eng.stats, eng.scheduler.num_preemptions
-        loaded, evicted = stats.pages_loaded, stats.pages_evicted
+        loaded, evicted, graphed = stats.pages_loaded, stats.pages_evicted, stats.graph_steps
         # host time of each step call, no wait for the device between them (as in serving: with async
         # scheduling a call returns once the next step is queued, so in steady state it lasts a step)
         times, recall_steps = [], []
@@ -164,6 +165,7 @@ def worker(a) -> None:
         sync(a.device)
         window = time.perf_counter() - start
         loaded, evicted = stats.pages_loaded - loaded, stats.pages_evicted - evicted
+        graphed = stats.graph_steps - graphed
         overlap = None
         if cuda and policy != "full":               # a second window under the profiler: where the copies ran
             from torch.profiler import ProfilerActivity, profile
@@ -185,7 +187,8 @@ def worker(a) -> None:
                   per_request_by_kind=per_request, planned_per_request=size["per_request"],
                   tok_s=len(seqs) * a.steps / window, step_ms=1e3 * statistics.median(times),
                   recall_step_ms=1e3 * statistics.mean(recall_steps) if recall_steps else None,
-                  recalls=len(recall_steps), pages_loaded=loaded, pages_evicted=evicted, page_bytes=costs["page"],
+                  recalls=len(recall_steps), graph_steps=graphed, pages_loaded=loaded, pages_evicted=evicted,
+                  page_bytes=costs["page"],
                   recall_bytes=loaded * costs["page"], recall_gbps=loaded * costs["page"] / window / 1e9,
                   window_s=window, overlap=overlap))
         for s in seqs:
@@ -199,17 +202,18 @@ def report(rows: list[dict], a) -> None:
     print(f"\n# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch {torch.__version__}; "
           f"command: python benchmarks/flashmemory.py {' '.join(sys.argv[1:])}; KV budget {fmt_bytes(a.kv_budget)}")
     print("\n| policy | context | requests held | device KV / request | decode tok/s | step ms | recall step ms | "
-          "pages recalled | recall GB/s | copies ms (hidden) | prefill s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "graph steps | pages recalled | recall GB/s | copies ms (hidden) | prefill s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     full = {r["context"]: r for r in rows if r["policy"] == "full" and r.get("requests")}
     for r in rows:
         if not r.get("requests"):
-            print(f"| {r['policy']} | {r['context']:,} | 0 | {fmt_bytes(r['per_request'])} | {r['why']} |||||||")
+            print(f"| {r['policy']} | {r['context']:,} | 0 | {fmt_bytes(r['per_request'])} | {r['why']} ||||||||")
             continue
         ov = r.get("overlap")
         copies = f"{ov['copy_ms']:.1f} ({ov['hidden_ms'] / ov['copy_ms']:.0%})" if ov and ov["copy_ms"] else "—"
         print(f"| {r['policy']} | {r['context']:,} | {r['requests']} | {fmt_bytes(r['per_request'])} | "
-              f"{r['tok_s']:.0f} | {r['step_ms']:.2f} | {fmt(r['recall_step_ms'])} | {r['pages_loaded']:,} | "
+              f"{r['tok_s']:.0f} | {r['step_ms']:.2f} | {fmt(r['recall_step_ms'])} | {r['graph_steps']}/{a.steps} | "
+              f"{r['pages_loaded']:,} | "
               f"{r['recall_gbps']:.2f} | {copies} | {r['prefill_s']:.1f} |")
     print()
     for r in rows:

@@ -184,3 +184,29 @@ def test_fixed_shape_forward_is_refused_where_the_paged_path_does_not_run(fp8_ll
     finally:
         eng.store.free_seq(seq)
         eng.store.kernel_formats = None
+
+
+@pytest.mark.parametrize("policy", ["recency-256", "flashmemory-0.3"])
+def test_offloading_policies_decode_through_the_fixed_shape_forward(fixtures, warm_start_indexer, policy):
+    """Under a memory policy that keeps only some blocks' CSA main entries on the device, the
+    fixed-shape step reads and writes them through each request's device pages (the graph's inputs
+    refreshed when a recall changes them; the step whose tokens run the policy is not queued ahead).
+    Three requests over 70 decode steps, across the recall at 64 and block ends: the same tokens,
+    logits within the MoE's summation order, the same pages recalled and written back as the
+    engine's batched decode; every decode step a graph step, most of them queued ahead."""
+    from engine_helpers import prompts_of
+
+    prompts = prompts_of([740, 700, 300], seed=12)
+    kw = {"memory_indexer": str(warm_start_indexer)} if policy.startswith("flashmemory") else {}
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(fixtures / "v4-tiny", num_blocks=48, max_num_seqs=4, max_num_batched_tokens=2048,
+                  memory_policy=policy, **kw)
+        runs.append((llm.engine.stats, *_decode(llm, prompts, graphs, 70)))
+    (ref_stats, ref, ref_logits, n_ref, _), (stats, out, logits, n_graph, _) = runs
+    assert n_ref == 0 and n_graph == 69 and stats.queued_steps >= 60
+    for a, b, la, lb in zip(ref, out, ref_logits, logits):
+        assert a.output_ids == b.output_ids
+        assert (la - lb).norm() / la.norm() < 1e-4
+    assert stats.pages_loaded == ref_stats.pages_loaded and stats.pages_evicted == ref_stats.pages_evicted > 0
+    assert stats.pages_written_back == ref_stats.pages_written_back > 0

@@ -122,6 +122,7 @@ class SeqCache:
     frozen_until: int = 0      # entries complete before this position come from the prefix cache
     pages: list[int] = field(default_factory=list)  # offload mode: device page of each block's CSA main entries, -1 = host only
     recall: Recall | None = None                     # offload mode: a residency change whose pages are still in flight
+    pages_version: int = 0                           # offload mode: bumped whenever `pages` changes (graph inputs)
 
 
 class PagedKVStore:
@@ -302,6 +303,7 @@ class PagedKVStore:
             if self.pages and b * self.block_tokens < seq.frozen_until:
                 self._load_page(page, seq.block_table[b])
             seq.pages.append(page)
+            seq.pages_version += 1
 
     def _load_page(self, page: int, block: int) -> None:
         self._page_csa[page].copy_(self._host_csa[block], non_blocking=True)
@@ -369,6 +371,7 @@ class PagedKVStore:
                     self.page_pool.release(page)
                     seq.pages[b] = -1
                     evicted += 1
+            seq.pages_version += 1
         loads = {b: self.page_pool.allocate() for b in want}
         seq.recall = Recall(set(keep), len(seq.pages), loads, self._copy_pages(seq, loads), evicted)
         return len(loads)
@@ -406,6 +409,7 @@ class PagedKVStore:
         if r is None or (r.arrived is not None and not wait and not r.arrived.query()):
             return None
         self._arrive(r)
+        seq.pages_version += 1
         for b, page in r.loads.items():
             seq.pages[b] = page
         evicted = 0
@@ -707,15 +711,18 @@ class PagedDecodeKV:
 
     @classmethod
     def fixed(cls, store: PagedKVStore, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-              max_pos: int) -> "PagedDecodeKV":
+              max_pos: int, pages: torch.Tensor | None = None) -> "PagedDecodeKV":
         """A view over device tensors the caller owns and refills (a CUDA graph's inputs): positions,
-        slots [B] long, block tables [B, width] long; `max_pos` bounds every position (the kernels'
-        grids are sized from it). Paged kernel path only: the caller has checked that each request's
-        window is complete (`_window_complete`) and that no memory policy offloads."""
+        slots [B] long, block tables [B, width] long and in offload mode the device pages [B, width]
+        long (−1: host only); `max_pos` bounds every position (the kernels' grids are sized from it).
+        Paged kernel path only: the caller has checked that each request's window is complete
+        (`_window_complete`)."""
+        if store.offload and pages is None:
+            raise ValueError("a store that offloads CSA main entries needs the requests' device pages")
         self = cls.__new__(cls)
         self.store, self.seqs, self.on_layer_done = store, None, None
         self.host_positions, self.positions, self.slots, self.tables = None, positions, slots, tables
-        self.page_tables = self.window_start = self.frozen = None
+        self.page_tables, self.window_start, self.frozen = pages, None, None
         self._b = torch.arange(positions.shape[0], device=positions.device)
         self._max_pos = max_pos
         self._kernel_args = False

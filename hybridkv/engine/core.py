@@ -315,6 +315,9 @@ class EngineCore:
         keep = [(seq, r) for seq, r in zip(seqs, rows)
                 if seq.status is Status.RUNNING and len(seq.output_ids) + 1 < seq.params.max_tokens
                 and seq.num_tokens + 1 < self.max_model_len]
+        if self.memory.offloads and any(len(seq.output_ids) % self.memory.interval == 0 for seq, _ in keep):
+            return     # the tokens about to be emitted run the memory policy: it reads this step's rows, and
+            #            its recall changes the pages the next step reads
         if not keep or not sched.extend_decodes([seq for seq, _ in keep]):
             return
         if len(keep) == drawn.tokens.shape[0]:
@@ -330,6 +333,8 @@ class EngineCore:
         logits = self._graph_decode(chunks, self.policy.snapshots and self.prefix.enabled, ids)
         if logits is None:
             return
+        for c in chunks:        # offload mode: completed blocks' pages to host memory, behind the queued step
+            self.stats.pages_written_back += self.store.write_back(c.seq.cache, c.start, c.start + 1)
         self.stats.queued_steps += 1
         stacked = torch.stack([logits[c.seq.request_id] for c in chunks])
         queued = draw_rows(stacked, [c.seq.params for c in chunks], [c.seq.generator for c in chunks])
@@ -562,6 +567,14 @@ class EngineCore:
                 and self.graphs.eligible(seqs, positions)):
             return None
         logits = self.graphs.run([c.seq.token_ids[c.start] for c in decodes] if ids is None else ids, seqs, positions)
+        if self.memory.needs_query:
+            # the target layers' inputs of this step: a captured graph's own buffers, refilled by every
+            # replay (its forward hooks ran only while it was captured); the eager fixed forward's fresh
+            g = self.graphs.last
+            if g.graph is None or "query_x" not in g.extra:
+                g.extra["query_x"] = dict(self._query_x)
+            self._query_x = dict(g.extra["query_x"])
+            self._query_rows = {c.seq.request_id: (i, 1) for i, c in enumerate(decodes)}
         if snapshots:
             for c in decodes:
                 hook = self._snapshot_hook(c.seq)

@@ -18,9 +18,14 @@ captures at most seven sizes per bucket: padding rows decode token 0 at position
 reserved for them (no block completes at position 0, and V4.1's ratio-1 layers, where one would,
 store nothing there: they store no entry, and they read only their own window row).
 
+Under a memory policy that offloads CSA main entries, each request's device pages (−1: host only)
+are inputs too, after its block table: the kernels read and write those layers' entries through
+them, and a recall that changes them (`SeqCache.pages_version`) refreshes the buffer before the
+next replay.
+
 Taken only where the batched decode runs on the paged kernels (V4, or V4.1 in its packed layout: a
-store with kernel formats, no offloading memory policy, the native indexer) and every request's
-window is complete; other steps run eagerly. V4.1's Full layers append the entries their tokens
+store with kernel formats, the native indexer) and every request's window is complete; other steps
+run eagerly. V4.1's Full layers append the entries their tokens
 complete with fixed shapes too (`Attention._append_global_kv_decode` on the kernels' path).
 Window-state snapshots for the prefix cache are taken after the replay (each layer's state is
 final once the step is).
@@ -29,7 +34,7 @@ final once the step is).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,9 +56,11 @@ def context_bucket(max_pos: int, block_tokens: int) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None   # None: the fixed-shape forward runs eagerly (capture off)
-    inputs: torch.Tensor                 # [B, 3 + width] long: token id, position, slot, block table
+    inputs: torch.Tensor                 # [B, 3 + width (+ width)] long: token id, position, slot, block table
+    #                                      (, device pages in offload mode)
     logits: torch.Tensor | None
     tables: tuple = ()                   # which block tables `inputs` holds (see `_tables_key`)
+    extra: dict = field(default_factory=dict)   # the engine's own per-graph state (recorded layer inputs)
 
 
 def _copy_in(dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -72,15 +79,16 @@ def padded_batch(n: int) -> int:
 
 
 def _tables_key(seqs: list[SeqCache]) -> tuple:
-    """Identifies the rows' block tables: during decode a table only grows (a block every
-    block_tokens positions), so the device copy is refreshed only when this changes. The key holds
-    the lists themselves (compared by identity in `_same_tables`), so none can be freed and another
-    take its address while a graph remembers it."""
-    return tuple((s.block_table, len(s.block_table)) for s in seqs)
+    """Identifies the rows' block tables (and device pages): during decode a table only grows (a
+    block every block_tokens positions) and pages change with a version count, so the device copy is
+    refreshed only when this changes. The key holds the lists themselves (compared by identity in
+    `_same_tables`), so none can be freed and another take its address while a graph remembers it."""
+    return tuple((s.block_table, len(s.block_table), s.pages, s.pages_version) for s in seqs)
 
 
 def _same_tables(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y and n == m for (x, n), (y, m) in zip(a, b))
+    return len(a) == len(b) and all(x is y and n == m and p is q and v == w
+                                    for (x, n, p, v), (y, m, q, w) in zip(a, b))
 
 
 class DecodeGraphs:
@@ -96,13 +104,13 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
         self.replays = 0
+        self.last: _Graph | None = None      # the graph of the latest `run`
 
     @staticmethod
     def supported(model, store: PagedKVStore, indexer_mode: str) -> bool:
         """Whether this engine's batched decode runs on the paged kernels at all (V4; V4.1 in its
         packed layout, whose decode attention and indexer scoring the kernels run)."""
-        return (model.config.family in ("v4", "v4.1") and store.kernel_formats is not None and not store.offload
-                and indexer_mode == "native")
+        return model.config.family in ("v4", "v4.1") and store.kernel_formats is not None and indexer_mode == "native"
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
         W = self.store.config.sliding_window
@@ -134,6 +142,7 @@ class DecodeGraphs:
         if on_device:
             g.inputs[:n, 0].copy_(ids)
         g.tables = tables
+        self.last = g
         if g.graph is None:
             return self._forward(g.inputs, cap)[:n]
         g.graph.replay()
@@ -141,14 +150,18 @@ class DecodeGraphs:
         return g.logits[:n].clone()
 
     def _host_inputs(self, heads: torch.Tensor, seqs: list[SeqCache], cap: int) -> torch.Tensor:
-        """[padded B, 3 + width]: the heads, then each request's block table (zeros past its end and
-        for the padding rows, which read no compressed entry)."""
+        """[padded B, 3 + width (+ width)]: the heads, then each request's block table (zeros past its
+        end and for the padding rows, which read no compressed entry) and in offload mode its device
+        pages (−1 past its end and for the padding rows)."""
         width = cap // self.store.block_tokens
         tables = torch.zeros(heads.shape[0], width, dtype=torch.long)
+        pages = torch.full((heads.shape[0], width), -1, dtype=torch.long) if self.store.offload else None
         for i, s in enumerate(seqs):
             row = s.block_table[:width]
             tables[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        return torch.cat([heads, tables], dim=1)
+            if pages is not None:
+                pages[i, :len(s.pages[:width])] = torch.tensor(s.pages[:width], dtype=torch.long)
+        return torch.cat([heads, tables] + ([pages] if pages is not None else []), dim=1)
 
     def _build(self, host: torch.Tensor, cap: int) -> _Graph:
         inputs = host.to(self.store.device)
@@ -181,8 +194,10 @@ class DecodeGraphs:
         """The decode forward over the buffers' current contents, with fixed shapes."""
         b = inputs.shape[0]
         ids, positions, slots = (inputs[:, i].contiguous() for i in range(3))
-        tables = inputs[:, 3:].contiguous()
-        dkv = PagedDecodeKV.fixed(self.store, positions, slots, tables, max_pos=cap - 1)
+        width = cap // self.store.block_tokens
+        tables = inputs[:, 3:3 + width].contiguous()
+        pages = inputs[:, 3 + width:].contiguous() if self.store.offload else None
+        dkv = PagedDecodeKV.fixed(self.store, positions, slots, tables, max_pos=cap - 1, pages=pages)
         batch = ForwardBatch([], positions, DecodeGroup(torch.arange(b, device=inputs.device), dkv, whole=True), static=True)
         with torch.inference_mode():
             return self.model.logits(self.model(ids, batch))
