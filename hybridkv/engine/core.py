@@ -103,6 +103,9 @@ class EngineCore:
         # flashmemory, requests in prefill: (end position, target layer -> attention inputs of the last
         # ≤ query_rows positions computed), gathered over the prefill's chunks for its first recall
         self._prompt_tail: dict[str, tuple[int, dict[int, torch.Tensor]]] = {}
+        # flashmemory with async scheduling: the layer inputs and rows of the step whose tokens are being
+        # emitted, when a step queued behind it has already replaced `_query_x` / `_query_rows`
+        self._emit_query: tuple[dict[int, torch.Tensor], dict[str, tuple[int, int]]] | None = None
         if self.memory.needs_query:
             self._attach_memory_indexer()
         self.speculative = self.ec.speculative is not None
@@ -295,6 +298,7 @@ class EngineCore:
                 drawn.start_transfer()           # before the next step is queued behind it
                 self._queue_next(emitting, drawn, list(range(len(emitting))))
             events = [self._emit(seq, row, s) for seq, row, s in zip(emitting, rows, drawn.host())]
+            self._emit_query = None
         self.stats.steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
         self._drop_dead_queue()
@@ -315,11 +319,13 @@ class EngineCore:
         keep = [(seq, r) for seq, r in zip(seqs, rows)
                 if seq.status is Status.RUNNING and len(seq.output_ids) + 1 < seq.params.max_tokens
                 and seq.num_tokens + 1 < self.max_model_len]
-        if self.memory.offloads and any(len(seq.output_ids) % self.memory.interval == 0 for seq, _ in keep):
-            return     # the tokens about to be emitted run the memory policy: it reads this step's rows, and
-            #            its recall changes the pages the next step reads
         if not keep or not sched.extend_decodes([seq for seq, _ in keep]):
             return
+        if self.memory.needs_query and any(len(seq.output_ids) % self.memory.interval == 0 for seq in seqs):
+            # the tokens about to be emitted run the memory policy on this step's layer inputs, which the
+            # queued replay overwrites: a copy for them, ordered before it (a recall's page changes are
+            # safe behind it: page loads wait for the queued work, freed pages are rewritten only later)
+            self._emit_query = ({layer: x.clone() for layer, x in self._query_x.items()}, self._query_rows)
         if len(keep) == drawn.tokens.shape[0]:
             ids = drawn.tokens
         else:
@@ -355,6 +361,7 @@ class EngineCore:
             self._publish_snapshots(seq)
         self._queue_next(seqs, q.drawn, live)
         events = [self._emit(seq, q.logits[i], s) for i, seq, s in zip(live, seqs, q.drawn.host(live))]
+        self._emit_query = None
         self.stats.steps += 1
         self.stats.forward_tokens += len(q.chunks)
         self._drop_dead_queue()
@@ -706,8 +713,9 @@ class EngineCore:
         if end == pos + 1:
             xs = tail
         else:
-            first, n = self._query_rows[seq.request_id]
-            xs = {layer: self._query_x[layer][first + n - 1:first + n] for layer in mi.config.layers}
+            query_x, query_rows = self._emit_query or (self._query_x, self._query_rows)
+            first, n = query_rows[seq.request_id]
+            xs = {layer: query_x[layer][first + n - 1:first + n] for layer in mi.config.layers}
         rows = next(iter(xs.values())).shape[0]
         ratio = self.model.layers[mi.config.layers[0]].attn.ratio
         visible = (pos + 1) // ratio
