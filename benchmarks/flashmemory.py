@@ -9,9 +9,10 @@ own, and each context (--contexts, default 128k,512k,1m):
    page and per request slot: under `full` every entry is on the device; under `flashmemory` the CSA
    main entries of every block live in (pinned) host memory and the device holds the other entries
    (indexer keys, HCA, window rings, compressor state) plus pages for the resident CSA blocks, B of
-   a request's complete blocks and two more (the block being filled, one opened since the last
-   recall). The requests held is what that budget holds at the context; the row is measured with
-   that many running, and fails if the allocator preempts one.
+   a request's complete blocks and four more (the block being filled, one opened since the last
+   recall, two while a recall's copies are in flight). The requests held is what that budget holds
+   at the context; the row is measured with that many running, and fails if the allocator preempts
+   one.
 2. One request is prefilled to the context and forked (EngineCore.fork, copies of its cache) into
    the others: the pool is filled without prefilling every request.
 3. --steps decode steps of all of them back to back (≥ 2 recall windows of 64 steps: the memory
@@ -75,7 +76,9 @@ def sizing(costs: dict[str, int], policy: str, share: float, context: int, token
     if policy == "full":
         pages, per_request = 0, blocks * costs["block"] + costs["slot"]
     else:
-        pages = max(1, round(share * (blocks - 1))) + 2
+        # the policy's blocks, the one being filled, one opened since the last recall, and two for a
+        # recall whose copies are in flight while a block opens (else a request would be preempted)
+        pages = max(1, round(share * (blocks - 1))) + 4
         per_request = blocks * (costs["block"] - costs["csa_main"]) + pages * costs["page"] + costs["slot"]
     n = budget // per_request
     return dict(blocks=blocks, pages=pages, per_request=per_request, requests=n,
