@@ -180,3 +180,24 @@ def test_flashmemory_graph_replays_answer_as_eager_decode():
         assert a.output_ids[:8] == b.output_ids[:8] and score(s, b.text) == score(s, a.text) == 1.0
     if all(a.output_ids == b.output_ids for a, b in zip(eager, graphed)):     # bf16 may part them after the answers
         assert eng.stats.pages_loaded == eager_eng.stats.pages_loaded
+
+
+def test_forks_on_the_gpu_decode_what_their_request_decodes():
+    """EngineCore.fork on CUDA under flashmemory (pinned host rows, device pages, graph replays): two
+    copies of a prefilled passkey request answer as the request does, token for token."""
+    tok = TaskTokenizer.load(MODEL)
+    sample = build_samples(tok, ["passkey"], [6144], 1, seed=6)[0][1]
+    llm = LLM(MODEL, device="cuda", dtype=torch.bfloat16, num_blocks=256, max_num_seqs=4,
+              max_num_batched_tokens=8192, memory_policy="flashmemory-0.15", enable_prefix_caching=False)
+    eng = llm.engine
+    src = eng.add_request(sample.prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    while not src.output_ids:
+        eng.step()
+    forks = eng.fork(src.request_id, 2)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats.graph_steps >= 10
+    for f in forks:
+        assert f.output_ids == src.output_ids
+    assert score(sample, tok.decode(src.output_ids)) == 1.0
+    assert eng.store.page_pool.num_used == 0 and eng.store.pool.num_used == 0
