@@ -151,9 +151,9 @@ def test_flashmemory_recalls_what_its_scorer_names_at_its_cadence(fixtures, warm
 
 def test_the_first_recall_scores_from_the_prompts_last_rows_however_it_was_chunked(fixtures, warm_start_indexer,
                                                                                     monkeypatch):
-    """At the prefill's end the memory indexer's probabilities are the mean over the prompt's last
-    32 positions (their attention inputs gathered over the prefill's chunks); 64 decode steps later,
-    the step's one row. A prompt in one chunk and the same prompt whose last chunk has 10 rows score
+    """At the prefill's end the memory indexer scores the prompt's last 32 positions (their attention
+    inputs gathered over the prefill's chunks) and the policy gets the last row's probabilities and
+    their mean; 64 decode steps later, the step's one row. A prompt in one chunk and the same prompt whose last chunk has 10 rows score
     the same rows; a prefix hit leaves those 32 positions to compute."""
     from hybridkv.memory.indexer import MemoryIndexer
     from hybridkv.memory.policies import FlashMemory
@@ -180,7 +180,9 @@ def test_the_first_recall_scores_from_the_prompts_last_rows_however_it_was_chunk
     assert all(x.shape[0] == 1 for x in one_row.values())
     for layer, x in whole.items():
         assert x.shape[0] == 32 and torch.allclose(x, chunked[layer], atol=1e-5)
-    assert torch.allclose(policy_probs[0], calls[0][2].mean(0), atol=1e-6)
+    assert policy_probs[0].shape == (2, 778 // 4) and policy_probs[1].shape == (841 // 4,)
+    assert torch.allclose(policy_probs[0][0], calls[0][2][-1], atol=1e-6)        # the last row
+    assert torch.allclose(policy_probs[0][1], calls[0][2].mean(0), atol=1e-6)     # the mean over 32
     assert torch.allclose(policy_probs[0], policy_probs[2], atol=1e-5)
 
     llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=1, memory_policy="flashmemory-0.3",

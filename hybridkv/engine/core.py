@@ -704,9 +704,9 @@ class EngineCore:
                 for layer, x in self._query_x.items()})
 
     def _memory_scores(self, seq: Sequence) -> torch.Tensor:
-        """The memory indexer's probabilities [visible chunks] from the request's last computed rows:
-        at the prefill's end the mean over the prompt's last `query_rows` positions (its question and
-        what leads to it), in decoding the step's one row."""
+        """The memory indexer's probabilities [visible chunks] from the request's last computed row; at
+        the prefill's end [2, visible chunks]: from the prompt's last row and the mean over its last
+        `query_rows` rows (its question and what leads to it; `FlashMemory.chunks` takes from both)."""
         mi = self.memory.scorer
         pos = seq.num_computed - 1
         end, tail = self._prompt_tail.pop(seq.request_id, (None, None))
@@ -723,8 +723,10 @@ class EngineCore:
         with torch.inference_mode():
             keys = {layer: view.layer(layer).entries("index", visible) for layer in mi.config.layers}
             positions = torch.arange(pos - rows + 1, pos + 1, device=self.device)
-            probs = mi.probabilities(xs, positions, keys).float().mean(0)
-        return probs.cpu()
+            probs = mi.probabilities(xs, positions, keys).float()
+            if rows > 1:      # the prompt's last row and the mean over its last rows: the policy takes from both
+                probs = torch.stack([probs[-1], probs.mean(0)])
+        return probs.cpu() if rows > 1 else probs[0].cpu()
 
     def _after_token(self, seq: Sequence) -> None:
         """Run the memory policy when the prefill has ended, then every `interval` decode steps: its

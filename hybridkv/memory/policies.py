@@ -15,10 +15,10 @@ being filled is always resident. Policies run when a request's prefill ends and 
   reads the question).
 - `flashmemory-B` (FlashMemory's lookahead recall; B, default 0.15, the resident share of the
   complete blocks): the memory indexer (`memory.indexer`) scores every existing chunk at the end of
-  the prefill, from the mean of its probabilities over the prompt's last `query_rows` (32) positions,
-  and every 64 decode steps from the last position; the newest blocks (a
-  third of the budget, at least one) stay, then the blocks with the most chunks above 0.5 (ties:
-  the larger summed probability) up to the budget; FlashMemory's pages of 64 chunks are these
+  the prefill (twice: from the prompt's last position and as the mean over its last `query_rows`,
+  32, positions, the two rankings taking turns) and every 64 decode steps from the last position;
+  the newest blocks (a third of the budget, at least one) stay, then the blocks with the most chunks
+  above 0.5 (ties: the larger summed probability) up to the budget; FlashMemory's pages of 64 chunks are these
   blocks of 32. The engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
 """
 
@@ -112,8 +112,7 @@ class OracleTopK(MemoryPolicy):
 class FlashMemory(MemoryPolicy):
     offloads = True
     needs_query = True
-    # one query row at the prefill's end found the needle's block of 9 in 20 passkey prompts at 32K
-    # with the shipped model; the mean over the last 16 / 32 rows 16 / 18 (docs/training-log.md)
+    # the first recall's second score: the mean over the prompt's last rows (docs/training-log.md)
     query_rows = 32
 
     def __init__(self, budget: float = 0.15, tail_share: float = 1 / 3):
@@ -124,8 +123,10 @@ class FlashMemory(MemoryPolicy):
         self.scorer = None          # the memory indexer, attached by the engine
 
     def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
-        """bool [visible]: the chunks of the blocks this recall keeps, from the chunk probabilities
-        [≥ visible] of one query (the block being filled always)."""
+        """bool [visible]: the chunks of the blocks this recall keeps (the block being filled always),
+        from the chunk probabilities [≥ visible] of one query, or [V, ≥ visible] of several (the
+        engine's first recall: the prompt's last row and the mean over its last rows), whose block
+        rankings then take turns filling the budget."""
         n_blocks = -(-visible // block_chunks)
         complete = visible // block_chunks
         keep = torch.zeros(n_blocks, dtype=torch.bool)
@@ -133,14 +134,25 @@ class FlashMemory(MemoryPolicy):
         budget = max(1, round(self.budget * complete)) if complete else 0
         tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
         keep[complete - tail:complete] = True
-        p = torch.zeros(n_blocks * block_chunks)
-        p[:visible] = probs[:visible].float().cpu()
-        p = p.view(n_blocks, block_chunks)
-        rank = (p > 0.5).sum(1).float() * (block_chunks + 1) + p.sum(1)     # the count first, mass breaks ties
-        rank[keep] = -math.inf
-        if budget > tail:
-            top = rank[:complete].topk(min(budget - tail, complete)).indices
-            keep[top[rank[top] > -math.inf]] = True
+        scores = probs.float().cpu().reshape(-1, probs.shape[-1])
+        p = torch.zeros(scores.shape[0], n_blocks * block_chunks)
+        p[:, :visible] = scores[:, :visible]
+        p = p.view(-1, n_blocks, block_chunks)
+        rank = (p > 0.5).sum(2).float() * (block_chunks + 1) + p.sum(2)     # the count first, mass breaks ties
+        rank[:, keep] = -math.inf
+        need = min(budget - tail, complete)
+        if need > 0 and rank.shape[0] == 1:
+            top = rank[0, :complete].topk(need).indices
+            keep[top[rank[0, top] > -math.inf]] = True
+        elif need > 0:
+            orders = [iter(r[:complete].argsort(descending=True, stable=True).tolist()) for r in rank]
+            while need > 0 and orders:
+                for order in list(orders):
+                    b = next((b for b in order if not keep[b]), None)
+                    if b is None:
+                        orders.remove(order)
+                    elif need > 0:
+                        keep[b], need = True, need - 1
         return keep.repeat_interleave(block_chunks)[:visible]
 
     def resident(self, ctx: PolicyContext) -> set[int]:
@@ -148,7 +160,7 @@ class FlashMemory(MemoryPolicy):
         if probs is None:
             raise RuntimeError("flashmemory policy without memory-indexer scores")
         per_block = ctx.extra["block_chunks"]
-        keep = self.chunks(probs, probs.numel(), per_block)
+        keep = self.chunks(probs, probs.shape[-1], per_block)
         blocks = {int(c) // per_block for c in torch.nonzero(keep).flatten().tolist()}
         return blocks | {ctx.num_blocks - 1}
 
