@@ -64,9 +64,8 @@ def store_costs(config) -> dict[str, int]:
     from hybridkv.cache.paged import PagedKVStore
     probe = PagedKVStore(config, 1, 1, "fp8", torch.bfloat16, "cpu", resident_pages=1)
     per_block = probe.block_bytes()
-    slot = (sum(r[0].nbytes for r in probe.ring)
-            + sum(a[0].nbytes + b[0].nbytes for st in probe.states for a, b in st.values()))
-    return dict(block=sum(per_block.values()), csa_main=per_block["CSA main"], page=probe.page_bytes(), slot=slot)
+    return dict(block=sum(per_block.values()), csa_main=per_block["CSA main"], page=probe.page_bytes(),
+                slot=sum(probe.slot_bytes().values()))
 
 
 def sizing(costs: dict[str, int], policy: str, share: float, context: int, tokens: int, budget: int) -> dict:

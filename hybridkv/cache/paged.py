@@ -432,9 +432,13 @@ class PagedKVStore:
         out = {k: v * len(seq.block_table) for k, v in per_block.items()}
         if self.offload:
             out["CSA main"] = sum(1 for p in seq.pages if p >= 0) * self.page_bytes()
-        out["window"] = sum(r[0].nbytes for r in self.ring)
-        out["compressor state"] = sum(a[0].nbytes + b[0].nbytes for st in self.states for a, b in st.values())
+        out.update(self.slot_bytes())
         return out
+
+    def slot_bytes(self) -> dict[str, int]:
+        """Device bytes one request slot holds whatever its length: window rings, compressor state."""
+        return {"window": sum(r[0].nbytes for r in self.ring),
+                "compressor state": sum(a[0].nbytes + b[0].nbytes for st in self.states for a, b in st.values())}
 
     def page_bytes(self) -> int:
         return sum(p[0].nbytes for p in self.pages.values())
@@ -509,8 +513,7 @@ class PagedKVStore:
         per_block = self.block_bytes()
         if self.offload:
             per_block["CSA main"] = 0
-        per_slot = (sum(r[0].nbytes for r in self.ring)
-                    + sum(a[0].nbytes + b[0].nbytes for s in self.states for a, b in s.values()))
+        per_slot = sum(self.slot_bytes().values())
         pages = self.page_pool.num_used * self.page_bytes() if self.offload else 0
         return (self.pool.num_used * sum(per_block.values()) + pages
                 + (self.max_slots - len(self._free_slots)) * per_slot)
