@@ -23,7 +23,8 @@ own, and each context (--contexts, default 128k,512k,1m):
    Reported: decode tokens/s, median and recall-step ms, the steps replayed from decode graphs
    (batches up to 64 requests), device KV per request (the allocator's),
    pages recalled and their bytes, the recall rate over the window, and on CUDA from a profiled
-   second window: host-to-device copy time and the share of it during which kernels ran (hidden).
+   second window: the recall copies' device time (the row gathers that read the pinned host pool)
+   and the share of it during which decode kernels ran (hidden).
 
     python benchmarks/flashmemory.py --ckpt /tmp/v4flash-8 [--contexts 128k,512k,1m] [--kv-budget 2g]
         [--share 0.1] [--steps 192] [--policies full,flashmemory] [--chunk 16384] [--json OUT]
@@ -36,8 +37,10 @@ missing. CPU numbers (--smoke) are not results.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -56,6 +59,7 @@ from engine_gpu import collect_rows, emit, ensure_checkpoint, fmt, fmt_bytes  # 
 
 INTERVAL = 64          # the memory policies' recall cadence (decode steps)
 WARM_STEPS = 4
+RECALL_KERNEL = "gather_rows"   # the row gather that reads recalled pages from the pinned host pool
 
 
 def store_costs(config) -> dict[str, int]:
@@ -85,12 +89,16 @@ def sizing(costs: dict[str, int], policy: str, share: float, context: int, token
 
 
 def copy_overlap(trace_path: str) -> dict[str, float]:
-    """From a profiler trace: ms of host-to-device copies, ms of them during which any kernel ran,
-    ms of kernels, and the copies' count."""
-    events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
-    copies = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                    if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "") and "dur" in e)
+    """From a profiler trace: ms of the recall's copies (host-to-device copies and the row gathers that
+    read the pinned host pool), ms of them during which another kernel ran, ms of those other
+    kernels, and the copies' count."""
+    events = [e for e in json.loads(Path(trace_path).read_text()).get("traceEvents", []) if "dur" in e]
+    gathers = [e for e in events if e.get("cat") == "kernel" and RECALL_KERNEL in e.get("name", "")]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "kernel" and RECALL_KERNEL not in e.get("name", ""))
+    copies = sorted([(e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")] +
+                    [(e["ts"], e["ts"] + e["dur"]) for e in gathers])
     merged: list[list[float]] = []
     for a, b in kernels:
         if merged and a <= merged[-1][1]:
@@ -157,15 +165,23 @@ def worker(a) -> None:
         times, recall_steps = [], []
         sync(a.device)
         start = time.perf_counter()
+        hot = cProfile.Profile() if a.cprofile else None
         for _ in range(a.steps):
             recall = (len(src.output_ids) + 1) % INTERVAL == 1    # this step's token runs the policy
+            if recall and hot:
+                hot.enable()
             t = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t)
             if recall:
                 recall_steps.append(times[-1])
+                if hot:
+                    hot.disable()
         sync(a.device)
         window = time.perf_counter() - start
+        if hot:
+            print(f"# {policy} at {context:,}: host time of the {len(recall_steps)} recall steps, under cProfile")
+            pstats.Stats(hot).sort_stats("tottime").print_stats(a.cprofile)
         loaded, evicted = stats.pages_loaded - loaded, stats.pages_evicted - evicted
         graphed = stats.graph_steps - graphed
         overlap = None
@@ -240,6 +256,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, to check the script")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="print the N costliest functions of the recall steps' host time (cProfile; slows them)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.smoke:

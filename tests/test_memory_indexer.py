@@ -98,11 +98,16 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     other = torch.zeros(visible)
     other[32:36] = 0.9                # block 8 first, then block 1 (also the first score's best)
     other[4:6] = 0.6
-    two = FlashMemory(0.5, tail_share=0.2)           # 5 blocks: the newest and four from the rankings
+    two = FlashMemory(0.5, tail_share=0.2, turns=(1, 1))     # 5 blocks: the newest and four from the rankings
     keep = two.chunks(torch.stack([probs, other]), visible, 4)
     blocks = sorted({i // 4 for i in torch.nonzero(keep).flatten().tolist()})
     # 1 (first), 8 (second), 5 (first), then the second's next: its 1 is taken, its zeros go in block order
     assert blocks == [0, 1, 5, 8, 9, 10]
+    # the default turns take one block from the first ranking, then three from the second: 1; 8, 0, 2
+    blocks = torch.nonzero(FlashMemory(0.5, tail_share=0.2).blocks(torch.stack([probs, other]), visible, 4))
+    assert blocks.flatten().tolist() == [0, 1, 2, 8, 9, 10]
+    with pytest.raises(ConfigError, match="turns"):
+        FlashMemory(turns=(0, 0))
     # a context shorter than one block keeps everything
     assert policy.chunks(torch.zeros(3), 3, 4).all()
     assert str(parse_policy("flashmemory")) == "flashmemory-0.15" and parse_policy("flashmemory-0.1").budget == 0.1

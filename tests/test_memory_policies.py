@@ -267,3 +267,32 @@ def test_flashmemory_without_an_indexer_or_with_another_models_is_refused(fixtur
     path = MemoryIndexer.from_native(shipped).save(tmp_path)
     with pytest.raises(ConfigError, match="a memory indexer for another model"):
         LLM(fixtures / "v4-tiny", num_blocks=8, memory_policy="flashmemory", memory_indexer=str(path))
+
+
+def test_requests_recalling_in_one_step_leave_each_request_a_page_for_its_next_block(fixtures, monkeypatch):
+    """Copies in flight hold a request's old resident set and its new pages at once. When that would
+    leave fewer free pages than one a request (the block each may open before its recall arrives),
+    the request's old set is evicted before its copies instead: two requests recalling in the same
+    step do not starve each other's next block."""
+    from hybridkv.cache.paged import PagedKVStore
+    from hybridkv.presets import load_config
+    copy = PagedKVStore._copy_pages
+    monkeypatch.setattr(PagedKVStore, "_copy_pages",
+                        lambda self, seq, loads: copy(self, seq, loads) or (_CopiesInFlight() if loads else None))
+    store = PagedKVStore(load_config(fixtures / "v4-tiny"), 16, 2, resident_pages=11)
+    a, b = store.new_seq(), store.new_seq()
+    for seq in (a, b):
+        seq.block_table = [store.pool.allocate() for _ in range(5)]
+        store.attach_pages(seq)
+        store.set_resident(seq, {3, 4})                 # two pages each: 7 free
+    assert store.page_pool.num_free == 7
+    assert store.start_recall(a, {0, 1, 2, 4}) == 3     # 3 ≤ 7 − 2: a holds its old set while copying
+    assert a.pages[3] >= 0 and store.page_pool.num_free == 4
+    assert store.start_recall(b, {0, 1, 2, 4}) == 3     # 3 > 4 − 2: b's block 3 leaves first
+    assert b.pages[3] < 0 and store.page_pool.num_free == 2
+    for seq in (a, b):                                  # each opens a block before its recall arrives
+        seq.block_table.append(store.pool.allocate())
+        store.attach_pages(seq)
+    for seq in (a, b):
+        assert store.settle_recall(seq, wait=True) == (3, 1)
+        assert [i for i, p in enumerate(seq.pages) if p >= 0] == [0, 1, 2, 4, 5]

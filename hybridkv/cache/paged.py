@@ -28,6 +28,7 @@ from hybridkv.ops.kv_formats import (index_block_rows, index_block_views, index_
                                      unpack_index_fp4, unpack_main_fp8, unpack_v41_global, unpack_v41_window,
                                      v41_global_bytes, v41_window_bytes)
 from hybridkv.ops.paged import PagedBatch
+from hybridkv.ops.row_gather import gather_rows_
 
 KV_FORMATS = ("native", "bf16", "fp8", "v41")
 
@@ -297,16 +298,25 @@ class PagedKVStore:
         if self._written_back is not None and len(seq.pages) < len(seq.block_table):
             # a new page's writes come after any write-back still reading it from an earlier owner
             torch.cuda.current_stream(self.device).wait_event(self._written_back)
+        loads: dict[int, int] = {}
         while len(seq.pages) < len(seq.block_table):
             b = len(seq.pages)
             page = self.page_pool.allocate()  # raises OutOfBlocks when the page pool is full
             if self.pages and b * self.block_tokens < seq.frozen_until:
-                self._load_page(page, seq.block_table[b])
+                loads[b] = page
             seq.pages.append(page)
             seq.pages_version += 1
+        self._load_pages(seq, loads)
 
-    def _load_page(self, page: int, block: int) -> None:
-        self._page_csa[page].copy_(self._host_csa[block], non_blocking=True)
+    def _load_pages(self, seq: SeqCache, loads: dict[int, int]) -> None:
+        """Fill device pages from their blocks' host rows ({block index: page}), on the current stream:
+        one gather that the device runs over the pinned host pool on CUDA, whatever the count."""
+        if not loads or not self.pages:
+            return
+        rows = torch.tensor([[seq.block_table[b] for b in loads], list(loads.values())], dtype=torch.int64)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        gather_rows_(self._page_csa, rows[1], self._host_csa, rows[0])
 
     def page_tables(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor:
         """Requests' page tables [R, blocks] (−1: host only) as tables of `page_rows` for one CSA layer."""
@@ -359,13 +369,16 @@ class PagedKVStore:
         filled from host memory on a copy stream of their own (on CUDA; at once elsewhere), ordered
         after the work queued so far, so the copies overlap the decode steps queued after them. Until
         `settle_recall` finds them arrived, the resident blocks stay as they are and the new ones are
-        not read. The request's previous recall must be settled. Returns the pages started. With
-        too few free pages for both sets at once the old set is evicted before the copies."""
+        not read. The request's previous recall must be settled. Returns the pages started. When
+        holding both sets at once would leave fewer free pages than one for each request (the block
+        each may open before its recall arrives), the old set is evicted before the copies: requests
+        that recall in the same step cannot take the pages the others' next blocks need."""
         if seq.recall is not None:
             raise RuntimeError("a recall is still in flight for this request: settle it first")
         want = [b for b in sorted(keep) if b < len(seq.pages) and seq.pages[b] < 0]
         evicted = 0
-        if len(want) > self.page_pool.num_free:
+        requests = self.max_slots - len(self._free_slots)
+        if len(want) > self.page_pool.num_free - requests:
             for b, page in enumerate(seq.pages):
                 if page >= 0 and b not in keep:
                     self.page_pool.release(page)
@@ -380,8 +393,7 @@ class PagedKVStore:
         if not loads or not self.pages:
             return None
         if self.device.type != "cuda":
-            for b, page in loads.items():
-                self._load_page(page, seq.block_table[b])
+            self._load_pages(seq, loads)
             return None
         compute = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
@@ -389,8 +401,7 @@ class PagedKVStore:
         # after everything queued so far: a page freed by an earlier eviction may still be read there
         self._copy_stream.wait_stream(compute)
         with torch.cuda.stream(self._copy_stream):
-            for b, page in loads.items():
-                self._load_page(page, seq.block_table[b])
+            self._load_pages(seq, loads)
             arrived = torch.cuda.Event()
             arrived.record(self._copy_stream)
         return arrived

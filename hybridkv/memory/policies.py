@@ -16,10 +16,10 @@ being filled is always resident. Policies run when a request's prefill ends and 
 - `flashmemory-B` (FlashMemory's lookahead recall; B, default 0.15, the resident share of the
   complete blocks): the memory indexer (`memory.indexer`) scores every existing chunk at the end of
   the prefill (twice: from the prompt's last position and as the mean over its last `query_rows`,
-  32, positions, the two rankings taking turns) and every 64 decode steps from the last position;
-  the newest blocks (a third of the budget, at least one) stay, then the blocks with the most chunks
-  above 0.5 (ties: the larger summed probability) up to the budget; FlashMemory's pages of 64 chunks are these
-  blocks of 32. The engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
+  32, positions, the two rankings taking turns, three blocks from the mean for one from the last
+  row) and every 64 decode steps from the last position; the newest blocks (a third of the budget,
+  at least one) stay, then the blocks with the most chunks above 0.5 (ties: the larger summed
+  probability) up to the budget; FlashMemory's pages of 64 chunks are these blocks of 32. The engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
 """
 
 from __future__ import annotations
@@ -115,18 +115,22 @@ class FlashMemory(MemoryPolicy):
     # the first recall's second score: the mean over the prompt's last rows (docs/training-log.md)
     query_rows = 32
 
-    def __init__(self, budget: float = 0.15, tail_share: float = 1 / 3):
+    def __init__(self, budget: float = 0.15, tail_share: float = 1 / 3, turns: tuple[int, ...] = (1, 3)):
+        """turns: with several scores (the first recall: the prompt's last row, then the mean over its
+        last rows), how many blocks each ranking takes in a turn (1 and 3: the mean found the most
+        needles at 32K, docs/training-log.md)."""
         if not 0 < budget <= 1:
             raise ConfigError(f"flashmemory needs a resident share in (0, 1], got {budget}")
-        self.budget, self.tail_share = budget, tail_share
+        if not turns or min(turns) < 0 or not sum(turns):
+            raise ConfigError(f"flashmemory's turns must be counts ≥ 0, not all 0, got {turns}")
+        self.budget, self.tail_share, self.turns = budget, tail_share, tuple(turns)
         self.name = f"flashmemory-{budget:g}"
         self.scorer = None          # the memory indexer, attached by the engine
 
-    def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
-        """bool [visible]: the chunks of the blocks this recall keeps (the block being filled always),
-        from the chunk probabilities [≥ visible] of one query, or [V, ≥ visible] of several (the
-        engine's first recall: the prompt's last row and the mean over its last rows), whose block
-        rankings then take turns filling the budget."""
+    def blocks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
+        """bool [blocks of `visible` chunks]: the blocks this recall keeps (the block being filled
+        always), from the chunk probabilities [≥ visible] of one query, or [V, ≥ visible] of several
+        (the engine's first recall), whose block rankings then take turns filling the budget."""
         n_blocks = -(-visible // block_chunks)
         complete = visible // block_chunks
         keep = torch.zeros(n_blocks, dtype=torch.bool)
@@ -134,35 +138,41 @@ class FlashMemory(MemoryPolicy):
         budget = max(1, round(self.budget * complete)) if complete else 0
         tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
         keep[complete - tail:complete] = True
-        scores = probs.float().cpu().reshape(-1, probs.shape[-1])
-        p = torch.zeros(scores.shape[0], n_blocks * block_chunks)
+        scores = probs.float().reshape(-1, probs.shape[-1])
+        p = torch.zeros(scores.shape[0], n_blocks * block_chunks, device=scores.device)
         p[:, :visible] = scores[:, :visible]
         p = p.view(-1, n_blocks, block_chunks)
-        rank = (p > 0.5).sum(2).float() * (block_chunks + 1) + p.sum(2)     # the count first, mass breaks ties
+        rank = ((p > 0.5).sum(2).float() * (block_chunks + 1) + p.sum(2)).cpu()  # the count first, mass breaks ties
         rank[:, keep] = -math.inf
         need = min(budget - tail, complete)
         if need > 0 and rank.shape[0] == 1:
             top = rank[0, :complete].topk(need).indices
             keep[top[rank[0, top] > -math.inf]] = True
         elif need > 0:
-            orders = [iter(r[:complete].argsort(descending=True, stable=True).tolist()) for r in rank]
+            turns = self.turns[:rank.shape[0]] + (1,) * (rank.shape[0] - len(self.turns))
+            orders = [[iter(r[:complete].argsort(descending=True, stable=True).tolist()), t]
+                      for r, t in zip(rank, turns) if t > 0]
             while need > 0 and orders:
                 for order in list(orders):
-                    b = next((b for b in order if not keep[b]), None)
-                    if b is None:
-                        orders.remove(order)
-                    elif need > 0:
+                    for _ in range(order[1]):
+                        b = next((b for b in order[0] if not keep[b]), None) if need > 0 else -1
+                        if b is None:
+                            orders.remove(order)
+                        if b is None or b < 0:
+                            break
                         keep[b], need = True, need - 1
-        return keep.repeat_interleave(block_chunks)[:visible]
+        return keep
+
+    def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
+        """bool [visible]: the chunks of the blocks `blocks` keeps."""
+        return self.blocks(probs, visible, block_chunks).repeat_interleave(block_chunks)[:visible]
 
     def resident(self, ctx: PolicyContext) -> set[int]:
         probs = ctx.extra.get("chunk_probs")
         if probs is None:
             raise RuntimeError("flashmemory policy without memory-indexer scores")
-        per_block = ctx.extra["block_chunks"]
-        keep = self.chunks(probs, probs.shape[-1], per_block)
-        blocks = {int(c) // per_block for c in torch.nonzero(keep).flatten().tolist()}
-        return blocks | {ctx.num_blocks - 1}
+        keep = self.blocks(probs, probs.shape[-1], ctx.extra["block_chunks"])
+        return set(torch.nonzero(keep).flatten().tolist()) | {ctx.num_blocks - 1}
 
 
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:

@@ -4,6 +4,7 @@ a request whose blocks all stay resident decodes as under `full`."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from hybridkv.engine import LLM, SamplingParams
@@ -73,3 +74,20 @@ def test_offloading_policy_on_the_kernels_equals_the_reference_path(monkeypatch)
         runs.append(logits)
     for a, b in zip(*runs):
         assert float((a[0] - b[0]).norm() / b[0].norm()) < 5e-2
+
+
+def test_row_gather_reads_pinned_host_memory_on_a_side_stream():
+    """The recall's page gather: the kernel reads the pinned host pool itself (no copy per page),
+    queued on the copy stream, and the pages hold the host rows' bytes."""
+    from hybridkv.ops.row_gather import gather_rows_
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(0, 255, (300, 3, 64, 73), generator=g, dtype=torch.uint8).pin_memory()
+    pages = torch.zeros(40, 3, 64, 73, dtype=torch.uint8, device="cuda")
+    src, dst = torch.randperm(300, generator=g)[:40], torch.randperm(40, generator=g)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        gather_rows_(pages, dst.cuda(), host, src.cuda())
+    stream.synchronize()
+    assert torch.equal(pages.cpu()[dst], host[src])
+    with pytest.raises(ValueError, match="pinned"):
+        gather_rows_(pages, dst.cuda(), host.clone(), src.cuda())
