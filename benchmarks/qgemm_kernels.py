@@ -7,8 +7,8 @@ dense-copy path runs) and the prefill path through torch's block-scaled matmul
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected;
 then the widened decode linears (`--float-rows`: the bf16 compressor stacks and the MoE gate, float32
 out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--block 32` times the FP8 linears at
-V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM, and the FP8 tensor-core kernel
-where `HYBRIDKV_FP8_MMA=all` enables it for 32×32 tiles).
+V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM against the FP8 tensor-core kernel,
+which decode runs unless `HYBRIDKV_FP8_MMA=0`).
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
 fastest (`--experts-used N` routes the tokens among N experts, several rows each) (to copy into `fp8_config` / `grouped_config`). On CUDA every time is the median device
 time of CUDA-graph replays (the decode step runs as a graph). A launch replayed back to back finds

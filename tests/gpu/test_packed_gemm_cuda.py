@@ -84,7 +84,7 @@ def test_fp8_mma_linear_with_v41_scale_tiles(n, k, rows, x_dtype, out_dtype, mon
     block's activation scale differs; every tile configuration; repeated launches bit-equal; what
     `packed_fp8_linear` runs once enabled."""
     from hybridkv.ops.qgemm import fp8_mma, packed_fp8_linear
-    monkeypatch.setenv("HYBRIDKV_FP8_MMA", "all")
+    monkeypatch.delenv("HYBRIDKV_FP8_MMA", raising=False)       # on by default
     g = torch.Generator(device=DEV).manual_seed(n + k + rows)
     q, s = quant_fp8_weight(torch.randn(n, k, device=DEV, generator=g) * 0.02
                             * torch.logspace(-1, 1, n // 32, device=DEV).repeat_interleave(32)[:, None], (32, 32))

@@ -364,15 +364,12 @@ def test_stacked_projections_equal_each_linear_alone(device, monkeypatch):
         assert rel_rms(b.float(), a.float()) < (1e-5 if a.dtype == torch.float32 else 4e-3)
 
 
-def test_fp8_mma_reads_v41_scale_tiles_only_where_enabled(monkeypatch):
-    """32×32 scale tiles (V4.1) take the FP8 tensor-core kernel only with HYBRIDKV_FP8_MMA=all (it
-    has not yet run on a GPU); 128×128 (V4) by default; no other tile; its tiles divide every
-    V4.1-Flash FP8 linear."""
+def test_fp8_mma_reads_v4_and_v41_scale_tiles_unless_switched_off(monkeypatch):
+    """128×128 (V4) and 32×32 (V4.1) scale tiles take the FP8 tensor-core kernel by default, neither
+    with HYBRIDKV_FP8_MMA=0; no other tile; its tiles divide every V4.1-Flash FP8 linear."""
     from hybridkv.ops.qgemm import fp8_mma
     monkeypatch.delenv("HYBRIDKV_FP8_MMA", raising=False)
-    assert fp8_mma.enabled(128) and not fp8_mma.enabled(32)
-    monkeypatch.setenv("HYBRIDKV_FP8_MMA", "all")
-    assert fp8_mma.enabled(128) and fp8_mma.enabled(32)
+    assert fp8_mma.enabled(128) and fp8_mma.enabled(32) and not fp8_mma.enabled(64)
     monkeypatch.setenv("HYBRIDKV_FP8_MMA", "0")
     assert not fp8_mma.enabled(128) and not fp8_mma.enabled(32)
     with pytest.raises(ValueError, match="scale tiles of 64"):

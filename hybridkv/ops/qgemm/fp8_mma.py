@@ -233,11 +233,9 @@ fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, 
 """
 
 def enabled(block: int = SCALE_BLOCK) -> bool:
-    """Whether decode-sized FP8 linears with `block`×`block` scale tiles take this kernel on CUDA.
-    128 (V4): yes unless `HYBRIDKV_FP8_MMA=0` (then the Triton kernel, as before). 32 (V4.1): only
-    with `HYBRIDKV_FP8_MMA=all`, until tests/gpu/test_packed_gemm_cuda.py has passed on a GPU."""
-    mode = os.environ.get("HYBRIDKV_FP8_MMA", "1")
-    return mode != "0" and (block == SCALE_BLOCK or mode == "all")
+    """Whether decode-sized FP8 linears with `block`×`block` scale tiles (128: V4; 32: V4.1) take this
+    kernel on CUDA: yes unless `HYBRIDKV_FP8_MMA=0` (then the Triton kernel, the A/B baseline)."""
+    return os.environ.get("HYBRIDKV_FP8_MMA", "1") != "0" and block in SCALE_BLOCKS
 
 
 def usable(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, block: int = SCALE_BLOCK) -> bool:
