@@ -201,13 +201,19 @@ def test_offloading_policies_decode_through_the_fixed_shape_forward(fixtures, wa
     from engine_helpers import prompts_of
     from hybridkv.memory.indexer import MemoryIndexer
 
-    scored = []          # the memory indexer's inputs at every recall, run by run
-    probabilities = MemoryIndexer.probabilities
+    scored = []          # the memory indexer's inputs at every recall, run by run, request by request
+    probabilities, paged = MemoryIndexer.probabilities, MemoryIndexer.paged_probabilities
 
     def record(self, xs, positions, keys):
         scored[-1].append((positions.tolist(), {layer: x.clone() for layer, x in xs.items()}))
         return probabilities(self, xs, positions, keys)
+
+    def record_paged(self, xs, positions, *args):        # the recalls due in one step, scored at once
+        for i, p in enumerate(positions.tolist()):
+            scored[-1].append(([p], {layer: x[i:i + 1].clone() for layer, x in xs.items()}))
+        return paged(self, xs, positions, *args)
     monkeypatch.setattr(MemoryIndexer, "probabilities", record)
+    monkeypatch.setattr(MemoryIndexer, "paged_probabilities", record_paged)
     prompts = prompts_of([740, 700, 300], seed=12)
     kw = {"memory_indexer": str(warm_start_indexer)} if policy.startswith("flashmemory") else {}
     runs = []

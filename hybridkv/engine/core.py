@@ -35,6 +35,7 @@ from hybridkv.memory import PolicyContext, parse_policy
 from hybridkv.model import ForwardBatch, Transformer
 from hybridkv.model.ced import skipped_flops as ced_skipped_flops
 from hybridkv.model.state import AttentionCapture
+from hybridkv.ops.paged import PagedBatch
 
 
 @dataclass
@@ -106,6 +107,7 @@ class EngineCore:
         # flashmemory with async scheduling: the layer inputs and rows of the step whose tokens are being
         # emitted, when a step queued behind it has already replaced `_query_x` / `_query_rows`
         self._emit_query: tuple[dict[int, torch.Tensor], dict[str, tuple[int, int]]] | None = None
+        self._due_scores: dict[str, torch.Tensor] = {}     # memory-indexer scores of this step's recalls
         if self.memory.needs_query:
             self._attach_memory_indexer()
         self.speculative = self.ec.speculative is not None
@@ -297,6 +299,7 @@ class EngineCore:
             if self.stats.graph_steps > graph_steps:
                 drawn.start_transfer()           # before the next step is queued behind it
                 self._queue_next(emitting, drawn, list(range(len(emitting))))
+            self._score_due_recalls(emitting)
             events = [self._emit(seq, row, s) for seq, row, s in zip(emitting, rows, drawn.host())]
             self._emit_query = None
         self.stats.steps += 1
@@ -360,6 +363,7 @@ class EngineCore:
             self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
             self._publish_snapshots(seq)
         self._queue_next(seqs, q.drawn, live)
+        self._score_due_recalls(seqs)
         events = [self._emit(seq, q.logits[i], s) for i, seq, s in zip(live, seqs, q.drawn.host(live))]
         self._emit_query = None
         self.stats.steps += 1
@@ -703,10 +707,40 @@ class EngineCore:
                 layer: torch.cat([tail.get(layer, x[:0]), x[first:first + n]])[-q:].clone()
                 for layer, x in self._query_x.items()})
 
+    def _score_due_recalls(self, seqs: list[Sequence]) -> None:
+        """Before a step's tokens are emitted, on the paged kernels: the memory indexer scores every
+        request whose decode recall this step's token runs, all at once (one scoring launch per target
+        layer over the stored keys, one wait for the device), for `_memory_scores` to hand out."""
+        self._due_scores = {}
+        if not self.memory.needs_query or self.store.kernel_formats is None:
+            return
+        due = [s for s in seqs if s.output_ids and not len(s.output_ids) % self.memory.interval
+               and s.request_id not in self._prompt_tail]
+        if not due:
+            return
+        mi = self.memory.scorer
+        query_x, query_rows = self._emit_query or (self._query_x, self._query_rows)
+        last = torch.tensor([sum(query_rows[s.request_id]) - 1 for s in due], device=self.device)
+        xs = {layer: query_x[layer].index_select(0, last) for layer in mi.config.layers}
+        ratio = self.model.layers[mi.config.layers[0]].attn.ratio
+        pos = [s.num_computed - 1 for s in due]
+        batch = PagedBatch.build([(s.cache.slot, p, 1, s.cache.block_table) for s, p in zip(due, pos)],
+                                 self.store.block_tokens, self.device)
+        max_visible = (max(pos) + 1) // ratio
+        with torch.inference_mode():
+            probs = mi.paged_probabilities(xs, batch.positions.long(), batch,
+                                           {layer: self.store.entries[layer]["index"] for layer in mi.config.layers},
+                                           ratio, self.store.kernel_formats[1], max_visible).cpu()
+        for i, (s, p) in enumerate(zip(due, pos)):
+            self._due_scores[s.request_id] = probs[i, :(p + 1) // ratio]
+
     def _memory_scores(self, seq: Sequence) -> torch.Tensor:
         """The memory indexer's probabilities [visible chunks] from the request's last computed row; at
         the prefill's end [2, visible chunks]: from the prompt's last row and the mean over its last
-        `query_rows` rows (its question and what leads to it; `FlashMemory.chunks` takes from both)."""
+        `query_rows` rows (its question and what leads to it; `FlashMemory.chunks` takes from both).
+        Scores `_score_due_recalls` computed for the request are taken as they are."""
+        if seq.request_id in self._due_scores:
+            return self._due_scores.pop(seq.request_id)
         mi = self.memory.scorer
         pos = seq.num_computed - 1
         end, tail = self._prompt_tail.pop(seq.request_id, (None, None))

@@ -101,6 +101,23 @@ class MemoryIndexer(nn.Module):
         return torch.stack([self.layer_logits(layer, xs[layer], positions, keys[layer]).sigmoid()
                             for layer in self.config.layers]).amax(0)
 
+    def paged_probabilities(self, xs: dict[int, torch.Tensor], positions: torch.Tensor, batch, pools: dict[int, torch.Tensor],
+                            ratio: int, fmt: str, max_visible: int) -> torch.Tensor:
+        """The serving score of one query row per request of a paged batch, over the keys where the
+        store holds them (`pools[layer]`, in `fmt`; `hybridkv.ops.indexer_topk.paged_scores`: one
+        launch per target layer for every request on CUDA): [R, max_visible], 0 beyond a request's
+        visible chunks. xs[layer] [R, dim], positions [R]."""
+        from hybridkv.ops.indexer_topk import paged_scores
+        out = None
+        freqs = rope_freqs(positions.to(self.inv_freq.device), self.inv_freq)
+        for layer in self.config.layers:
+            sc = self.scorers[str(layer)]
+            q, w = sc.queries(xs[layer], freqs)
+            p = (paged_scores(q, w, batch, pools[layer], ratio, fmt, self.config.head_dim, max_visible)
+                 + sc.bias).sigmoid()                       # −inf beyond the visible chunks: 0
+            out = p if out is None else torch.maximum(out, p)
+        return out
+
     # ----- building, saving, loading -----
 
     @classmethod

@@ -35,3 +35,40 @@ def test_offloading_policy_decodes_through_the_kernels_as_the_reference_path_doe
     assert ids == ref_ids
     assert float((logits - ref_logits).norm() / ref_logits.norm()) < 2e-2
     assert ref_written == 0 and written == 1     # block 3 completed at position 511
+
+
+@interpreter_only
+def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_keys(monkeypatch, tmp_path):
+    """On the paged kernels the memory indexer scores every request whose decode recall a step's
+    token runs in one pass (`paged_scores` over the FP4 keys where the store holds them), and the
+    policy gets what the request-by-request path (keys unpacked, float32) gives, within the kernel's
+    rounding of the queries to fp16 (3.5e-5 here, the scores spreading 0.04)."""
+    from hybridkv.engine.core import EngineCore
+    from hybridkv.memory.indexer import MemoryIndexer
+    from hybridkv.presets import load_config
+    path = MemoryIndexer.random(load_config(FP8_FIXTURE)).save(tmp_path)
+    eng = LLM(FP8_FIXTURE, num_blocks=32, max_num_seqs=2, max_num_batched_tokens=1024, kv_format="fp8",
+              memory_policy="flashmemory-0.3", memory_indexer=str(path)).engine
+    g = torch.Generator().manual_seed(5)
+    seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=66, ignore_eos=True)) for n in (509, 430)]
+    while len(seqs[0].output_ids) < 63:                  # the reference path up to the step before the recall
+        eng.step()
+    seen = []
+    scores = EngineCore._memory_scores
+
+    def both(self, seq):
+        batched = seq.request_id in self._due_scores
+        got = scores(self, seq)
+        seen.append((batched, seq.num_computed // 4, got, scores(self, seq)))   # the second: request by request
+        return got
+    monkeypatch.setattr(EngineCore, "_memory_scores", both)
+    eng.store.kernel_formats = ("fp8", "fp4")
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    while eng.has_unfinished():
+        eng.step()
+    # the recall after 64 decode steps, both requests in one step: each scores the chunks it sees
+    assert [(b, visible) for b, visible, _, _ in seen] == [(True, (509 + 63) // 4), (True, (430 + 63) // 4)]
+    for _, visible, got, want in seen:
+        assert got.shape == want.shape == (visible,)
+        assert float((got - want).abs().max()) < 5e-4 and 0 < float(got.std())
