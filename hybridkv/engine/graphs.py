@@ -41,7 +41,7 @@ import torch
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, _window_complete
 from hybridkv.model.state import DecodeGroup, ForwardBatch
 
-MAX_GRAPH_BATCH = 64          # the indexer's decode-shaped scoring (one token per program) up to here
+MAX_GRAPH_BATCH = 256         # requests a captured decode step holds (padded to a power of two)
 STEPS_PER_OCTAVE = 8          # context buckets: the next multiple of 2^k / 8 (at most 1/8 idle rows)
 
 

@@ -93,3 +93,20 @@ def test_v41_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
         logits = graphs._forward(inputs, cap)
     assert torch.isfinite(logits).all()
     assert not static.flagged, dict(static.flagged)
+
+
+@interpreter_only
+def test_a_decode_step_of_more_than_64_requests_never_waits_for_the_device(monkeypatch):
+    """A captured step holds up to `MAX_GRAPH_BATCH` requests: with 2 requests and 63 padding rows the
+    indexer still scores one token per program (its tile path groups a request's tokens on the host),
+    and nothing else in the forward reads the device back."""
+    from hybridkv.engine.graphs import MAX_GRAPH_BATCH
+    assert MAX_GRAPH_BATCH >= 128
+    eng, seqs, graphs, heads, cap = next_decode_step(FP8_FIXTURE, "fp8", ("fp8", "fp4"), seed=0, padding=63)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    inputs = graphs._host_inputs(heads, [s.cache for s in seqs], cap)
+    static = _Recorder()
+    with static:
+        logits = graphs._forward(inputs, cap)
+    assert logits.shape[0] == 65 and torch.isfinite(logits[:2]).all()
+    assert not static.flagged, dict(static.flagged)

@@ -449,8 +449,12 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     flat, fp4, words, epb, max_visible = _paged_pool(q, batch, pool, ratio, fmt, head_dim, max_visible)
     if resident is not None:
         resident = resident.to(torch.int32).contiguous()
+    # one token per request (a decode group, known from the shapes): the decode-shaped scoring at any
+    # batch size; the tile path groups a request's consecutive tokens, found on the host
+    decode = batch.token_req.shape[0] == batch.block_tables.shape[0]
     return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, batch.positions, topk,
-                max_visible, fp4, True, epb, head_dim or q.shape[-1], words=words, vis_ratio=ratio, resident=resident)
+                max_visible, fp4, True, epb, head_dim or q.shape[-1], block_t=1 if decode else None, words=words,
+                vis_ratio=ratio, resident=resident)
 
 
 def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_dim=None, max_visible=None):
