@@ -21,7 +21,7 @@ own, and each context (--contexts, default 128k,512k,1m):
    (`MemoryIndexer.random`): it costs what a trained one costs, and recalls B of the blocks, about
    90 % of them new at every recall (a trained one keeps many: this is the traffic's upper end).
    Reported: decode tokens/s, median and recall-step ms, the steps replayed from decode graphs
-   (batches up to `MAX_GRAPH_BATCH` requests), device KV per request (the allocator's),
+   (batches up to 64 requests; `HYBRIDKV_GRAPH_BATCH` raises it), device KV per request (the allocator's),
    pages recalled and their bytes, the recall rate over the window, and on CUDA from a profiled
    second window: the recall copies' device time (the row gathers that read the pinned host pool)
    and the share of it during which decode kernels ran (hidden).

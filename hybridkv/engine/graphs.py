@@ -33,16 +33,30 @@ final once the step is).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, _window_complete
+from hybridkv.errors import ConfigError
 from hybridkv.model.state import DecodeGroup, ForwardBatch
 
-MAX_GRAPH_BATCH = 256         # requests a captured decode step holds (padded to a power of two)
+MAX_GRAPH_BATCH = 64          # requests a captured decode step holds; HYBRIDKV_GRAPH_BATCH raises it
 STEPS_PER_OCTAVE = 8          # context buckets: the next multiple of 2^k / 8 (at most 1/8 idle rows)
+
+
+def max_graph_batch() -> int:
+    """The most requests a decode step replayed from a graph holds: `MAX_GRAPH_BATCH`, or
+    `HYBRIDKV_GRAPH_BATCH` (up to 1024). Above 64 the fixed-shape forward makes no host read (tested
+    on the CPU) but has not been captured on a GPU yet, hence opt-in."""
+    raw = os.environ.get("HYBRIDKV_GRAPH_BATCH")
+    if raw is None:
+        return MAX_GRAPH_BATCH
+    if not raw.isdigit() or not 1 <= int(raw) <= 1024:
+        raise ConfigError(f"HYBRIDKV_GRAPH_BATCH={raw!r}: a request count from 1 to 1024")
+    return int(raw)
 
 
 def context_bucket(max_pos: int, block_tokens: int) -> int:
@@ -114,7 +128,7 @@ class DecodeGraphs:
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
         W = self.store.config.sliding_window
-        return 0 < len(seqs) <= MAX_GRAPH_BATCH and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
+        return 0 < len(seqs) <= max_graph_batch() and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
 
     def run(self, ids: list[int] | torch.Tensor, seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b].

@@ -8,6 +8,7 @@ cached CPU constant) is invisible here, where both are the CPU: tests/gpu captur
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -97,11 +98,18 @@ def test_v41_fixed_shape_decode_forward_never_waits_for_the_device(monkeypatch):
 
 @interpreter_only
 def test_a_decode_step_of_more_than_64_requests_never_waits_for_the_device(monkeypatch):
-    """A captured step holds up to `MAX_GRAPH_BATCH` requests: with 2 requests and 63 padding rows the
-    indexer still scores one token per program (its tile path groups a request's tokens on the host),
-    and nothing else in the forward reads the device back."""
-    from hybridkv.engine.graphs import MAX_GRAPH_BATCH
-    assert MAX_GRAPH_BATCH >= 128
+    """With HYBRIDKV_GRAPH_BATCH above 64, a captured step holds more requests: with 2 requests and 63
+    padding rows the indexer still scores one token per program (its tile path groups a request's
+    tokens on the host), and nothing else in the forward reads the device back."""
+    from hybridkv.engine.graphs import max_graph_batch
+    from hybridkv.errors import ConfigError
+    assert max_graph_batch() == 64
+    monkeypatch.setenv("HYBRIDKV_GRAPH_BATCH", "256")
+    assert max_graph_batch() == 256
+    for bad in ("0", "2048", "many"):
+        monkeypatch.setenv("HYBRIDKV_GRAPH_BATCH", bad)
+        with pytest.raises(ConfigError, match="HYBRIDKV_GRAPH_BATCH"):
+            max_graph_batch()
     eng, seqs, graphs, heads, cap = next_decode_step(FP8_FIXTURE, "fp8", ("fp8", "fp4"), seed=0, padding=63)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     inputs = graphs._host_inputs(heads, [s.cache for s in seqs], cap)
