@@ -162,7 +162,7 @@ class PagedKVStore:
         csa = [i for i in range(self.num_layers) if config.layer_kind(i) == "csa"] if self.offload else []
         if csa:
             # one block's CSA main entries of every CSA layer lie together, in host memory and in a
-            # device page, so that a recall moves a page in one copy
+            # device page, so that a recall moves a page as one row (`gather_rows_`)
             kv, per = self.codec["kv"], self.block_tokens // config.layer_ratio(csa[0])
             self._host_csa = torch.zeros(num_blocks, len(csa), per, kv.width, dtype=kv.storage_dtype,
                                          pin_memory=self.device.type == "cuda")

@@ -1,9 +1,9 @@
 """Row gathers between memories: `dst[dst_rows] = src[src_rows]` over the first dimension, as one
 operation however many rows move. On CUDA one Triton launch, which reads `src` where it lies: a
 source in pinned host memory is read by the device itself over PCIe (the host does not walk the
-rows, and the copy queues on the current stream like any kernel). That is how a FlashMemory recall
-moves hundreds of pages a request: one `cudaMemcpyAsync` a page cost tens of microseconds of host
-time each. Elsewhere the plain-torch index copy."""
+rows, and the copy queues on the current stream like any kernel). A FlashMemory recall moves
+hundreds of pages a request this way, where a copy call per page would cost the host tens of
+microseconds each. Elsewhere the plain-torch index copy."""
 
 from __future__ import annotations
 
