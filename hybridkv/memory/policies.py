@@ -150,17 +150,17 @@ class FlashMemory(MemoryPolicy):
             keep[top[rank[0, top] > -math.inf]] = True
         elif need > 0:
             turns = self.turns[:rank.shape[0]] + (1,) * (rank.shape[0] - len(self.turns))
-            orders = [[iter(r[:complete].argsort(descending=True, stable=True).tolist()), t]
+            orders = [(iter(r[:complete].argsort(descending=True, stable=True).tolist()), t)
                       for r, t in zip(rank, turns) if t > 0]
             while need > 0 and orders:
-                for order in list(orders):
-                    for _ in range(order[1]):
-                        b = next((b for b in order[0] if not keep[b]), None) if need > 0 else -1
-                        if b is None:
+                for order in list(orders):      # each ranking takes its turn's blocks, best first
+                    ranked, turn = order
+                    while turn > 0 and need > 0:
+                        b = next((b for b in ranked if not keep[b]), None)
+                        if b is None:               # this ranking has nothing left to give
                             orders.remove(order)
-                        if b is None or b < 0:
                             break
-                        keep[b], need = True, need - 1
+                        keep[b], need, turn = True, need - 1, turn - 1
         return keep
 
     def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
