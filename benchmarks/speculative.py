@@ -8,7 +8,8 @@ Workloads, greedy: "needle" = pass-key and single-needle prompts (`hybridkv.task
 answers (the model stops at its EOS); "free text" = a haystack of filler sentences without a
 question, continued for `--free-tokens` tokens (ignore_eos). For every workload, batch and k
 (0 = no speculation): decode tokens/s (tokens after each request's first, over the decode steps'
-time; `--prompts` prompts in groups of the batch size, each group's fastest of `--repeats` runs),
+time; `--prompts` prompts in groups of the batch size, each group's fastest of `--repeats` runs,
+the settings taking turns within each repeat),
 the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft acceptance
 rate, whether the outputs equal plain decoding's, and how far the logits are from plain decoding's
 (the largest |difference| of each token's logits, max and median over the tokens both runs share).
@@ -60,11 +61,22 @@ def workloads(tok: TaskTokenizer, context: int, n: int, free_tokens: int) -> dic
             "free text": (free, SamplingParams(max_tokens=free_tokens, ignore_eos=True))}
 
 
-def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int, repeats: int) -> dict:
-    """`decode_run` over the prompts in groups of `batch`, `repeats` times: tokens/s from each
-    group's fastest repeat (the least disturbed by other work on the machine)."""
+def measure(llms: list[LLM], prompts: list[list[int]], params: SamplingParams, batch: int, repeats: int) -> list[dict]:
+    """`decode_run` of every engine over the prompts in groups of `batch`, `repeats` times, the
+    engines taking turns within each repeat (so that a slower stretch of a shared machine falls on all
+    of them alike): for each engine, tokens/s from each group's fastest repeat."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    runs = [[decode_run(llm, g, params) for _ in range(repeats)] for g in groups]
+    runs = [[[] for _ in groups] for _ in llms]
+    for _ in range(repeats):
+        for g, group in enumerate(groups):
+            for m, llm in enumerate(llms):
+                runs[m][g].append(decode_run(llm, group, params))
+    return [summarise(r) for r in runs]
+
+
+def summarise(runs: list[list[dict]]) -> dict:
+    """One engine's runs, [group][repeat]: tokens/s from each group's fastest repeat, acceptance from
+    the first repeats, the outputs and logits of the first repeats, and whether the repeats agree."""
     best = [min(r, key=lambda x: x["seconds"]) for r in runs]
     seconds, tokens = sum(b["seconds"] for b in best), sum(b["decode_tokens"] for b in best)
     first = [r[0] for r in runs]
@@ -212,11 +224,10 @@ def main() -> int:
     sets = workloads(tok, a.context, max(batches), a.free_tokens)
     for batch in batches:
         for name, (prompts, params) in sets.items():
-            base = None
-            for k, mode in runs:
-                r = measure(engines[k, mode], prompts[:max(batch, a.prompts)], params, batch, a.repeats)
-                if k == 0:
-                    base = r
+            measured = measure([engines[k, mode] for k, mode in runs], prompts[:max(batch, a.prompts)], params,
+                               batch, a.repeats)
+            base = measured[0]                  # k = 0
+            for (k, mode), r in zip(runs, measured):
                 same = r["outputs"] == base["outputs"]
                 speedup = r["tokens_per_s"] / base["tokens_per_s"]
                 al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
