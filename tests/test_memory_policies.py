@@ -153,8 +153,9 @@ def test_the_first_recall_scores_from_the_prompts_last_rows_however_it_was_chunk
                                                                                     monkeypatch):
     """At the prefill's end the memory indexer scores the prompt's last 32 positions (their attention
     inputs gathered over the prefill's chunks) and the policy gets the last row's probabilities and
-    their mean; 64 decode steps later, the step's one row. A prompt in one chunk and the same prompt whose last chunk has 10 rows score
-    the same rows; a prefix hit leaves those 32 positions to compute."""
+    their mean; 64 decode steps later, the step's one row. A prompt in one chunk and the same prompt
+    whose last chunk has 10 rows score the same rows; a prefix hit leaves those 32 positions to
+    compute."""
     from hybridkv.memory.indexer import MemoryIndexer
     from hybridkv.memory.policies import FlashMemory
 

@@ -282,8 +282,10 @@ class PagedKVStore:
             dst.pages = [-1] * len(src.pages)
             for b in resident:
                 dst.pages[b] = self.page_pool.allocate()
-                if self.pages:
-                    self._page_csa[dst.pages[b]].copy_(self._page_csa[src.pages[b]])
+            if self.pages and resident:
+                rows = torch.tensor([[src.pages[b] for b in resident], [dst.pages[b] for b in resident]],
+                                    device=self.device)
+                gather_rows_(self._page_csa, rows[1], self._page_csa, rows[0])
         for layer_id in range(self.num_layers):
             self.restore_state(dst.slot, layer_id, self.capture_state(src.slot, layer_id))
         return dst

@@ -113,6 +113,7 @@ class DecodeGraphs:
 
     def __init__(self, model, store: PagedKVStore, capture: bool = True, max_graphs: int = 16):
         self.model, self.store, self.capture, self.max_graphs = model, store, capture, max_graphs
+        self.max_batch = max_graph_batch()     # read once: a bad HYBRIDKV_GRAPH_BATCH fails the engine's start
         self.pad_slot = store.new_seq().slot
         self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -128,7 +129,7 @@ class DecodeGraphs:
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
         W = self.store.config.sliding_window
-        return 0 < len(seqs) <= max_graph_batch() and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
+        return 0 < len(seqs) <= self.max_batch and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
 
     def run(self, ids: list[int] | torch.Tensor, seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b].

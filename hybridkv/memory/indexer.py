@@ -101,8 +101,8 @@ class MemoryIndexer(nn.Module):
         return torch.stack([self.layer_logits(layer, xs[layer], positions, keys[layer]).sigmoid()
                             for layer in self.config.layers]).amax(0)
 
-    def paged_probabilities(self, xs: dict[int, torch.Tensor], positions: torch.Tensor, batch, pools: dict[int, torch.Tensor],
-                            ratio: int, fmt: str, max_visible: int) -> torch.Tensor:
+    def paged_probabilities(self, xs: dict[int, torch.Tensor], positions: torch.Tensor, batch,
+                            pools: dict[int, torch.Tensor], ratio: int, fmt: str, max_visible: int) -> torch.Tensor:
         """The serving score of one query row per request of a paged batch, over the keys where the
         store holds them (`pools[layer]`, in `fmt`; `hybridkv.ops.indexer_topk.paged_scores`: one
         launch per target layer for every request on CUDA): [R, max_visible], 0 beyond a request's

@@ -19,7 +19,8 @@ being filled is always resident. Policies run when a request's prefill ends and 
   32, positions, the two rankings taking turns, three blocks from the mean for one from the last
   row) and every 64 decode steps from the last position; the newest blocks (a third of the budget,
   at least one) stay, then the blocks with the most chunks above 0.5 (ties: the larger summed
-  probability) up to the budget; FlashMemory's pages of 64 chunks are these blocks of 32. The engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
+  probability) up to the budget; FlashMemory's pages of 64 chunks are these blocks of 32. The
+  engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
 """
 
 from __future__ import annotations
