@@ -101,16 +101,20 @@ def test_a_decode_step_of_more_than_64_requests_never_waits_for_the_device(monke
     """With HYBRIDKV_GRAPH_BATCH above 64, a captured step holds more requests: with 2 requests and 63
     padding rows the indexer still scores one token per program (its tile path groups a request's
     tokens on the host), and nothing else in the forward reads the device back."""
-    from hybridkv.engine.graphs import max_graph_batch
+    from hybridkv.engine.graphs import DecodeGraphs, max_graph_batch
     from hybridkv.errors import ConfigError
     assert max_graph_batch() == 64
-    monkeypatch.setenv("HYBRIDKV_GRAPH_BATCH", "256")
-    assert max_graph_batch() == 256
     for bad in ("0", "2048", "many"):
         monkeypatch.setenv("HYBRIDKV_GRAPH_BATCH", bad)
         with pytest.raises(ConfigError, match="HYBRIDKV_GRAPH_BATCH"):
             max_graph_batch()
+    monkeypatch.setenv("HYBRIDKV_GRAPH_BATCH", "256")
     eng, seqs, graphs, heads, cap = next_decode_step(FP8_FIXTURE, "fp8", ("fp8", "fp4"), seed=0, padding=63)
+    assert graphs.max_batch == 256            # read when the graphs were built
+    monkeypatch.setenv("HYBRIDKV_GRAPH_BATCH", "many")
+    with pytest.raises(ConfigError, match="HYBRIDKV_GRAPH_BATCH"):
+        DecodeGraphs(eng.model, eng.store, capture=False)
+    monkeypatch.delenv("HYBRIDKV_GRAPH_BATCH")
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     inputs = graphs._host_inputs(heads, [s.cache for s in seqs], cap)
     static = _Recorder()
