@@ -13,21 +13,25 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
-@pytest.mark.parametrize("x_dtype,y_dtype,mt,wk,stages", [
-    (torch.bfloat16, torch.bfloat16, 2, 2, 2), (torch.float32, torch.float32, 1, 8, 2),
-    (torch.bfloat16, torch.float16, 1, 4, 4)])
-def test_fp4_mma_kernels_compile_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk, stages):
-    stderr = _compile(tmp_path, fp4_mma.source(x_dtype, y_dtype, mt, wk, stages))
+@pytest.mark.parametrize("x_dtype,y_dtype,mt,wk,stages,pdl", [
+    (torch.bfloat16, torch.bfloat16, 2, 2, 2, False), (torch.float32, torch.float32, 1, 8, 2, False),
+    (torch.bfloat16, torch.float16, 1, 4, 4, False), (torch.bfloat16, torch.bfloat16, 1, 4, 2, True)])
+def test_fp4_mma_kernels_compile_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk, stages, pdl):
+    source = fp4_mma.source(x_dtype, y_dtype, mt, wk, stages, pdl)
+    stderr = _compile(tmp_path, source)
     assert "Compiling entry function 'grouped_fp4_mma'" in stderr
+    assert _waits(tmp_path, source) == pdl
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
-@pytest.mark.parametrize("x_dtype,y_dtype,mt,wk", [
-    (torch.bfloat16, torch.bfloat16, 1, 16), (torch.float32, torch.float32, 2, 4),
-    (torch.bfloat16, torch.float16, 4, 1)])
-def test_fp8_mma_kernel_compiles_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk):
-    stderr = _compile(tmp_path, fp8_mma.source(x_dtype, y_dtype, mt, wk))
+@pytest.mark.parametrize("x_dtype,y_dtype,mt,wk,pdl", [
+    (torch.bfloat16, torch.bfloat16, 1, 16, False), (torch.float32, torch.float32, 2, 4, False),
+    (torch.bfloat16, torch.float16, 4, 1, False), (torch.bfloat16, torch.bfloat16, 4, 8, True)])
+def test_fp8_mma_kernel_compiles_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk, pdl):
+    source = fp8_mma.source(x_dtype, y_dtype, mt, wk, pdl=pdl)
+    stderr = _compile(tmp_path, source)
     assert "Compiling entry function 'fp8_linear_mma'" in stderr
+    assert _waits(tmp_path, source) == pdl
 
 
 def _compile(tmp_path, source: str) -> str:
@@ -39,3 +43,15 @@ def _compile(tmp_path, source: str) -> str:
     assert run.returncode == 0, run.stderr[-3000:]
     assert "spill" not in run.stderr.replace("0 bytes spill", "")
     return run.stderr
+
+
+def _waits(tmp_path, source: str) -> bool:
+    """Whether the source's PTX waits for the previous grid (programmatic dependent launch), and
+    then releases the next one."""
+    src = tmp_path / "kernel_ptx.cu"
+    src.write_text(source)
+    run = subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-o", str(tmp_path / "kernel.ptx"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = (tmp_path / "kernel.ptx").read_text()
+    return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx

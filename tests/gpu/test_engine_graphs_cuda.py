@@ -217,3 +217,24 @@ def test_graph_replays_beyond_64_requests_answer_as_eager_decode(monkeypatch):
     right = sum(score(s, b.text) == 1.0 for s, b in zip(samples, graphed))
     print(f"\n72 requests: {same} of 72 answer as eager decode, {right} right")
     assert same >= 70 and right >= sum(score(s, a.text) == 1.0 for s, a in zip(samples, eager)) - 2
+
+
+def test_programmatic_dependent_launch_changes_no_number(monkeypatch):
+    """HYBRIDKV_PDL=1 (hybridkv.ops.pdl): the decode step's kernels launched with programmatic stream
+    serialization, replayed from graphs and launched eagerly, give the logits of the same step without
+    it to the bit (the same kernels and reduction orders; only when each may start changes)."""
+    tok = TaskTokenizer.load(MODEL)
+    samples = [s for _, s in build_samples(tok, ["passkey", "niah_single_2"], [1536, 6144], 2, seed=5)]
+    prompts = [s.prompt for s in samples]
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HYBRIDKV_PDL", flag)
+        for graphs in (True, False):
+            eng, outs, logits = _run(MODEL, prompts, 12, graphs)
+            assert (eng.stats.graph_steps >= 11) == graphs
+            runs[flag, graphs] = ([o.output_ids for o in outs], logits)
+    for graphs in (True, False):
+        (ids0, l0), (ids1, l1) = runs["0", graphs], runs["1", graphs]
+        assert ids0 == ids1
+        for a, b in zip(l0, l1):
+            assert torch.equal(a, b), float((a - b).abs().max())

@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.hadamard.reference import hadamard_matrix
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.quant.triton import _bf16_round, _e2m1_round, _pow2_ceil_exp
 
 MAIN_PACKED, MAIN_FLOAT, INDEX_PACKED, INDEX_FLOAT = 0, 1, 2, 3
@@ -176,13 +178,14 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
                            COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale, R: tl.constexpr,
                            OVERLAP: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                            ADV: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
-                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr):
+                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, PDL: tl.constexpr):
     """Program b: request b's decode token. Its compressor rows go into the request's state (row
     CUR + pos % R of its slot); when the token ends a block, the block is pooled from the state (in
     the row order and chunks of `compress_kernel`, so the entry is the same to the bit), finished,
     written as entry (pos + 1) / R − 1, and the state advances (overlap: the block becomes the
     previous one; its rows are cleared). With HAS_APE the token's score row gets the position bias
     APE[pos % R] added here (the float32 addition `Compressor.project` makes)."""
+    wait_then_release(PDL)
     b = tl.program_id(0)
     slot = tl.load(SLOTS + b).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int64)
@@ -266,4 +269,5 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(), cos.shape[1], had,
         out, out.stride(0), block_tables, block_tables.stride(0), eps, d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
         ROPE=2 * cos.shape[-1], ROWS=rows, ADV=8 if ratio % 8 == 0 else ratio, MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
-        BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, num_warps=4)
+        BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, num_warps=4,
+        **triton_args(state_kv))

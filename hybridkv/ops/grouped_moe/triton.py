@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.quant.triton import _bf16_round
 
 MAX_FUSED_PAIRS = 512
@@ -24,7 +26,8 @@ MAX_FUSED_PAIRS = 512
 
 @triton.jit
 def route_kernel(IDS, W, TOKEN, ROUTE, INV, TILE_E, TILE_S, TILE_T, P, K, E, MAX_TILES, BM,
-                 EP: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr):
+                 EP: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     ex = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
     for p0 in range(0, P, BLOCK):
@@ -76,13 +79,14 @@ def route(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int
     if p:
         route_kernel[(1,)](ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), token, route_w, inv, *tiles,
                            p, k, n_experts, max_tiles, block_m, EP=triton.next_power_of_2(n_experts),
-                           BLOCK=max(16, triton.next_power_of_2(min(p, 128))), TB=32, num_warps=4)
+                           BLOCK=max(16, triton.next_power_of_2(min(p, 128))), TB=32, num_warps=4, **triton_args(ids))
     return token, route_w, inv, tiles
 
 
 @triton.jit
 def moe_combine_kernel(OUT, INV, IDS, PLUS, Y, D, K: tl.constexpr, KP: tl.constexpr, HAS_PLUS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < D
@@ -117,16 +121,18 @@ def combine(out: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, plus: t
     moe_combine_kernel[(t, triton.cdiv(d, block))](out.contiguous(), inverse.contiguous(), ids.contiguous(),
                                                plus.contiguous() if plus is not None else out, y, d, K=k,
                                                KP=triton.next_power_of_2(k), HAS_PLUS=plus is not None, BLOCK=block,
-                                               num_warps=4)
+                                               num_warps=4, **triton_args(out))
     return y
 
 
 @triton.jit
 def gate_select_kernel(SCORES, BIAS, TID2EID, INPUT_IDS, W, IDS, E, route_scale, K: tl.constexpr,
-                       KP: tl.constexpr, BLOCK_E: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr):
+                       KP: tl.constexpr, BLOCK_E: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr):
     """Token t: sqrt(softplus(logits)) of its E experts; the top K of (score + bias), or on hash
     layers the K experts of its token id; their scores, normalised to sum 1 (NORM), times
     route_scale."""
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -171,13 +177,14 @@ def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, rout
                                  tid2eid.contiguous() if hashed else scores,
                                  input_ids.contiguous() if hashed else scores, w, ids, e, float(route_scale),
                                  K=topk, KP=triton.next_power_of_2(topk), BLOCK_E=triton.next_power_of_2(e),
-                                 HASH=hashed, NORM=norm, num_warps=4)
+                                 HASH=hashed, NORM=norm, num_warps=4, **triton_args(scores))
     return w, ids
 
 
 @triton.jit
 def swiglu_kernel(G, U, WTS, Y, n, s_g, s_u, limit, CLAMP: tl.constexpr, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < n
@@ -206,5 +213,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Te
         block = min(1024, triton.next_power_of_2(n))
         swiglu_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, w, y, n, g.stride(0), u.stride(0), float(limit),
                                                           CLAMP=limit > 0, HAS_W=weights is not None,
-                                                          OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block, num_warps=4)
+                                                          OUT_BF16=out_dtype == torch.bfloat16, BLOCK=block,
+                                                          num_warps=4, **triton_args(g))
     return y.view(*gate.shape[:-1], n)

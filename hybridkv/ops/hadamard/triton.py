@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.quant.triton import _bf16_round, _e2m1_round, _pow2_ceil_exp
 
 ROWS = 4
@@ -29,7 +31,9 @@ def _walsh_hadamard(x, BM: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 
 @triton.jit
 def rope_hadamard_fp4_kernel(X, F, Y, n_rows, M, stride_xt, stride_xm, f_stride, had_scale, D: tl.constexpr,
-                             RD: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, LOG2_D: tl.constexpr):
+                             RD: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, LOG2_D: tl.constexpr,
+                             PDL: tl.constexpr):
+    wait_then_release(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     ok = rows < n_rows
     t, m = (rows // M).to(tl.int64), (rows % M).to(tl.int64)
@@ -69,5 +73,5 @@ def rope_hadamard_fp4(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     if n:
         rope_hadamard_fp4_kernel[(triton.cdiv(n, ROWS),)](
             x, f, y, n, m, x.stride(0), x.stride(1), f.stride(0), d ** -0.5, D=d, RD=2 * freqs.shape[-1],
-            OUT_BF16=x.dtype == torch.bfloat16, BM=ROWS, LOG2_D=d.bit_length() - 1, num_warps=4)
+            OUT_BF16=x.dtype == torch.bfloat16, BM=ROWS, LOG2_D=d.bit_length() - 1, num_warps=4, **triton_args(x))
     return y

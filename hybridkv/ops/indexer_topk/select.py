@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl_device import wait_then_release
+
 
 @triton.jit
 def _digit_hist(PTR, n, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
@@ -167,9 +169,10 @@ def _token_output(VIS, OUT, s_out, K, RATIO: tl.constexpr, KPAD: tl.constexpr):
 @triton.jit
 def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s_out, K, RATIO: tl.constexpr,
                   TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr, CBLOCK: tl.constexpr,
-                  TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr, VPAD: tl.constexpr):
+                  TAU_LEVELS: tl.constexpr, KPAD: tl.constexpr, VPAD: tl.constexpr, PDL: tl.constexpr):
     """Exact top-K of token t's keys (steps in the module docstring) in one program; writes all K
     output slots. VPAD > 0: no row has more entries (`_select_resident`)."""
+    wait_then_release(PDL)
     t, vis, out = _token_output(VIS, OUT, s_out, K, RATIO, KPAD)
     if VPAD > 0:
         if vis > K:
@@ -189,10 +192,11 @@ def select_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, VIS, OUT, s
 @triton.jit
 def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, CNT, VIS, K, RATIO: tl.constexpr,
                              G: tl.constexpr, TILE_N: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr,
-                             TAU_LEVELS: tl.constexpr):
+                             TAU_LEVELS: tl.constexpr, PDL: tl.constexpr):
     """Steps 1-3 of token t over the g-th of G contiguous ranges of its tiles. Every program of a
     token computes the same τ₀; range g's candidates go to the candidate row from entry
     g·ceil(nt/G)·TILE_N on (no range has more candidates than entries), their number to CNT[t, g]."""
+    wait_then_release(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     vis = visible_entries(VIS, t, RATIO)
@@ -211,9 +215,10 @@ def gather_candidates_kernel(KEYS, s_keys, TMAX, s_tmax, TLIST, CK, CI, s_cand, 
 @triton.jit
 def select_final_kernel(CK, CI, s_cand, CK2, CI2, CNT, VIS, OUT, s_out, K, RATIO: tl.constexpr, G: tl.constexpr,
                         TILE_N: tl.constexpr,
-                        CB: tl.constexpr, CBLOCK: tl.constexpr, KPAD: tl.constexpr):
+                        CB: tl.constexpr, CBLOCK: tl.constexpr, KPAD: tl.constexpr, PDL: tl.constexpr):
     """Steps 4-5 of token t after `gather_candidates_kernel`: the G regions' candidates joined in
     entry order into CK2/CI2 (CB per region at a time), then the exact selection."""
+    wait_then_release(PDL)
     t, vis, out = _token_output(VIS, OUT, s_out, K, RATIO, KPAD)
     if vis > K:
         nt = (vis + TILE_N - 1) // TILE_N

@@ -34,6 +34,8 @@ import triton.language as tl
 from hybridkv.ops.backend import is_deterministic
 from hybridkv.ops.indexer_topk.select import visible_entries, gather_candidates_kernel, select_final_kernel, select_kernel
 from hybridkv.ops.paged import PagedBatch
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 
 TILE = 64          # entries per maximum (first selection stage), at most
 MIN_TILE = 16
@@ -173,9 +175,10 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
                         TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
                         CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
                         PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr, RATIO: tl.constexpr,
-                        RESIDENT: tl.constexpr):
+                        RESIDENT: tl.constexpr, PDL: tl.constexpr):
     """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows; with
     RESIDENT, −inf for the entries of blocks whose RES page is < 0."""
+    wait_then_release(PDL)
     t = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
     vis = visible_entries(VIS, t, RATIO)
@@ -344,7 +347,7 @@ def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4,
         q, q.stride(0), q.stride(1), weights, weights.stride(0), *common, keys, keys.stride(0), tmax, tmax.stride(0),
         h, D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(h)), BN=cfg["BN"], CHUNK=chunk, TILE_N=per_max,
         FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        RATIO=vis_ratio, RESIDENT=resident, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        RATIO=vis_ratio, RESIDENT=resident, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **triton_args(q))
 
 
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
@@ -403,16 +406,17 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             gather_candidates_kernel[(tn, SELECT_GROUPS)](
                 keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1), cnt, vis[a:b],
                 topk, RATIO=vis_ratio, G=SELECT_GROUPS, TILE_N=per_max, BLOCK=gcfg["BLOCK"], TB=select_cfg["TB"],
-                TAU_LEVELS=select_cfg["TAU_LEVELS"], num_warps=gcfg["num_warps"])
+                TAU_LEVELS=select_cfg["TAU_LEVELS"], num_warps=gcfg["num_warps"], **triton_args(keys))
             select_final_kernel[(tn,)](cand[0], cand[1], cand.stride(1), cand[2], cand[3], cnt, vis[a:b], out[a:b],
                                        out.stride(0), topk, RATIO=vis_ratio, G=SELECT_GROUPS, TILE_N=per_max,
                                        CB=fcfg["CB"],
-                                       CBLOCK=select_cfg["CBLOCK"], KPAD=kpad, num_warps=fcfg["num_warps"])
+                                       CBLOCK=select_cfg["CBLOCK"], KPAD=kpad, num_warps=fcfg["num_warps"],
+                                       **triton_args(cand))
         else:
             vpad = triton.next_power_of_2(n_max) if n_max <= RESIDENT_SELECT_MAX else 0
             select_kernel[(tn,)](keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1],
                                  cand.stride(1), vis[a:b], out[a:b], out.stride(0), topk, RATIO=vis_ratio,
-                                 TILE_N=per_max, KPAD=kpad, VPAD=vpad, **select_cfg)
+                                 TILE_N=per_max, KPAD=kpad, VPAD=vpad, **select_cfg, **triton_args(keys))
     return out
 
 

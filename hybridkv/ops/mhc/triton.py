@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.backend import interpreting
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 
 MIX_CHUNK = 256             # flat stream columns per `mix_partials_kernel` program
 MIX_TOKENS = 8              # tokens per `mix_partials_kernel` program beyond MIX_ONE_TOKEN tokens
@@ -30,9 +32,11 @@ PRE_WARPS = 1               # warps of a `pre_kernel` program (H200, 8192 bf16 r
 
 
 @triton.jit
-def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: tl.constexpr, TB: tl.constexpr):
+def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: tl.constexpr, TB: tl.constexpr,
+                        PDL: tl.constexpr):
     """For TB tokens and one chunk of CH flat columns: PART[t, ch, m] = Σ_c fn[m, c] · x[t, c] for
     m < M, and PART[t, ch, M] = Σ_c x[t, c]², in float32 (x read as stored)."""
+    wait_then_release(PDL)
     ch = tl.program_id(0)
     t0 = tl.program_id(1) * TB
     c = ch * CH + tl.arange(0, CH)
@@ -51,9 +55,10 @@ def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: t
 @triton.jit
 def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, PRE_IN, PRE_OUT, DIM, CHUNK, NCH, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, MP: tl.constexpr,
-               NCHP: tl.constexpr, GIVEN_PRE: tl.constexpr):
+               NCHP: tl.constexpr, GIVEN_PRE: tl.constexpr, PDL: tl.constexpr):
     """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials`' [T, NCH, MP]. GIVEN_PRE:
     y = Σ_j PRE_IN[t, j] x_j, and this site's pre is stored in PRE_OUT [T, hc]."""
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
     j = tl.arange(0, HC)
@@ -145,7 +150,8 @@ def mixes_kernel(X, sx_t, FN, PART, T, K, KS, NCH, M, BT: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def post_kernel(F, R, POST, COMB, OUT, DIM, CHUNK, HC: tl.constexpr, BLOCK: tl.constexpr):
+def post_kernel(F, R, POST, COMB, OUT, DIM, CHUNK, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
     last = tl.minimum(first + CHUNK, DIM)
@@ -199,7 +205,7 @@ def mix_partials(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
         # a token's partials do not depend on how many tokens share its program
         tb = 1 if t <= MIX_ONE_TOKEN else MIX_TOKENS
         mix_partials_kernel[(nch, triton.cdiv(t, tb))](x2, x2.stride(0), fn, part, t, k, nch, m, CH=MIX_CHUNK, MP=mp,
-                                                       TB=tb, num_warps=4)
+                                                       TB=tb, num_warps=4, **triton_args(x2))
     return part
 
 
@@ -278,7 +284,7 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None):
         pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
                                 post, comb, pre_in, pre_out, dim, chunk, nch, iters, eps, norm_eps, HC=hc,
                                 BLOCK=block, PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch),
-                                GIVEN_PRE=given is not None, num_warps=PRE_WARPS)
+                                GIVEN_PRE=given is not None, num_warps=PRE_WARPS, **triton_args(x))
     return y, post, comb
 
 
@@ -288,5 +294,6 @@ def mhc_post(f, residual, post, comb):
     if t:
         block, chunk, chunks = column_split(t, dim)
         post_kernel[(t, chunks)](f.contiguous(), residual.contiguous(), post.float().contiguous(),
-                                 comb.float().contiguous(), out, dim, chunk, HC=hc, BLOCK=block, num_warps=4)
+                                 comb.float().contiguous(), out, dim, chunk, HC=hc, BLOCK=block, num_warps=4,
+                                 **triton_args(f))
     return out

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.backend import interpreting
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _split_k_arrive, _split_k_total
 
 MAX_ROWS = 64              # more rows: torch's GEMM
@@ -34,7 +36,8 @@ GEMV_ELEMENTS = 8192       # BM × BN × BK of one GEMV step (64 float32 registe
 @triton.jit
 def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                     IEEE: tl.constexpr, FENCE: tl.constexpr, GEMV: tl.constexpr):
+                     IEEE: tl.constexpr, FENCE: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BN)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -112,5 +115,6 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = No
     # operand must not be rounded to tf32
     ieee = interpreting() or widened
     rows_gemm_kernel[(tiles, split)](x2, weight, y, partials, counters, m, n, k, x2.stride(0), weight.stride(0),
-                                     y.stride(0), SPLIT_K=split, IEEE=ieee, FENCE=not interpreting(), **cfg)
+                                     y.stride(0), SPLIT_K=split, IEEE=ieee, FENCE=not interpreting(), **cfg,
+                                     **triton_args(x2))
     return y

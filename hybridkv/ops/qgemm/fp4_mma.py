@@ -37,6 +37,7 @@ import os
 
 import torch
 
+from hybridkv.ops import pdl
 from hybridkv.ops.qgemm import nvrtc
 
 TILE_ROWS = 8              # activation rows per tile: the MMA's N
@@ -150,6 +151,7 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
     // reads back only what it copied, so no barrier is needed), STAGES - 1 chunks ahead of the MMAs
     __shared__ uint4 wbuf[STAGES][WK][PIECES][32];
     const bool gather = flags & 1, swiglu = flags & 2, table = flags & 4;
+    pdl_wait_then_release();       // the tile table and the activations come from the kernels before
     const int tile = blockIdx.x;
     const int e = TILE_E[tile];
     if (e < 0) return;
@@ -316,9 +318,9 @@ def scale_shift(max_scale_byte: int) -> int:
     return max(0, int(max_scale_byte) - 128)
 
 
-def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int) -> str:
+def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int, pdl: bool = False) -> str:
     """The CUDA C++ of one variant, as compiled at first use."""
-    return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, STAGES=stages)
+    return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, STAGES=stages, PDL=int(pdl))
 
 
 def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -340,7 +342,7 @@ def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[tor
         raise ValueError(f"grouped FP4 MMA: activations {x.dtype} / output {y.dtype} not supported")
     if not 0 <= shift < 128:
         raise ValueError(f"grouped FP4 MMA: scale shift {shift} out of range")
-    variant = (x.dtype, y.dtype, mt, wk, stages)
+    variant = (x.dtype, y.dtype, mt, wk, stages, pdl.enabled(x))
     kern = nvrtc.kernel(x.device, "grouped_fp4_mma", variant, lambda: source(*variant))
     swiglu = w3 is not None
     flags = (1 if rows is not None else 0) | (2 if swiglu else 0) | (4 if table else 0)
@@ -348,5 +350,5 @@ def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[tor
     nvrtc.launch(kern, x.device, (tiles[0].shape[0], n // (16 * mt), 1), (32 * wk, 1, 1),
                  [x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0], w3[1],
                   route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]), int(x.stride(0)),
-                  float(limit), int(shift), int(flags)])
+                  float(limit), int(shift), int(flags)], pdl=variant[-1])
     return y

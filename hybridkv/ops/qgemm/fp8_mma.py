@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from hybridkv.ops import pdl
 from hybridkv.ops.qgemm import nvrtc
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 
@@ -139,7 +140,7 @@ fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, 
 
     // a chunk's weights: rows g and g+8 of each 16-row tile, this thread's 32 bytes of each (8 words)
     u32 w_cur[MT][2][8], w_next[MT][2][8], x_cur[XWORDS], x_next[XWORDS];
-    auto fetch = [&](int j, u32 (*w)[2][8], u32* xr) {
+    auto fetch = [&](int j, u32 (*w)[2][8], u32* xr, bool with_x) {
         if (j >= mine) return;
         const int off = (warp + j * WK) * 128 + tq * (32 / NS);
 #pragma unroll
@@ -160,11 +161,15 @@ fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, 
                 }
 #endif
             }
-        load_x(xr, X, xrow, off, tok_ok);
+        if (with_x) load_x(xr, X, xrow, off, tok_ok);
     };
-    fetch(0, w_cur, x_cur);
+    // the first chunk's weights (constant: read before the wait), then, once the kernel that wrote
+    // the activations has completed, its activations
+    fetch(0, w_cur, x_cur, false);
+    pdl_wait_then_release();
+    if (mine > 0) load_x(x_cur, X, xrow, warp * 128 + tq * (32 / NS), tok_ok);
     for (int j = 0; j < mine; ++j) {
-        fetch(j + 1, w_next, x_next);
+        fetch(j + 1, w_next, x_next, true);
         u32 xq[8];
         float s[NS], s0[NS], s1[NS];
         quantise(x_cur, xq, s);
@@ -264,10 +269,11 @@ def config(n: int, k: int) -> dict:
     return {"MT": mt, "WK": max(1, min(8, chunks // 4))}
 
 
-def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, block: int = SCALE_BLOCK) -> str:
+def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, block: int = SCALE_BLOCK,
+           pdl: bool = False) -> str:
     """The CUDA C++ of one variant, as compiled at first use."""
     return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, SB=block, FLOOR=f"{FP8_AMAX_FLOOR!r}f",
-                        QMAX=f"{FP8_MAX!r}f")
+                        QMAX=f"{FP8_MAX!r}f", PDL=int(pdl))
 
 
 def fp8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -288,8 +294,9 @@ def fp8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_
     if sc.dim() != 2 or sc.shape[0] * block < n or sc.shape[1] * block != k or sc.stride(-1) != 1:
         raise ValueError(f"FP8 MMA linear: scales {tuple(sc.shape)} for a [{n}, {k}] weight ({block}×{block} tiles)")
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
-    variant = (x2.dtype, out_dtype, mt, wk, block)
+    variant = (x2.dtype, out_dtype, mt, wk, block, pdl.enabled(x2))
     kern = nvrtc.kernel(x2.device, "fp8_linear_mma", variant, lambda: source(*variant))
     nvrtc.launch(kern, x2.device, (n // (16 * mt), 1, 1), (32 * wk, 1, 1),
-                 [x2, weight, sc, y, int(m), int(n), int(k), int(x2.stride(0)), int(sc.stride(0)), int(n)])
+                 [x2, weight, sc, y, int(m), int(n), int(k), int(x2.stride(0)), int(sc.stride(0)), int(n)],
+                 pdl=variant[-1])
     return y

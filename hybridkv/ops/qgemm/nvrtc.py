@@ -1,10 +1,12 @@
 """What the packed GEMMs written in CUDA C++ (`fp4_mma`, `fp8_mma`) share: compiling a variant at
 first use through torch's NVRTC loader (`torch.cuda._compile_kernel`) and caching it per device,
-launching it on the current device's stream, and the source's common head (the variant's defines,
-the integer types, and the output dtype's rounding and store, `YT`)."""
+launching it on the current device's stream (with programmatic dependent launch where the variant
+was built for it: `hybridkv.ops.pdl`), and the source's common head (the variant's defines, the
+integer types, the output dtype's rounding and store, `YT`, and `pdl_wait_then_release`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import warnings
 
@@ -16,6 +18,19 @@ DTYPES_Y = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}   # YT: the o
 PRELUDE = r"""
 typedef unsigned int u32;
 typedef unsigned char u8;
+
+#ifndef PDL
+#define PDL 0
+#endif
+// with PDL (the variant launched with programmatic stream serialization): wait until the previous
+// kernel has completed and its writes are visible, then let the next kernel launch. Nothing that
+// an earlier kernel writes may be read before this.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 #if YT < 2
 // v rounded to the 16-bit output dtype, as stored
@@ -89,7 +104,58 @@ def kernel(device: torch.device, name: str, variant: tuple, make_source):
     return _COMPILED[key]
 
 
-def launch(kern, device: torch.device, grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
-    """Launch on `device`'s current stream (the loader launches on the current device's)."""
+def launch(kern, device: torch.device, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+           pdl: bool = False) -> None:
+    """Launch on `device`'s current stream (the loader launches on the current device's). `pdl`: with
+    programmatic stream serialization (the variant must have been compiled with PDL 1, so that it
+    waits before reading what earlier kernels write)."""
     with torch.cuda.device(device):
-        kern(grid=grid, block=block, args=args)
+        if pdl:
+            _launch_pdl(kern, grid, block, args)
+        else:
+            kern(grid=grid, block=block, args=args)
+
+
+# CUDA driver structures of cuLaunchKernelEx (cuda.h, CUDA 12): one attribute, programmatic stream
+# serialization (id 6), whose value union (64 bytes) starts with the int that allows it
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def kernel_args(args: list) -> tuple[ctypes.Array, list]:
+    """The kernel-parameter array of `args` as torch's loader builds it (a tensor: its data pointer;
+    an int: a 32-bit int; a float: a double), and the values it points at (to keep alive)."""
+    values = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            values.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, bool) or not isinstance(a, (int, float)):
+            raise TypeError(f"kernel argument of type {type(a).__name__}: tensors, ints and floats only")
+        elif isinstance(a, int):
+            values.append(ctypes.c_int(a))
+        else:
+            values.append(ctypes.c_double(a))
+    array = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    return array, values
+
+
+def _launch_pdl(kern, grid, block, args: list) -> None:
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                           ctypes.pointer(attr), 1)
+    params, keep = kernel_args(args)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    err = lib.cuLaunchKernelEx(ctypes.byref(config), kern.func, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
+    del keep

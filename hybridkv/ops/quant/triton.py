@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
 
 ROWS = 16   # quantisation blocks per program
@@ -60,7 +62,8 @@ def _e2m1_round(v):
 
 @triton.jit
 def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
-                          R: tl.constexpr):
+                          R: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_blocks)[:, None]
@@ -84,5 +87,5 @@ def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
     n_blocks = xc.numel() // block
     if n_blocks:
         fp8_round_trip_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
-                                                               BLOCK=block, R=ROWS, num_warps=4)
+                                                               BLOCK=block, R=ROWS, num_warps=4, **triton_args(xc))
     return y.view(x.shape)

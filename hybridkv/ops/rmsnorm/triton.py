@@ -8,11 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
+
 MAX_ROW = 16384
 
 
 @triton.jit
-def rms_norm_kernel(X, W, Y, D, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(X, W, Y, D, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D
@@ -35,5 +39,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, in_place:
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         rms_norm_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, d, x2.stride(0), float(eps),
-                                        HAS_W=weight is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+                                        HAS_W=weight is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+                                        **triton_args(x2))
     return y.view(x.shape)

@@ -9,10 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
+
 
 @triton.jit
 def rope_kernel(X, F, Y, M, D, RD, stride_xt, stride_xm, f_stride, INVERSE: tl.constexpr,
-                BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, IN_PLACE: tl.constexpr):
+                BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     t, m = row // M, row % M
     src = X + t * stride_xt + m * stride_xm
@@ -54,5 +58,5 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, in_p
         rope_kernel[(t * m,)](x3, f, y, m, d, rd, x3.stride(0), x3.stride(1), f.stride(0) if freqs.shape[0] > 1 else 0,
                               INVERSE=inverse, BLOCK=triton.next_power_of_2(max(d - rd, 1)),
                               BLOCK_R=triton.next_power_of_2(max(rd // 2, 1)), IN_PLACE=in_place,
-                              num_warps=1 if d <= 256 else 2)
+                              num_warps=1 if d <= 256 else 2, **triton_args(x3))
     return y

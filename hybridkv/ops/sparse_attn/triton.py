@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.qgemm.triton import _e2m1
 
 LOG2E = 1.4426950408889634
@@ -98,8 +99,9 @@ def sparse_attn_kernel(
     TOK_REQ, POS, SLOTS, SEG_START, SEG_ROW0, SINK, scale_log2, H, K_IDX, split_rows,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, WINDOW: tl.constexpr, MODE: tl.constexpr, RATIO: tl.constexpr, EPB: tl.constexpr,
-    PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr,
+    PAGED: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -203,11 +205,12 @@ def sparse_attn_kernel(
 def combine_kernel(
     PART, sp_t, sp_s, sp_h, ML, sml_t, sml_s, O, so_t, so_h, POS, SINK, H, K_IDX, split_rows,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr,
-    MODE: tl.constexpr, RATIO: tl.constexpr,
+    MODE: tl.constexpr, RATIO: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the pieces of one token for BLOCK_H heads × BLOCK_D dims with the sink, BLOCK_S pieces
     at a time in a fixed order, in one pass with a running maximum M:
     o = Σ_s acc_s 2^(m_s−M) / (Σ_s l_s 2^(m_s−M) + 2^(sink−M))."""
+    wait_then_release(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -248,6 +251,7 @@ import functools  # noqa: E402
 import torch  # noqa: E402
 
 from hybridkv.ops.backend import is_deterministic  # noqa: E402
+from hybridkv.ops.pdl import triton_args
 
 # Launch shapes (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages), from a sweep of shapes on the
 # H200 at V4-Flash dims (BENCHMARKS.md). Deterministic mode: one fixed shape for every token.
@@ -367,19 +371,19 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     grid = (t, triton.cdiv(h, bh), n_split)
     if n_split == 1:
         sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), out, out.stride(0), 0, out.stride(1), dummy, 0, 0,
-                                 *args_tail, FINAL=True, num_warps=warps, num_stages=stages, **common)
+                                 *args_tail, FINAL=True, num_warps=warps, num_stages=stages, **common, **triton_args(q))
         return out
     part = torch.empty(t, n_split, h, head_dim, dtype=torch.float32, device=dev)
     ml = torch.empty(t, n_split, 2, h, dtype=torch.float32, device=dev)
     sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), part, part.stride(0), part.stride(1), part.stride(2),
                              ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps,
-                             num_stages=stages, **common)
+                             num_stages=stages, **common, **triton_args(q))
     c = COMBINE_CFG
     bhc, bdc = min(c["BLOCK_H"], max(2, triton.next_power_of_2(h))), min(c["BLOCK_D"], head_dim)
     combine_kernel[(t, triton.cdiv(h, bhc), triton.cdiv(head_dim, bdc))](
         part, part.stride(0), part.stride(1), part.stride(2), ml, ml.stride(0), ml.stride(1), out, out.stride(0),
         out.stride(1), positions, sink, h, k_idx, split, D=head_dim, BLOCK_H=bhc, BLOCK_D=bdc, BLOCK_S=c["BLOCK_S"],
-        WINDOW=window, MODE=mode, RATIO=max(ratio, 1), num_warps=c["num_warps"])
+        WINDOW=window, MODE=mode, RATIO=max(ratio, 1), num_warps=c["num_warps"], **triton_args(part))
     return out
 
 

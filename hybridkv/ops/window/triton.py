@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.pdl import triton_args
+from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round, _pow2_ceil_exp
 
 
@@ -36,7 +38,8 @@ def _store_row(dst, codes, rope_bits, sexp, D: tl.constexpr, ROPE: tl.constexpr,
 
 @triton.jit
 def window_fp8_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, W, D: tl.constexpr,
-                      ROPE: tl.constexpr, BYTES: tl.constexpr):
+                      ROPE: tl.constexpr, BYTES: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     b = tl.program_id(0)
     d = tl.arange(0, D)
     x = tl.load(KV + b.to(tl.int64) * s_kv + d).to(tl.float32)
@@ -60,5 +63,5 @@ def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
     out = torch.empty(b, ring.shape[-1], dtype=torch.uint8, device=kv.device)
     if b:
         window_fp8_kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions,
-                                ring.shape[1], D=d, ROPE=rope_dim, BYTES=ring.shape[-1], num_warps=4)
+                                ring.shape[1], D=d, ROPE=rope_dim, BYTES=ring.shape[-1], num_warps=4, **triton_args(kv))
     return out

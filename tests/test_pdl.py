@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (hybridkv.ops.pdl): the switch, the launch arguments, and the driver
+structures of the CUDA C++ kernels' launch. On the GPU, tests/gpu runs the decode step with it on
+against the same step without it."""
+
+import ast
+import ctypes
+import importlib
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from hybridkv.ops import pdl
+from hybridkv.ops.qgemm import nvrtc
+
+
+def test_off_on_the_cpu_and_by_default(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.delenv("HYBRIDKV_PDL", raising=False)
+    assert not pdl.enabled(x) and pdl.triton_args(x) == {"PDL": False}
+    monkeypatch.setenv("HYBRIDKV_PDL", "1")
+    assert not pdl.enabled(x) and pdl.triton_args(x) == {"PDL": False}     # CPU tensors: never
+    monkeypatch.setenv("HYBRIDKV_PDL", "yes")
+    with pytest.raises(ValueError, match="HYBRIDKV_PDL"):
+        pdl.enabled(x)
+
+
+def test_every_pdl_kernel_waits_before_anything_else():
+    """The contract: a kernel launched with PDL waits first. Every Triton kernel with a PDL
+    constexpr calls `wait_then_release(PDL)` as its first statement (after its docstring)."""
+    modules = ["rmsnorm.triton", "rope.triton", "mhc.triton", "quant.triton", "qgemm.float_rows", "compress.triton",
+               "window.triton", "sparse_attn.triton", "grouped_moe.triton", "hadamard.triton", "indexer_topk.triton",
+               "indexer_topk.select"]
+    seen = 0
+    for name in modules:
+        mod = importlib.import_module(f"hybridkv.ops.{name}")
+        for attr in vars(mod).values():
+            fn = getattr(attr, "fn", None)
+            if fn is None or fn.__name__ == "wait_then_release" or "PDL" not in inspect.signature(fn).parameters:
+                continue
+            body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]                                      # the docstring
+            first = body[0]
+            assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                    and ast.unparse(first.value) == "wait_then_release(PDL)"), (name, fn.__name__, ast.unparse(first))
+            seen += 1
+    assert seen >= 20
+
+
+def test_launch_structures_match_the_driver_abi():
+    """cuLaunchKernelEx's CUlaunchConfig and CUlaunchAttribute (cuda.h, 64-bit): sizes and offsets."""
+    assert ctypes.sizeof(nvrtc._LaunchAttribute) == 72
+    assert nvrtc._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(nvrtc._LaunchConfig) == 56
+    assert (nvrtc._LaunchConfig.stream.offset, nvrtc._LaunchConfig.attrs.offset,
+            nvrtc._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+
+
+def test_kernel_arguments_as_the_loader_passes_them():
+    """Tensors as their data pointers, ints as 32-bit ints, floats as doubles (what the kernels'
+    signatures take), anything else refused."""
+    t = torch.zeros(4)
+    params, keep = nvrtc.kernel_args([t, 7, 0.25])
+    assert len(params) == 3
+    assert ctypes.cast(params[0], ctypes.POINTER(ctypes.c_void_p))[0] == t.data_ptr()
+    assert ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int))[0] == 7
+    assert ctypes.cast(params[2], ctypes.POINTER(ctypes.c_double))[0] == 0.25
+    for bad in (True, "x", None):
+        with pytest.raises(TypeError):
+            nvrtc.kernel_args([bad])
