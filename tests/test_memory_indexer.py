@@ -113,6 +113,14 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     assert str(parse_policy("flashmemory")) == "flashmemory-0.15" and parse_policy("flashmemory-0.1").budget == 0.1
     with pytest.raises(ConfigError, match="resident share"):
         parse_policy("flashmemory-1.5")
+    # the tail share by name: the newest blocks a recall keeps whatever the scores say
+    tail = parse_policy("flashmemory-0.5-tail0.7")      # 4 of the 5 blocks the newest (6-9), then block 1
+    assert (tail.budget, tail.tail_share, str(tail)) == (0.5, 0.7, "flashmemory-0.5-tail0.7")
+    assert torch.nonzero(tail.blocks(probs, visible, 4)).flatten().tolist() == [1, 6, 7, 8, 9, 10]
+    for bad, match in (("flashmemory-0.15-tail1.5", "tail share"), ("flashmemory-0.15-tail1.2.3", "two numbers"),
+                       ("flashmemory-0.15-tail", "unknown memory policy")):
+        with pytest.raises(ConfigError, match=match):
+            parse_policy(bad)
 
 
 def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp_path):

@@ -17,8 +17,8 @@ being filled is always resident. Policies run when a request's prefill ends and 
   complete blocks): the memory indexer (`memory.indexer`) scores every existing chunk at the end of
   the prefill (twice: from the prompt's last position and as the mean over its last `query_rows`,
   32, positions, the two rankings taking turns, three blocks from the mean for one from the last
-  row) and every 64 decode steps from the last position; the newest blocks (a third of the budget,
-  at least one) stay, then the blocks with the most chunks above 0.5 (ties: the larger summed
+  row) and every 64 decode steps from the last position; the newest blocks (a share of the budget,
+  `tail_share`, default a third, at least one; `flashmemory-B-tailT` sets it) stay, then the blocks with the most chunks above 0.5 (ties: the larger summed
   probability) up to the budget; FlashMemory's pages of 64 chunks are these blocks of 32. The
   engine supplies the probabilities (`PolicyContext.extra["chunk_probs"]`).
 """
@@ -124,8 +124,11 @@ class FlashMemory(MemoryPolicy):
             raise ConfigError(f"flashmemory needs a resident share in (0, 1], got {budget}")
         if not turns or min(turns) < 0 or not sum(turns):
             raise ConfigError(f"flashmemory's turns must be counts ≥ 0, not all 0, got {turns}")
+        if not 0 <= tail_share <= 1:
+            raise ConfigError(f"flashmemory's tail share must be in [0, 1], got {tail_share}")
         self.budget, self.tail_share, self.turns = budget, tail_share, tuple(turns)
-        self.name = f"flashmemory-{budget:g}"
+        default_tail = FlashMemory.__init__.__defaults__[1]
+        self.name = f"flashmemory-{budget:g}" + (f"-tail{tail_share:.4g}" if tail_share != default_tail else "")
         self.scorer = None          # the memory indexer, attached by the engine
 
     def blocks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
@@ -177,8 +180,9 @@ class FlashMemory(MemoryPolicy):
 
 
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
-    """'full', 'recency-2048', 'random-0.1', 'oracle-0.1', 'oracle-8' (blocks), 'flashmemory' or
-    'flashmemory-0.15'."""
+    """'full', 'recency-2048', 'random-0.1', 'oracle-0.1', 'oracle-8' (blocks), 'flashmemory',
+    'flashmemory-0.15' or 'flashmemory-0.15-tail0.083' (the share of the budget kept as the newest
+    blocks, default a third)."""
     if isinstance(spec, MemoryPolicy):
         return spec
     t = (spec or "full").strip().lower()
@@ -186,9 +190,17 @@ def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
         return MemoryPolicy()
     if t == "flashmemory":
         return FlashMemory()
+    m = re.fullmatch(r"flashmemory[-:=(]?([0-9.]+)\)?-tail([0-9.]+)", t)
+    if m:
+        try:
+            budget, tail = float(m.group(1)), float(m.group(2))
+        except ValueError:
+            raise ConfigError(f"memory policy {spec!r}: flashmemory-B-tailT takes two numbers") from None
+        return FlashMemory(budget, tail_share=tail)
     m = re.fullmatch(r"(recency|random|oracle|flashmemory)[-:=(]?([0-9.]+[km]?)\)?", t)
     if not m:
-        raise ConfigError(f"unknown memory policy {spec!r}; use full, recency-N, random-p, oracle-K or flashmemory[-B]")
+        raise ConfigError(f"unknown memory policy {spec!r}; use full, recency-N, random-p, oracle-K or "
+                          "flashmemory[-B[-tailT]]")
     kind, value = m.groups()
     if kind == "recency":
         mult = {"k": 1024, "m": 1 << 20}.get(value[-1], 1)
