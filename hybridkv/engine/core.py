@@ -12,6 +12,7 @@ import copy
 import itertools
 import os
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -113,6 +114,10 @@ class EngineCore:
         self.speculative = self.ec.speculative is not None
         if self.speculative:
             check_supported(model, self.memory.offloads)
+            if self.device.type == "cuda":
+                warnings.warn("speculative decoding launches every step eagerly on CUDA (its verify and draft "
+                              "passes are not captured in CUDA graphs): on the H200 it decoded 7-12x slower than "
+                              "plain decoding (BENCHMARKS.md); it pays on the CPU only", stacklevel=3)
         # verify rows are not captured and drafting reads the streams: no decode graphs then
         graphs = (self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
                   and self.device.type == "cuda" and not self.speculative)
