@@ -86,7 +86,7 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     probs[28:32] = 0.4
     keep = policy.chunks(probs, visible, 4)
     blocks = sorted({i // 4 for i in torch.nonzero(keep).flatten().tolist()})
-    # budget 3 blocks of 10: the newest (a third of the budget) and the two densest; the filling block always
+    # budget 3 blocks of 10: the newest (a twelfth of the budget, at least one), the two densest, the filling block
     assert blocks == [1, 5, 9, 10]
     assert keep.numel() == visible and int(keep.sum()) == 3 * 4 + 2
     # ties in the count go to the larger summed probability: block 7 (4 × 0.4) over block 3 (empty)
