@@ -117,8 +117,9 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     tail = parse_policy("flashmemory-0.5-tail0.7")      # 4 of the 5 blocks the newest (6-9), then block 1
     assert (tail.budget, tail.tail_share, str(tail)) == (0.5, 0.7, "flashmemory-0.5-tail0.7")
     assert torch.nonzero(tail.blocks(probs, visible, 4)).flatten().tolist() == [1, 6, 7, 8, 9, 10]
-    for bad, match in (("flashmemory-0.15-tail1.5", "tail share"), ("flashmemory-0.15-tail1.2.3", "two numbers"),
-                       ("flashmemory-0.15-tail", "unknown memory policy")):
+    for bad, match in (("flashmemory-0.15-tail1.5", "tail share"), ("flashmemory-0.15-tail1.2.3", "not a number"),
+                       ("flashmemory-0.15-tail", "unknown memory policy"),
+                       ("random-0.1-tail0.5", "unknown memory policy"), ("random-0.1.2", "not a number")):
         with pytest.raises(ConfigError, match=match):
             parse_policy(bad)
 

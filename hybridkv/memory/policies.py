@@ -116,10 +116,12 @@ class FlashMemory(MemoryPolicy):
     needs_query = True
     # the first recall's second score: the mean over the prompt's last rows (docs/training-log.md)
     query_rows = 32
+    # the newest blocks' share of the budget (a twelfth: at 32K 72.5 % against a third's 65.0 %,
+    # the same at 8K and 16K; docs/training-log.md)
+    DEFAULT_TAIL_SHARE = 1 / 12
 
-    def __init__(self, budget: float = 0.15, tail_share: float = 1 / 12, turns: tuple[int, ...] = (1, 3)):
-        """tail_share: the share of the budget kept as the newest blocks before any ranking takes one
-        (a twelfth: at 32K 72.5 % against a third's 65.0 %, the same at 8K and 16K; docs/training-log.md).
+    def __init__(self, budget: float = 0.15, tail_share: float = DEFAULT_TAIL_SHARE, turns: tuple[int, ...] = (1, 3)):
+        """tail_share: the share of the budget kept as the newest blocks before any ranking takes one.
         turns: with several scores (the first recall: the prompt's last row, then the mean over its
         last rows), how many blocks each ranking takes in a turn (1 and 3: the mean found the most
         needles at 32K, docs/training-log.md)."""
@@ -130,8 +132,8 @@ class FlashMemory(MemoryPolicy):
         if not 0 <= tail_share <= 1:
             raise ConfigError(f"flashmemory's tail share must be in [0, 1], got {tail_share}")
         self.budget, self.tail_share, self.turns = budget, tail_share, tuple(turns)
-        default_tail = FlashMemory.__init__.__defaults__[1]
-        self.name = f"flashmemory-{budget:g}" + (f"-tail{tail_share:.4g}" if tail_share != default_tail else "")
+        self.name = f"flashmemory-{budget:g}" + (f"-tail{tail_share:.4g}" if tail_share != self.DEFAULT_TAIL_SHARE
+                                                  else "")
         self.scorer = None          # the memory indexer, attached by the engine
 
     def blocks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
@@ -193,23 +195,20 @@ def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
         return MemoryPolicy()
     if t == "flashmemory":
         return FlashMemory()
-    m = re.fullmatch(r"flashmemory[-:=(]?([0-9.]+)\)?-tail([0-9.]+)", t)
-    if m:
-        try:
-            budget, tail = float(m.group(1)), float(m.group(2))
-        except ValueError:
-            raise ConfigError(f"memory policy {spec!r}: flashmemory-B-tailT takes two numbers") from None
-        return FlashMemory(budget, tail_share=tail)
-    m = re.fullmatch(r"(recency|random|oracle|flashmemory)[-:=(]?([0-9.]+[km]?)\)?", t)
-    if not m:
+    m = re.fullmatch(r"(recency|random|oracle|flashmemory)[-:=(]?([0-9.]+[km]?)\)?(?:-tail([0-9.]+))?", t)
+    if not m or (m.group(3) is not None and m.group(1) != "flashmemory"):
         raise ConfigError(f"unknown memory policy {spec!r}; use full, recency-N, random-p, oracle-K or "
                           "flashmemory[-B[-tailT]]")
-    kind, value = m.groups()
+    kind, value, tail = m.groups()
+    try:
+        number = float(value.rstrip("km"))
+        tail_share = FlashMemory.DEFAULT_TAIL_SHARE if tail is None else float(tail)
+    except ValueError:
+        raise ConfigError(f"memory policy {spec!r}: {value!r} or {tail!r} is not a number") from None
     if kind == "recency":
-        mult = {"k": 1024, "m": 1 << 20}.get(value[-1], 1)
-        return Recency(int(float(value.rstrip("km")) * mult))
+        return Recency(int(number * {"k": 1024, "m": 1 << 20}.get(value[-1], 1)))
     if kind == "random":
-        return RandomBlocks(float(value))
+        return RandomBlocks(number)
     if kind == "flashmemory":
-        return FlashMemory(float(value))
-    return OracleTopK(float(value))
+        return FlashMemory(number, tail_share=tail_share)
+    return OracleTopK(number)
