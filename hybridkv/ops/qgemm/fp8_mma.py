@@ -140,9 +140,10 @@ fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, 
 
     // a chunk's weights: rows g and g+8 of each 16-row tile, this thread's 32 bytes of each (8 words)
     u32 w_cur[MT][2][8], w_next[MT][2][8], x_cur[XWORDS], x_next[XWORDS];
+    auto offset = [&](int j) { return (warp + j * WK) * 128 + tq * (32 / NS); };    // this thread's inputs
     auto fetch = [&](int j, u32 (*w)[2][8], u32* xr, bool with_x) {
         if (j >= mine) return;
-        const int off = (warp + j * WK) * 128 + tq * (32 / NS);
+        const int off = offset(j);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -167,7 +168,7 @@ fp8_linear_mma(const void* X, const u8* W, const u8* WS, void* Y, int M, int N, 
     // the activations has completed, its activations
     fetch(0, w_cur, x_cur, false);
     pdl_wait_then_release();
-    if (mine > 0) load_x(x_cur, X, xrow, warp * 128 + tq * (32 / NS), tok_ok);
+    if (mine > 0) load_x(x_cur, X, xrow, offset(0), tok_ok);
     for (int j = 0; j < mine; ++j) {
         fetch(j + 1, w_next, x_next, true);
         u32 xq[8];
