@@ -59,6 +59,7 @@ from engine_gpu import collect_rows, emit, ensure_checkpoint, fmt, fmt_bytes  # 
 
 INTERVAL = 64          # the memory policies' recall cadence (decode steps)
 WARM_STEPS = 4
+TOP_KERNELS = 10
 RECALL_KERNEL = "gather_rows"   # the row gather that reads recalled pages from the pinned host pool
 
 
@@ -91,7 +92,8 @@ def sizing(costs: dict[str, int], policy: str, share: float, context: int, token
 def copy_overlap(trace_path: str) -> dict[str, float]:
     """From a profiler trace: ms of the recall's copies (host-to-device copies and the row gathers that
     read the pinned host pool), ms of them during which another kernel ran, ms of those other
-    kernels, and the copies' count."""
+    kernels, the copies' count, and the kernels of the window with the most device time
+    ([name, ms, launches])."""
     events = [e for e in json.loads(Path(trace_path).read_text()).get("traceEvents", []) if "dur" in e]
     gathers = [e for e in events if e.get("cat") == "kernel" and RECALL_KERNEL in e.get("name", "")]
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
@@ -113,8 +115,14 @@ def copy_overlap(trace_path: str) -> dict[str, float]:
         while j < len(merged) and merged[j][0] < b:
             hidden += min(b, merged[j][1]) - max(a, merged[j][0])
             j += 1
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            t = by_name.setdefault(e.get("name", "?")[:60], [0.0, 0])
+            t[0], t[1] = t[0] + e["dur"] / 1e3, t[1] + 1
+    top = sorted(([name, round(ms, 3), n] for name, (ms, n) in by_name.items()), key=lambda x: -x[1])[:TOP_KERNELS]
     return dict(copy_ms=sum(b - a for a, b in copies) / 1e3, hidden_ms=hidden / 1e3,
-                kernel_ms=sum(b - a for a, b in merged) / 1e3, copies=len(copies))
+                kernel_ms=sum(b - a for a, b in merged) / 1e3, copies=len(copies), top_kernels=top)
 
 
 def worker(a) -> None:
@@ -240,6 +248,11 @@ def report(rows: list[dict], a) -> None:
             print(f"- {r['context']:,}: {r['policy']} holds {r['requests'] / base['requests']:.2f}x the requests "
                   f"of full ({r['requests']} vs {base['requests']}) at {r['tok_s'] / base['tok_s']:.2f}x its decode "
                   f"tokens/s; device KV per request {r['per_request'] / base['per_request']:.1%} of full's")
+    for r in rows:
+        ov = r.get("overlap")
+        if ov and ov.get("top_kernels"):
+            print(f"- {r['policy']} at {r['context']:,}, the profiled window's kernels by device ms: " +
+                  ", ".join(f"{name} {ms:.1f} ({n})" for name, ms, n in ov["top_kernels"]))
 
 
 def main() -> int:

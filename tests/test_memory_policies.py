@@ -232,7 +232,7 @@ def test_a_recall_takes_over_only_when_its_pages_have_arrived(fixtures, monkeypa
     from hybridkv.cache.paged import PagedKVStore
     copy = PagedKVStore._copy_pages
     monkeypatch.setattr(PagedKVStore, "_copy_pages",
-                        lambda self, seq, loads: copy(self, seq, loads) or (_CopiesInFlight() if loads else None))
+                        lambda self, loads: copy(self, loads) or (_CopiesInFlight() if any(d for _, d in loads) else None))
     llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy="recency-128")
     seq = llm.engine.add_request(prompt(900, seed=4), SamplingParams(max_tokens=8, ignore_eos=True))
     llm.engine.step()                                   # the prefill; recency keeps the newest blocks
@@ -279,7 +279,7 @@ def test_requests_recalling_in_one_step_leave_each_request_a_page_for_its_next_b
     from hybridkv.presets import load_config
     copy = PagedKVStore._copy_pages
     monkeypatch.setattr(PagedKVStore, "_copy_pages",
-                        lambda self, seq, loads: copy(self, seq, loads) or (_CopiesInFlight() if loads else None))
+                        lambda self, loads: copy(self, loads) or (_CopiesInFlight() if any(d for _, d in loads) else None))
     store = PagedKVStore(load_config(fixtures / "v4-tiny"), 16, 2, resident_pages=11)
     a, b = store.new_seq(), store.new_seq()
     for seq in (a, b):
@@ -297,3 +297,29 @@ def test_requests_recalling_in_one_step_leave_each_request_a_page_for_its_next_b
     for seq in (a, b):
         assert store.settle_recall(seq, wait=True) == (3, 1)
         assert [i for i, p in enumerate(seq.pages) if p >= 0] == [0, 1, 2, 4, 5]
+
+
+def test_requests_recalling_in_the_same_step_start_one_copy_and_decode_as_alone(fixtures, monkeypatch):
+    """Requests whose recalls fall in the same step have their pages filled by one copy (one gather
+    over the host pool on CUDA), and each decodes what it decodes alone."""
+    from hybridkv.cache.paged import PagedKVStore
+    copy, calls = PagedKVStore._copy_pages, []
+
+    def spy(self, loads):
+        calls.append(sum(1 for _, d in loads if d))     # requests with pages to fill in this copy
+        return copy(self, loads)
+    monkeypatch.setattr(PagedKVStore, "_copy_pages", spy)
+    ids = [prompt(700, seed=5), prompt(700, seed=6)]
+    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy="random-0.5")
+    seqs = [llm.engine.add_request(x, SamplingParams(max_tokens=70, ignore_eos=True), request_id=f"r{i}")
+            for i, x in enumerate(ids)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.store.pool.check()
+    assert calls.count(2) >= 1 and 1 not in calls        # the decode recall at step 64: both requests, one copy
+    for i, (x, seq) in enumerate(zip(ids, seqs)):    # random-p draws from the request's id
+        alone = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=2, memory_policy="random-0.5").engine
+        one = alone.add_request(x, SamplingParams(max_tokens=70, ignore_eos=True), request_id=f"r{i}")
+        while alone.has_unfinished():
+            alone.step()
+        assert seq.output_ids == one.output_ids

@@ -308,14 +308,16 @@ class PagedKVStore:
                 loads[b] = page
             seq.pages.append(page)
             seq.pages_version += 1
-        self._load_pages(seq, loads)
+        self._load_pages([(seq, loads)])
 
-    def _load_pages(self, seq: SeqCache, loads: dict[int, int]) -> None:
-        """Fill device pages from their blocks' host rows ({block index: page}), on the current stream:
-        one gather that the device runs over the pinned host pool on CUDA, whatever the count."""
-        if not loads or not self.pages:
+    def _load_pages(self, loads: list[tuple[SeqCache, dict[int, int]]]) -> None:
+        """Fill device pages from their blocks' host rows ({block index: page} of each request), on the
+        current stream: one gather that the device runs over the pinned host pool on CUDA, whatever
+        the count."""
+        pairs = [(seq.block_table[b], page) for seq, page_loads in loads for b, page in page_loads.items()]
+        if not pairs or not self.pages:
             return
-        rows = torch.tensor([[seq.block_table[b] for b in loads], list(loads.values())], dtype=torch.int64)
+        rows = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         gather_rows_(self._page_csa, rows[1], self._host_csa, rows[0])
@@ -375,27 +377,37 @@ class PagedKVStore:
         holding both sets at once would leave fewer free pages than one for each request (the block
         each may open before its recall arrives), the old set is evicted before the copies: requests
         that recall in the same step cannot take the pages the others' next blocks need."""
-        if seq.recall is not None:
-            raise RuntimeError("a recall is still in flight for this request: settle it first")
-        want = [b for b in sorted(keep) if b < len(seq.pages) and seq.pages[b] < 0]
-        evicted = 0
-        requests = self.max_slots - len(self._free_slots)
-        if len(want) > self.page_pool.num_free - requests:
-            for b, page in enumerate(seq.pages):
-                if page >= 0 and b not in keep:
-                    self.page_pool.release(page)
-                    seq.pages[b] = -1
-                    evicted += 1
-            seq.pages_version += 1
-        loads = {b: self.page_pool.allocate() for b in want}
-        seq.recall = Recall(set(keep), len(seq.pages), loads, self._copy_pages(seq, loads), evicted)
-        return len(loads)
+        return self.start_recalls([(seq, keep)])
 
-    def _copy_pages(self, seq: SeqCache, loads: dict[int, int]) -> "torch.cuda.Event | None":
-        if not loads or not self.pages:
+    def start_recalls(self, recalls: list[tuple[SeqCache, set[int]]]) -> int:
+        """`start_recall` for several requests at once (those whose recall falls in the same step):
+        their pages are planned in order, as by one call each, and filled by one gather over the
+        host pool on CUDA, whose arrival each of them waits for. Returns the pages started."""
+        planned = []
+        for seq, keep in recalls:
+            if seq.recall is not None:
+                raise RuntimeError("a recall is still in flight for this request: settle it first")
+            want = [b for b in sorted(keep) if b < len(seq.pages) and seq.pages[b] < 0]
+            evicted = 0
+            requests = self.max_slots - len(self._free_slots)
+            if len(want) > self.page_pool.num_free - requests:
+                for b, page in enumerate(seq.pages):
+                    if page >= 0 and b not in keep:
+                        self.page_pool.release(page)
+                        seq.pages[b] = -1
+                        evicted += 1
+                seq.pages_version += 1
+            planned.append((seq, keep, {b: self.page_pool.allocate() for b in want}, evicted))
+        arrived = self._copy_pages([(seq, loads) for seq, _, loads, _ in planned])
+        for seq, keep, loads, evicted in planned:
+            seq.recall = Recall(set(keep), len(seq.pages), loads, arrived if loads else None, evicted)
+        return sum(len(loads) for _, _, loads, _ in planned)
+
+    def _copy_pages(self, loads: list[tuple[SeqCache, dict[int, int]]]) -> "torch.cuda.Event | None":
+        if not any(page_loads for _, page_loads in loads) or not self.pages:
             return None
         if self.device.type != "cuda":
-            self._load_pages(seq, loads)
+            self._load_pages(loads)
             return None
         compute = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
@@ -403,7 +415,7 @@ class PagedKVStore:
         # after everything queued so far: a page freed by an earlier eviction may still be read there
         self._copy_stream.wait_stream(compute)
         with torch.cuda.stream(self._copy_stream):
-            self._load_pages(seq, loads)
+            self._load_pages(loads)
             arrived = torch.cuda.Event()
             arrived.record(self._copy_stream)
         return arrived

@@ -109,6 +109,7 @@ class EngineCore:
         # emitted, when a step queued behind it has already replaced `_query_x` / `_query_rows`
         self._emit_query: tuple[dict[int, torch.Tensor], dict[str, tuple[int, int]]] | None = None
         self._due_scores: dict[str, torch.Tensor] = {}     # memory-indexer scores of this step's recalls
+        self._step_recalls: list | None = None     # (request, resident blocks) of the step's recalls, while emitting
         if self.memory.needs_query:
             self._attach_memory_indexer()
         self.speculative = self.ec.speculative is not None
@@ -305,7 +306,7 @@ class EngineCore:
                 drawn.start_transfer()           # before the next step is queued behind it
                 self._queue_next(emitting, drawn, list(range(len(emitting))))
             self._score_due_recalls(emitting)
-            events = [self._emit(seq, row, s) for seq, row, s in zip(emitting, rows, drawn.host())]
+            events = self._emit_tokens(emitting, rows, drawn.host())
             self._emit_query = None
         self.stats.steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
@@ -369,7 +370,7 @@ class EngineCore:
             self._publish_snapshots(seq)
         self._queue_next(seqs, q.drawn, live)
         self._score_due_recalls(seqs)
-        events = [self._emit(seq, q.logits[i], s) for i, seq, s in zip(live, seqs, q.drawn.host(live))]
+        events = self._emit_tokens(seqs, [q.logits[i] for i in live], q.drawn.host(live))
         self._emit_query = None
         self.stats.steps += 1
         self.stats.forward_tokens += len(q.chunks)
@@ -792,8 +793,28 @@ class EngineCore:
                             steps, seq.params.seed or 0, mass, extra)
         if seq.cache.recall is not None:        # the last recall's copies have not arrived yet
             self._count_recall(self.store.settle_recall(seq.cache, wait=True))
-        self.store.start_recall(seq.cache, self.memory.resident(ctx))
+        keep = self.memory.resident(ctx)
+        if self._step_recalls is not None:      # `_emit_tokens` starts the step's recalls together
+            self._step_recalls.append((seq, keep))
+            return
+        self.store.start_recall(seq.cache, keep)
         self._count_recall(self.store.settle_recall(seq.cache))
+
+    def _emit_tokens(self, seqs: list[Sequence], rows, sampled) -> list[Event]:
+        """Emit one token to each request; the recalls those tokens run (requests that started or were
+        forked together recall in the same step) start together afterwards: one gather over the host
+        pool for all of them. A request that its token ended recalls nothing."""
+        self._step_recalls = []
+        try:
+            events = [self._emit(seq, row, s) for seq, row, s in zip(seqs, rows, sampled)]
+            recalls = [(seq, keep) for seq, keep in self._step_recalls if seq.finish_reason is None]
+        finally:
+            self._step_recalls = None
+        if recalls:
+            self.store.start_recalls([(seq.cache, keep) for seq, keep in recalls])
+            for seq, _ in recalls:
+                self._count_recall(self.store.settle_recall(seq.cache))
+        return events
 
     def _count_recall(self, settled: tuple[int, int] | None) -> None:
         if settled is not None:
