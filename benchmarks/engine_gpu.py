@@ -15,7 +15,10 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   (counted in an extra eager step with hooks on the gates), the KV the attention kernels must read
   (each layer's window, a CSA layer's top-k entries and every indexer key, an HCA layer's
   entries). `bytes ms` = those bytes ÷ --bandwidth (the H200's measured copy rate, 4.13 TB/s),
-  `ratio` = device ms ÷ bytes ms.
+  `ratio` = device ms ÷ bytes ms, `replay/bytes` = replay ms ÷ bytes ms. With programmatic
+  dependent launch (on by default on Hopper: `hybridkv.ops.pdl`) a kernel's profiled time includes
+  its wait for the previous one, so the summed device ms overlap and the replay is the step's
+  device time; `HYBRIDKV_PDL=0` measures without it.
 - GPU memory after loading and the peak over the run, next to the checkpoint's bytes and the KV
   pool's.
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
@@ -219,6 +222,8 @@ def worker(a) -> None:
               max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False,
               async_scheduling=a.async_scheduling)
     eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
+    from hybridkv.ops import pdl
+    pdl_on = pdl.enabled(torch.empty(0, device=a.device))
     loaded = torch.cuda.memory_allocated() - base if cuda else None
     wb = weight_bytes(model)
     pool = sum(eng.store.nbytes_by_kind().values())
@@ -293,6 +298,7 @@ def worker(a) -> None:
                   wall_ms=1e3 * wall, tok_s=b / wall,
                   device_ms=dev, replay_ms=replay, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
                   ratio=dev / bytes_ms if dev is not None else None,
+                  replay_ratio=replay / bytes_ms if replay is not None else None, pdl=pdl_on,
                   wall_over_device=1e3 * wall / dev if dev else None, top=top,
                   families={k: v / a.steps for k, v in fams.items()}))
         for s in seqs:
@@ -460,13 +466,14 @@ def report(rows: list[dict], a) -> None:
     print(f"\n# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch {torch.__version__}; "
           f"command: python benchmarks/engine_gpu.py {' '.join(sys.argv[1:])}")
     print("\n| path | batch | context | tok/s | wall ms | device ms | replay ms | wall/device | must read | bytes ms | "
-          "device/bytes | experts |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "device/bytes | replay/bytes | experts |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["kind"] == "decode":
             print(f"| {r['path']} | {r['batch']} | {r['context']:,} | {r['tok_s']:.1f} | {r['wall_ms']:.2f} | "
                   f"{fmt(r['device_ms'])} | {fmt(r.get('replay_ms'))} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
-                  f"{fmt(r['bytes_ms'], '.3f')} | {fmt(r['ratio'])} | {fmt(r['experts_selected'], 'd')} |")
+                  f"{fmt(r['bytes_ms'], '.3f')} | {fmt(r['ratio'])} | {fmt(r.get('replay_ratio'))} | "
+                  f"{fmt(r['experts_selected'], 'd')} |")
     print("\nDevice ms of one decode step by operator family:\n")
     for r in rows:
         if r["kind"] == "decode" and r.get("families"):

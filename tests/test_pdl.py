@@ -15,12 +15,27 @@ from hybridkv.ops import pdl
 from hybridkv.ops.qgemm import nvrtc
 
 
-def test_off_on_the_cpu_and_by_default(monkeypatch):
+def test_on_by_default_for_hopper_never_on_the_cpu(monkeypatch):
     x = torch.zeros(2)
+    for flag in (None, "1", "0"):
+        if flag is None:
+            monkeypatch.delenv("HYBRIDKV_PDL", raising=False)
+        else:
+            monkeypatch.setenv("HYBRIDKV_PDL", flag)
+        assert not pdl.enabled(x) and pdl.triton_args(x) == {"PDL": False}     # CPU tensors: never
+    # a CUDA tensor's device decides where the switch allows it (the capability check stubbed:
+    # this machine may have no GPU)
+    cuda_x = torch.empty(2, device="meta")
+    monkeypatch.setattr(type(cuda_x), "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: index == 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.delenv("HYBRIDKV_PDL", raising=False)
-    assert not pdl.enabled(x) and pdl.triton_args(x) == {"PDL": False}
+    assert pdl.enabled(cuda_x) and pdl.triton_args(cuda_x) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("HYBRIDKV_PDL", "0")
+    assert not pdl.enabled(cuda_x)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: False)      # before Hopper
     monkeypatch.setenv("HYBRIDKV_PDL", "1")
-    assert not pdl.enabled(x) and pdl.triton_args(x) == {"PDL": False}     # CPU tensors: never
+    assert not pdl.enabled(cuda_x)
     monkeypatch.setenv("HYBRIDKV_PDL", "yes")
     with pytest.raises(ValueError, match="HYBRIDKV_PDL"):
         pdl.enabled(x)

@@ -14,8 +14,11 @@ chain is safe transitively and whatever the predecessor was). A kernel launched 
 attribute (torch's own) runs after its predecessor as always. The kernels take a `PDL` constexpr
 (Triton) or define (CUDA C++) and run exactly as before without it.
 
-`HYBRIDKV_PDL=1` turns it on for CUDA devices of compute capability 9.0 and newer (off by default
-until measured on the step as a whole: BENCHMARKS.md); the CPU and Triton's interpreter never use it."""
+It is on for CUDA devices of compute capability 9.0 and newer (the decode step's graph replays in
+the same time or less with it, to the same bits: BENCHMARKS.md); `HYBRIDKV_PDL=0` turns it off.
+The CPU, Triton's interpreter and older GPUs never use it. Under PDL a kernel's profiled time
+includes its wait for its predecessor, so kernel times summed overlap: a step's device time is its
+graph's replay time."""
 
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ def _device_supports(index: int) -> bool:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether kernels launched on x's device use PDL: `HYBRIDKV_PDL=1`, a CUDA tensor, sm_90+."""
-    flag = os.environ.get("HYBRIDKV_PDL", "0")
+    """Whether kernels launched on x's device use PDL: a CUDA tensor on sm_90+, unless `HYBRIDKV_PDL=0`."""
+    flag = os.environ.get("HYBRIDKV_PDL", "1")
     if flag not in ("0", "1"):
         raise ValueError(f"HYBRIDKV_PDL={flag!r}: 0 or 1")
     if flag == "0" or not x.is_cuda:
