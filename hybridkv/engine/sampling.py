@@ -53,18 +53,43 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """The distribution a sampled (temperature > 0) request draws from: float32 logits [vocab] scaled
     by the temperature, cut by top-k and top-p, softmaxed. Speculative decoding's rejection sampling
     compares the target's and the draft's distributions after the same processing."""
-    scaled = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+    return filtered_probs_rows(logits[None], [params])[0]
+
+
+def filtered_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filtered_probs` of every row of logits [R, vocab] under its own parameters (temperature > 0),
+    in one pass over the rows: [R, vocab] float32."""
+    scaled = logits.float() / _per_row([p.temperature for p in params], logits.device)
+    ks = [min(p.top_k, scaled.shape[-1]) for p in params]
+    if max(ks) > 0:
+        top = torch.topk(scaled, max(ks), dim=-1).values
+        if min(ks) == max(ks):
+            kth = top[:, -1:]
+        else:       # rows without top-k cut below −inf: nothing
+            kth = top.gather(1, _per_row([max(k, 1) - 1 for k in ks], logits.device, torch.long))
+            kth = kth.masked_fill(_per_row([k == 0 for k in ks], logits.device, torch.bool), float("-inf"))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
+    if min(p.top_p for p in params) < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, -1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        # keep the smallest prefix whose mass reaches top_p (always at least one token); rows
+        # without a top-p cut keep everything (their running mass may round past 1)
+        top_p = _per_row([p.top_p if p.top_p < 1.0 else float("inf") for p in params], logits.device)
+        drop = (probs.cumsum(-1) - probs) >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(scaled, -1)
+
+
+def _per_row(values: list, device: torch.device, dtype: torch.dtype = torch.float32):
+    """One value a row as a [R, 1] tensor on `device` (a Python scalar when every row's is the same).
+    Through pinned memory on CUDA: a copy from pageable memory would wait for the queued steps."""
+    if all(v == values[0] for v in values) and dtype is torch.float32:
+        return values[0]
+    host = torch.tensor(values, dtype=dtype)[:, None]
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def scored(logits: torch.Tensor, token: int, params: SamplingParams) -> Sampled:
@@ -143,9 +168,17 @@ def draw_rows(logits: torch.Tensor, params: list[SamplingParams],
     if logits.shape[0] and all(p.temperature == 0 and not p.logprobs for p in params):   # the common decode step
         return Drawn(*greedy_rows(logits), None, list(params))
     tokens = torch.argmax(logits, -1)
+    # a seeded row draws from its own generator as it would alone; the unseeded ones together
     for i, p in enumerate(params):
-        if p.temperature != 0:
+        if p.temperature != 0 and generators[i] is not None:
             tokens[i] = torch.multinomial(filtered_probs(logits[i], p), 1, generator=generators[i])[0]
+    free = [i for i, p in enumerate(params) if p.temperature != 0 and generators[i] is None]
+    if free:
+        rows = torch.tensor(free)
+        if logits.is_cuda:
+            rows = rows.pin_memory().to(logits.device, non_blocking=True)
+        probs = filtered_probs_rows(logits.index_select(0, rows), [params[i] for i in free])
+        tokens.index_copy_(0, rows, torch.multinomial(probs, 1)[:, 0])
     logprobs = torch.log_softmax(logits, -1)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     top_n = max((p.logprobs or 0 for p in params), default=0)
