@@ -31,6 +31,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridkv.errors import ConfigError
@@ -140,36 +141,40 @@ class FlashMemory(MemoryPolicy):
         """bool [blocks of `visible` chunks]: the blocks this recall keeps (the block being filled
         always), from the chunk probabilities [≥ visible] of one query, or [V, ≥ visible] of several
         (the engine's first recall), whose block rankings then take turns filling the budget."""
+        return torch.from_numpy(self._keep(probs, visible, block_chunks))
+
+    def _keep(self, probs: torch.Tensor, visible: int, block_chunks: int) -> np.ndarray:
+        """`blocks` in numpy: a recall ranks every due request's blocks on the host, a few small
+        arrays each, where torch's per-operation cost would dominate."""
         n_blocks = -(-visible // block_chunks)
         complete = visible // block_chunks
-        keep = torch.zeros(n_blocks, dtype=torch.bool)
+        keep = np.zeros(n_blocks, dtype=bool)
         keep[complete:] = True
         budget = max(1, round(self.budget * complete)) if complete else 0
         tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
         keep[complete - tail:complete] = True
-        scores = probs.float().reshape(-1, probs.shape[-1])
-        p = torch.zeros(scores.shape[0], n_blocks * block_chunks, device=scores.device)
-        p[:, :visible] = scores[:, :visible]
-        p = p.view(-1, n_blocks, block_chunks)
-        rank = ((p > 0.5).sum(2).float() * (block_chunks + 1) + p.sum(2)).cpu()  # the count first, mass breaks ties
-        rank[:, keep] = -math.inf
         need = min(budget - tail, complete)
-        if need > 0 and rank.shape[0] == 1:
-            top = rank[0, :complete].topk(need).indices
-            keep[top[rank[0, top] > -math.inf]] = True
-        elif need > 0:
-            turns = self.turns[:rank.shape[0]] + (1,) * (rank.shape[0] - len(self.turns))
-            orders = [(iter(r[:complete].argsort(descending=True, stable=True).tolist()), t)
-                      for r, t in zip(rank, turns) if t > 0]
-            while need > 0 and orders:
-                for order in list(orders):      # each ranking takes its turn's blocks, best first
-                    ranked, turn = order
-                    while turn > 0 and need > 0:
-                        b = next((b for b in ranked if not keep[b]), None)
-                        if b is None:               # this ranking has nothing left to give
-                            orders.remove(order)
-                            break
-                        keep[b], need, turn = True, need - 1, turn - 1
+        if need > 0:
+            scores = probs.detach().float().cpu().reshape(-1, probs.shape[-1]).numpy()[:, :complete * block_chunks]
+            p = scores.reshape(scores.shape[0], complete, block_chunks)
+            # the count first, the mass breaks ties; then the lower block
+            rank = (p > 0.5).sum(2).astype(np.float64) * (block_chunks + 1) + p.sum(2, dtype=np.float64)
+            orders = [np.argsort(-r, kind="stable") for r in rank]
+            if len(orders) == 1:
+                free = orders[0][~keep[orders[0]]]
+                keep[free[:need]] = True
+            else:
+                turns = self.turns[:len(orders)] + (1,) * (len(orders) - len(self.turns))
+                ranked = [(iter(o.tolist()), t) for o, t in zip(orders, turns) if t > 0]
+                while need > 0 and ranked:
+                    for order in list(ranked):      # each ranking takes its turn's blocks, best first
+                        blocks, turn = order
+                        while turn > 0 and need > 0:
+                            b = next((b for b in blocks if not keep[b]), None)
+                            if b is None:               # this ranking has nothing left to give
+                                ranked.remove(order)
+                                break
+                            keep[b], need, turn = True, need - 1, turn - 1
         return keep
 
     def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
@@ -180,8 +185,8 @@ class FlashMemory(MemoryPolicy):
         probs = ctx.extra.get("chunk_probs")
         if probs is None:
             raise RuntimeError("flashmemory policy without memory-indexer scores")
-        keep = self.blocks(probs, probs.shape[-1], ctx.extra["block_chunks"])
-        return set(torch.nonzero(keep).flatten().tolist()) | {ctx.num_blocks - 1}
+        keep = self._keep(probs, probs.shape[-1], ctx.extra["block_chunks"])
+        return set(np.flatnonzero(keep).tolist()) | {ctx.num_blocks - 1}
 
 
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
