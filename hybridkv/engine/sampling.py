@@ -111,8 +111,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[Sampled]:
     """A token from each row of logits [B, vocab] under that row's parameters and generator, with
     its logprob (under the unprocessed logits) and the top-N logprobs the row asks for. Greedy rows
-    take one argmax together; a sampled row draws from its own generator, as alone. The results
-    reach the host in one transfer."""
+    take one argmax together, unseeded sampled rows one filtered draw together; a seeded row draws
+    from its own generator, as alone. The results reach the host in one transfer."""
     return draw_rows(logits, params, generators).host()
 
 
