@@ -26,7 +26,6 @@ being filled is always resident. Policies run when a request's prefill ends and 
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass, field
