@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridkv.cache.block_pool import BlockPool, OutOfBlocks
+from hybridkv.cache.page_pool import PagePool
 from hybridkv.config import ModelConfig
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
@@ -156,7 +158,7 @@ class PagedKVStore:
                      for _ in range(self.num_layers)]
         self.offload = resident_pages is not None
         self.host = torch.device("cpu")
-        self.page_pool = BlockPool(resident_pages) if self.offload else None
+        self.page_pool = PagePool(resident_pages) if self.offload else None
         self.pages: dict[int, torch.Tensor] = {}    # CSA layer -> device pages [pages, entries/block, E]
         self._copy_stream = None
         csa = [i for i in range(self.num_layers) if config.layer_kind(i) == "csa"] if self.offload else []
@@ -247,9 +249,8 @@ class PagedKVStore:
             for p in seq.recall.loads.values():
                 self.page_pool.release(p)
             seq.recall = None
-        for p in seq.pages:
-            if p >= 0:
-                self.page_pool.release(p)
+        if self.offload:
+            self.page_pool.release_many([p for p in seq.pages if p >= 0])
         seq.block_table, seq.pages = [], []
         self._free_slots.append(seq.slot)
 
@@ -314,10 +315,13 @@ class PagedKVStore:
         """Fill device pages from their blocks' host rows ({block index: page} of each request), on the
         current stream: one gather that the device runs over the pinned host pool on CUDA, whatever
         the count."""
-        pairs = [(seq.block_table[b], page) for seq, page_loads in loads for b, page in page_loads.items()]
-        if not pairs or not self.pages:
+        host, dev = [], []
+        for seq, page_loads in loads:
+            host.extend(seq.block_table[b] for b in page_loads)
+            dev.extend(page_loads.values())
+        if not host or not self.pages:
             return
-        rows = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
+        rows = torch.from_numpy(np.array([host, dev], dtype=np.int64))
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         gather_rows_(self._page_csa, rows[1], self._host_csa, rows[0])
@@ -384,20 +388,22 @@ class PagedKVStore:
         their pages are planned in order, as by one call each, and filled by one gather over the
         host pool on CUDA, whose arrival each of them waits for. Returns the pages started."""
         planned = []
+        requests = self.max_slots - len(self._free_slots)
         for seq, keep in recalls:
             if seq.recall is not None:
                 raise RuntimeError("a recall is still in flight for this request: settle it first")
-            want = [b for b in sorted(keep) if b < len(seq.pages) and seq.pages[b] < 0]
+            pages = np.array(seq.pages, dtype=np.int64)
+            kept = _block_mask(keep, pages.size)
+            want = np.flatnonzero(kept & (pages < 0))
             evicted = 0
-            requests = self.max_slots - len(self._free_slots)
-            if len(want) > self.page_pool.num_free - requests:
-                for b, page in enumerate(seq.pages):
-                    if page >= 0 and b not in keep:
-                        self.page_pool.release(page)
-                        seq.pages[b] = -1
-                        evicted += 1
+            if want.size > self.page_pool.num_free - requests:
+                gone = np.flatnonzero((pages >= 0) & ~kept)
+                self.page_pool.release_many(pages[gone])
+                pages[gone] = -1
+                seq.pages[:] = pages.tolist()
                 seq.pages_version += 1
-            planned.append((seq, keep, {b: self.page_pool.allocate() for b in want}, evicted))
+                evicted = gone.size
+            planned.append((seq, keep, dict(zip(want.tolist(), self.page_pool.allocate_many(want.size))), evicted))
         arrived = self._copy_pages([(seq, loads) for seq, _, loads, _ in planned])
         for seq, keep, loads, evicted in planned:
             seq.recall = Recall(set(keep), len(seq.pages), loads, arrived if loads else None, evicted)
@@ -437,14 +443,14 @@ class PagedKVStore:
         seq.pages_version += 1
         for b, page in r.loads.items():
             seq.pages[b] = page
-        evicted = 0
-        for b in range(r.blocks):
-            if seq.pages[b] >= 0 and b not in r.keep:
-                self.page_pool.release(seq.pages[b])
-                seq.pages[b] = -1
-                evicted += 1
+        pages = np.array(seq.pages[:r.blocks], dtype=np.int64)
+        gone = np.flatnonzero((pages >= 0) & ~_block_mask(r.keep, r.blocks))
+        if gone.size:
+            self.page_pool.release_many(pages[gone])
+            pages[gone] = -1
+            seq.pages[:r.blocks] = pages.tolist()
         seq.recall = None
-        return len(r.loads), evicted + r.evicted
+        return len(r.loads), int(gone.size) + r.evicted
 
     def resident_blocks(self, seq: SeqCache) -> list[int]:
         if not self.offload:
@@ -707,6 +713,14 @@ class KernelArgs:
     def encode_window(self, rows: torch.Tensor) -> torch.Tensor:
         """Window rows in their stored form (the kernels read a token's own row as it will be stored)."""
         return self.store.codec["window"].encode(rows)
+
+
+def _block_mask(blocks: set[int], n: int) -> np.ndarray:
+    """bool [n]: True at the block indices in `blocks` (those ≥ n ignored)."""
+    mask = np.zeros(n, dtype=bool)
+    idx = np.fromiter(blocks, dtype=np.int64, count=len(blocks))
+    mask[idx[idx < n]] = True
+    return mask
 
 
 def _window_complete(seq: SeqCache, first_pos: int, window: int) -> bool:

@@ -15,6 +15,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore
@@ -108,7 +109,8 @@ class EngineCore:
         # flashmemory with async scheduling: the layer inputs and rows of the step whose tokens are being
         # emitted, when a step queued behind it has already replaced `_query_x` / `_query_rows`
         self._emit_query: tuple[dict[int, torch.Tensor], dict[str, tuple[int, int]]] | None = None
-        self._due_scores: dict[str, torch.Tensor] = {}     # memory-indexer scores of this step's recalls
+        # this step's decode recalls: request id -> each complete block's ranking key (`_score_due_recalls`)
+        self._due_ranks: dict[str, np.ndarray] = {}
         self._step_recalls: list | None = None     # (request, resident blocks) of the step's recalls, while emitting
         if self.memory.needs_query:
             self._attach_memory_indexer()
@@ -716,14 +718,27 @@ class EngineCore:
     def _score_due_recalls(self, seqs: list[Sequence]) -> None:
         """Before a step's tokens are emitted, on the paged kernels: the memory indexer scores every
         request whose decode recall this step's token runs, all at once (one scoring launch per target
-        layer over the stored keys, one wait for the device), for `_memory_scores` to hand out."""
-        self._due_scores = {}
+        layer over the stored keys), and the policy's ranking key of each block is computed on the
+        device, so one wait brings a key per block, not a probability per chunk, to the host for
+        `_after_token` to hand out."""
+        self._due_ranks = {}
         if not self.memory.needs_query or self.store.kernel_formats is None:
             return
         due = [s for s in seqs if s.output_ids and not len(s.output_ids) % self.memory.interval
                and s.request_id not in self._prompt_tail]
         if not due:
             return
+        ratio = self.model.layers[self.memory.scorer.config.layers[0]].attn.ratio
+        block_chunks = self.store.block_tokens // ratio
+        with torch.inference_mode():
+            probs = self._due_probabilities(due)
+            ranks = self.memory.block_ranks(probs, probs.shape[-1] // block_chunks, block_chunks).cpu().numpy()
+        for s, r in zip(due, ranks):
+            self._due_ranks[s.request_id] = r[:s.num_computed // ratio // block_chunks]
+
+    def _due_probabilities(self, due: list[Sequence]) -> torch.Tensor:
+        """The memory indexer's probabilities [R, chunks visible to the furthest] of each request's
+        last computed row (on the device; past a request's own visible chunks meaningless)."""
         mi = self.memory.scorer
         query_x, query_rows = self._emit_query or (self._query_x, self._query_rows)
         last = torch.tensor([sum(query_rows[s.request_id]) - 1 for s in due], device=self.device)
@@ -732,21 +747,14 @@ class EngineCore:
         pos = [s.num_computed - 1 for s in due]
         batch = PagedBatch.build([(s.cache.slot, p, 1, s.cache.block_table) for s, p in zip(due, pos)],
                                  self.store.block_tokens, self.device)
-        max_visible = (max(pos) + 1) // ratio
-        with torch.inference_mode():
-            probs = mi.paged_probabilities(xs, batch.positions.long(), batch,
-                                           {layer: self.store.entries[layer]["index"] for layer in mi.config.layers},
-                                           ratio, self.store.kernel_formats[1], max_visible).cpu()
-        for i, (s, p) in enumerate(zip(due, pos)):
-            self._due_scores[s.request_id] = probs[i, :(p + 1) // ratio]
+        return mi.paged_probabilities(xs, batch.positions.long(), batch,
+                                      {layer: self.store.entries[layer]["index"] for layer in mi.config.layers},
+                                      ratio, self.store.kernel_formats[1], (max(pos) + 1) // ratio)
 
     def _memory_scores(self, seq: Sequence) -> torch.Tensor:
         """The memory indexer's probabilities [visible chunks] from the request's last computed row; at
         the prefill's end [2, visible chunks]: from the prompt's last row and the mean over its last
-        `query_rows` rows (its question and what leads to it; `FlashMemory.chunks` takes from both).
-        Scores `_score_due_recalls` computed for the request are taken as they are."""
-        if seq.request_id in self._due_scores:
-            return self._due_scores.pop(seq.request_id)
+        `query_rows` rows (its question and what leads to it; `FlashMemory.chunks` takes from both)."""
         mi = self.memory.scorer
         pos = seq.num_computed - 1
         end, tail = self._prompt_tail.pop(seq.request_id, (None, None))
@@ -788,7 +796,12 @@ class EngineCore:
         extra = {}
         if self.memory.needs_query:
             ratio = self.model.layers[self.memory.scorer.config.layers[0]].attn.ratio
-            extra = {"chunk_probs": self._memory_scores(seq), "block_chunks": self.store.block_tokens // ratio}
+            extra = {"block_chunks": self.store.block_tokens // ratio}
+            ranks = self._due_ranks.pop(seq.request_id, None)
+            if ranks is not None:
+                extra.update(block_ranks=ranks, visible_chunks=seq.num_computed // ratio)
+            else:
+                extra["chunk_probs"] = self._memory_scores(seq)
         ctx = PolicyContext(seq.request_id, len(seq.cache.block_table), seq.num_computed, self.store.block_tokens,
                             steps, seq.params.seed or 0, mass, extra)
         if seq.cache.recall is not None:        # the last recall's copies have not arrived yet

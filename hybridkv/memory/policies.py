@@ -21,7 +21,8 @@ being filled is always resident. Policies run when a request's prefill ends and 
   `tail_share`, default a twelfth, at least one; `flashmemory-B-tailT` sets it) stay, then the
   blocks with the most chunks above 0.5 (ties: the larger summed probability) up to the budget;
   FlashMemory's pages of 64 chunks are these blocks of 32. The engine supplies the probabilities
-  (`PolicyContext.extra["chunk_probs"]`).
+  (`PolicyContext.extra["chunk_probs"]`), or for a decode recall each block's ranking key
+  (`"block_ranks"`, `FlashMemory.block_ranks`, with `"visible_chunks"`).
 """
 
 from __future__ import annotations
@@ -142,9 +143,20 @@ class FlashMemory(MemoryPolicy):
         (the engine's first recall), whose block rankings then take turns filling the budget."""
         return torch.from_numpy(self._keep(probs, visible, block_chunks))
 
-    def _keep(self, probs: torch.Tensor, visible: int, block_chunks: int) -> np.ndarray:
+    @staticmethod
+    def block_ranks(probs: torch.Tensor, blocks: int, block_chunks: int) -> torch.Tensor:
+        """float64 [..., blocks]: the ranking key of the first `blocks` blocks from chunk probabilities
+        [..., ≥ blocks · block_chunks]: the count of chunks above 0.5 first, their summed probability
+        breaking ties. The engine computes it on the device for every due request at once, so that a
+        recall moves a key per block to the host, not a probability per chunk."""
+        p = probs[..., :blocks * block_chunks].reshape(*probs.shape[:-1], blocks, block_chunks).double()
+        return (p > 0.5).sum(-1).double() * (block_chunks + 1) + p.sum(-1)
+
+    def _keep(self, probs: torch.Tensor | None, visible: int, block_chunks: int,
+              ranks: np.ndarray | None = None) -> np.ndarray:
         """`blocks` in numpy: a recall ranks every due request's blocks on the host, a few small
-        arrays each, where torch's per-operation cost would dominate."""
+        arrays each, where torch's per-operation cost would dominate. `ranks` [≥ complete blocks]
+        (`block_ranks`, one query) replaces `probs` when the engine computed it."""
         n_blocks = -(-visible // block_chunks)
         complete = visible // block_chunks
         keep = np.zeros(n_blocks, dtype=bool)
@@ -154,10 +166,13 @@ class FlashMemory(MemoryPolicy):
         keep[complete - tail:complete] = True
         need = min(budget - tail, complete)
         if need > 0:
-            scores = probs.detach().float().cpu().reshape(-1, probs.shape[-1]).numpy()[:, :complete * block_chunks]
-            p = scores.reshape(scores.shape[0], complete, block_chunks)
-            # the count first, the mass breaks ties; then the lower block
-            rank = (p > 0.5).sum(2).astype(np.float64) * (block_chunks + 1) + p.sum(2, dtype=np.float64)
+            if ranks is not None:
+                rank = np.asarray(ranks, dtype=np.float64).reshape(1, -1)[:, :complete]
+            else:
+                scores = probs.detach().float().cpu().reshape(-1, probs.shape[-1]).numpy()[:, :complete * block_chunks]
+                p = scores.reshape(scores.shape[0], complete, block_chunks)
+                # the count first, the mass breaks ties (`block_ranks`); then the lower block
+                rank = (p > 0.5).sum(2).astype(np.float64) * (block_chunks + 1) + p.sum(2, dtype=np.float64)
             orders = [np.argsort(-r, kind="stable") for r in rank]
             if len(orders) == 1:
                 free = orders[0][~keep[orders[0]]]
@@ -181,10 +196,13 @@ class FlashMemory(MemoryPolicy):
         return self.blocks(probs, visible, block_chunks).repeat_interleave(block_chunks)[:visible]
 
     def resident(self, ctx: PolicyContext) -> set[int]:
-        probs = ctx.extra.get("chunk_probs")
-        if probs is None:
+        probs, ranks = ctx.extra.get("chunk_probs"), ctx.extra.get("block_ranks")
+        if ranks is not None:
+            keep = self._keep(None, ctx.extra["visible_chunks"], ctx.extra["block_chunks"], ranks)
+        elif probs is not None:
+            keep = self._keep(probs, probs.shape[-1], ctx.extra["block_chunks"])
+        else:
             raise RuntimeError("flashmemory policy without memory-indexer scores")
-        keep = self._keep(probs, probs.shape[-1], ctx.extra["block_chunks"])
         return set(np.flatnonzero(keep).tolist()) | {ctx.num_blocks - 1}
 
 

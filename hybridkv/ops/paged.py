@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -35,25 +36,23 @@ class PagedBatch:
     def build(cls, segments: list[tuple[int, int, int, list[int] | torch.Tensor]], block_tokens: int = 128,
               device=None) -> "PagedBatch":
         """segments: (slot, start_pos, length, block ids) per request, in row order."""
-        tok_req, pos, slots, starts, rows0, tables = [], [], [], [], [], []
-        row = 0
-        for r, (slot, start, length, blocks) in enumerate(segments):
-            if length <= 0:
-                raise ValueError("a segment needs at least one token")
-            tok_req.append(torch.full((length,), r, dtype=torch.int32))
-            pos.append(torch.arange(start, start + length, dtype=torch.int32))
-            slots.append(slot)
-            starts.append(start)
-            rows0.append(row)
-            tables.append(torch.as_tensor(blocks, dtype=torch.int32).flatten())
-            row += length
-        width = max(1, max(t.numel() for t in tables))
-        bt = torch.full((len(tables), width), -1, dtype=torch.int32)
+        if not segments:
+            raise ValueError("a batch needs at least one segment")
+        slots, starts, lengths, tables = zip(*segments)
+        lengths = np.array(lengths, dtype=np.int64)
+        if (lengths <= 0).any():
+            raise ValueError("a segment needs at least one token")
+        # numpy: a decode batch of a hundred requests holds a hundred block tables of a thousand ids
+        tables = [t.cpu().numpy().reshape(-1) if isinstance(t, torch.Tensor) else t for t in tables]
+        width = max(1, max(len(t) for t in tables))
+        bt = np.full((len(tables), width), -1, dtype=np.int32)
         for r, t in enumerate(tables):
-            bt[r, : t.numel()] = t
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(torch.cat(tok_req).to(device), torch.cat(pos).to(device), torch.tensor(slots, **i32), bt.to(device),
-                   torch.tensor(starts, **i32), torch.tensor(rows0, **i32), block_tokens)
+            bt[r, :len(t)] = t
+        rows0 = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        token_req = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+        positions = (np.arange(lengths.sum()) - np.repeat(rows0, lengths) + np.repeat(starts, lengths)).astype(np.int32)
+        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)   # noqa: E731
+        return cls(i32(token_req), i32(positions), i32(slots), i32(bt), i32(starts), i32(rows0), block_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ them and write a completed block back to host memory give the reference path's t
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from helpers import decode_after_prefill, interpreter_only
@@ -40,11 +41,13 @@ def test_offloading_policy_decodes_through_the_kernels_as_the_reference_path_doe
 @interpreter_only
 def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_keys(monkeypatch, tmp_path):
     """On the paged kernels the memory indexer scores every request whose decode recall a step's
-    token runs in one pass (`paged_scores` over the FP4 keys where the store holds them), and the
-    policy gets what the request-by-request path (keys unpacked, float32) gives, within the kernel's
-    rounding of the queries to fp16 (3.5e-5 here, the scores spreading 0.04)."""
+    token runs in one pass (`paged_scores` over the FP4 keys where the store holds them), which gives
+    what the request-by-request path (keys unpacked, float32) gives, within the kernel's rounding of
+    the queries to fp16 (3.5e-5 here, the scores spreading 0.04); the policy gets each complete
+    block's ranking key of those scores, computed where they are."""
     from hybridkv.engine.core import EngineCore
     from hybridkv.memory.indexer import MemoryIndexer
+    from hybridkv.memory.policies import FlashMemory
     from hybridkv.presets import load_config
     path = MemoryIndexer.random(load_config(FP8_FIXTURE)).save(tmp_path)
     eng = LLM(FP8_FIXTURE, num_blocks=32, max_num_seqs=2, max_num_batched_tokens=1024, kv_format="fp8",
@@ -54,21 +57,31 @@ def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_ke
                             SamplingParams(max_tokens=66, ignore_eos=True)) for n in (509, 430)]
     while len(seqs[0].output_ids) < 63:                  # the reference path up to the step before the recall
         eng.step()
-    seen = []
-    scores = EngineCore._memory_scores
+    seen, ranks = [], {}
+    due_probabilities, scores, resident = EngineCore._due_probabilities, EngineCore._memory_scores, FlashMemory.resident
 
-    def both(self, seq):
-        batched = seq.request_id in self._due_scores
-        got = scores(self, seq)
-        seen.append((batched, seq.num_computed // 4, got, scores(self, seq)))   # the second: request by request
-        return got
-    monkeypatch.setattr(EngineCore, "_memory_scores", both)
+    def batched(self, due):
+        probs = due_probabilities(self, due)
+        for i, seq in enumerate(due):                    # request by request, over the same cache
+            visible = seq.num_computed // 4
+            seen.append((seq.request_id, visible, probs[i, :visible].float().cpu(), scores(self, seq)))
+        return probs
+
+    def spy(self, ctx):
+        if "block_ranks" in ctx.extra:
+            ranks[ctx.request_id] = (ctx.extra["block_ranks"], ctx.extra["visible_chunks"])
+        return resident(self, ctx)
+    monkeypatch.setattr(EngineCore, "_due_probabilities", batched)
+    monkeypatch.setattr(FlashMemory, "resident", spy)
     eng.store.kernel_formats = ("fp8", "fp4")
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     while eng.has_unfinished():
         eng.step()
     # the recall after 64 decode steps, both requests in one step: each scores the chunks it sees
-    assert [(b, visible) for b, visible, _, _ in seen] == [(True, (509 + 63) // 4), (True, (430 + 63) // 4)]
-    for _, visible, got, want in seen:
+    assert [visible for _, visible, _, _ in seen] == [(509 + 63) // 4, (430 + 63) // 4]
+    for rid, visible, got, want in seen:
         assert got.shape == want.shape == (visible,)
         assert float((got - want).abs().max()) < 5e-4 and 0 < float(got.std())
+        key, visible_chunks = ranks[rid]
+        assert visible_chunks == visible and key.shape == (visible // 32,)
+        assert np.array_equal(key, FlashMemory.block_ranks(got, visible // 32, 32).numpy())
