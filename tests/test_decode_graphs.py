@@ -196,8 +196,8 @@ def test_offloading_policies_decode_through_the_fixed_shape_forward(fixtures, wa
     64 and block ends, against the engine's batched decode: the same pages recalled and written back,
     every decode step a graph step. Without async scheduling the same tokens and logits (within the
     MoE's summation order and the near-ties it flips). With it every step but the first is queued
-    ahead, the recall too: it reads its own step's layer inputs (kept aside), and its resident set
-    takes over one step later (the step queued behind it was launched with the old pages), so the
+    ahead, the recall too: it reads its own step's layer inputs (scored before the next step is
+    queued), and its resident set takes over one step later (the step queued behind it was launched with the old pages), so the
     tokens agree up to the recall."""
     from engine_helpers import prompts_of
     from hybridkv.memory.indexer import MemoryIndexer

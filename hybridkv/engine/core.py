@@ -63,6 +63,15 @@ class _Queued:
 
 
 @dataclass
+class _DueScores:
+    """The memory indexer's ranking keys of a step's due recalls, on their way to the host."""
+
+    due: list[tuple[str, int]]                # (request id, its complete blocks), in row order
+    ranks: torch.Tensor                       # [R, blocks] float64 on the host (pinned on CUDA)
+    done: "torch.cuda.Event | None"           # when the copy has landed (None: already there)
+
+
+@dataclass
 class EngineStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -106,10 +115,7 @@ class EngineCore:
         # flashmemory, requests in prefill: (end position, target layer -> attention inputs of the last
         # ≤ query_rows positions computed), gathered over the prefill's chunks for its first recall
         self._prompt_tail: dict[str, tuple[int, dict[int, torch.Tensor]]] = {}
-        # flashmemory with async scheduling: the layer inputs and rows of the step whose tokens are being
-        # emitted, when a step queued behind it has already replaced `_query_x` / `_query_rows`
-        self._emit_query: tuple[dict[int, torch.Tensor], dict[str, tuple[int, int]]] | None = None
-        # this step's decode recalls: request id -> each complete block's ranking key (`_score_due_recalls`)
+        # this step's decode recalls: request id -> each complete block's ranking key (`_take_due_scores`)
         self._due_ranks: dict[str, np.ndarray] = {}
         self._step_recalls: list | None = None     # (request, resident blocks) of the step's recalls, while emitting
         if self.memory.needs_query:
@@ -304,12 +310,14 @@ class EngineCore:
         if emitting:      # every request's token in one sampling pass (one wait for the device)
             rows = torch.stack([logits[seq.request_id] for seq in emitting])
             drawn = draw_rows(rows, [seq.params for seq in emitting], [seq.generator for seq in emitting])
-            if self.stats.graph_steps > graph_steps:
-                drawn.start_transfer()           # before the next step is queued behind it
+            graphed = self.stats.graph_steps > graph_steps
+            if graphed:
+                drawn.start_transfer()           # before the recalls' scoring and the next step queue behind it
+            scoring = self._start_due_scores(emitting)
+            if graphed:
                 self._queue_next(emitting, drawn, list(range(len(emitting))))
-            self._score_due_recalls(emitting)
+            self._take_due_scores(scoring)
             events = self._emit_tokens(emitting, rows, drawn.host())
-            self._emit_query = None
         self.stats.steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
         self._drop_dead_queue()
@@ -332,11 +340,6 @@ class EngineCore:
                 and seq.num_tokens + 1 < self.max_model_len]
         if not keep or not sched.extend_decodes([seq for seq, _ in keep]):
             return
-        if self.memory.needs_query and any(len(seq.output_ids) % self.memory.interval == 0 for seq in seqs):
-            # the tokens about to be emitted run the memory policy on this step's layer inputs, which the
-            # queued replay overwrites: a copy for them, ordered before it (a recall's page changes are
-            # safe behind it: page loads wait for the queued work, freed pages are rewritten only later)
-            self._emit_query = ({layer: x.clone() for layer, x in self._query_x.items()}, self._query_rows)
         if len(keep) == drawn.tokens.shape[0]:
             ids = drawn.tokens
         else:
@@ -370,10 +373,10 @@ class EngineCore:
             seq.num_computed = q.chunks[i].start + 1
             self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
             self._publish_snapshots(seq)
+        scoring = self._start_due_scores(seqs)
         self._queue_next(seqs, q.drawn, live)
-        self._score_due_recalls(seqs)
+        self._take_due_scores(scoring)
         events = self._emit_tokens(seqs, [q.logits[i] for i in live], q.drawn.host(live))
-        self._emit_query = None
         self.stats.steps += 1
         self.stats.forward_tokens += len(q.chunks)
         self._drop_dead_queue()
@@ -715,32 +718,49 @@ class EngineCore:
                 layer: torch.cat([tail.get(layer, x[:0]), x[first:first + n]])[-q:].clone()
                 for layer, x in self._query_x.items()})
 
-    def _score_due_recalls(self, seqs: list[Sequence]) -> None:
-        """Before a step's tokens are emitted, on the paged kernels: the memory indexer scores every
-        request whose decode recall this step's token runs, all at once (one scoring launch per target
-        layer over the stored keys), and the policy's ranking key of each block is computed on the
-        device, so one wait brings a key per block, not a probability per chunk, to the host for
-        `_after_token` to hand out."""
-        self._due_ranks = {}
+    def _start_due_scores(self, seqs: list[Sequence]) -> "_DueScores | None":
+        """On the paged kernels, before the next step is queued: the memory indexer scores every request
+        whose decode recall this step's token runs, all at once (one scoring launch per target layer
+        over the stored keys, reading this step's layer inputs), the policy's ranking key of each block
+        is computed on the device (a key per block, not a probability per chunk, comes to the host),
+        and its copy to the host starts. `_take_due_scores` waits for it, while the queued step runs
+        (a recall's page changes are safe behind that step: page loads wait for the queued work,
+        freed pages are rewritten only later). None when no recall is due."""
         if not self.memory.needs_query or self.store.kernel_formats is None:
-            return
+            return None
         due = [s for s in seqs if s.output_ids and not len(s.output_ids) % self.memory.interval
                and s.request_id not in self._prompt_tail]
         if not due:
-            return
+            return None
         ratio = self.model.layers[self.memory.scorer.config.layers[0]].attn.ratio
         block_chunks = self.store.block_tokens // ratio
         with torch.inference_mode():
             probs = self._due_probabilities(due)
-            ranks = self.memory.block_ranks(probs, probs.shape[-1] // block_chunks, block_chunks).cpu().numpy()
-        for s, r in zip(due, ranks):
-            self._due_ranks[s.request_id] = r[:s.num_computed // ratio // block_chunks]
+            ranks = self.memory.block_ranks(probs, probs.shape[-1] // block_chunks, block_chunks)
+            host = torch.empty(ranks.shape, dtype=ranks.dtype, pin_memory=ranks.is_cuda)
+            host.copy_(ranks, non_blocking=True)
+        done = None
+        if ranks.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return _DueScores([(s.request_id, s.num_computed // ratio // block_chunks) for s in due], host, done)
+
+    def _take_due_scores(self, scoring: "_DueScores | None") -> None:
+        """The ranking keys `_start_due_scores` queued, for `_after_token` to hand to the policy."""
+        self._due_ranks = {}
+        if scoring is None:
+            return
+        if scoring.done is not None:
+            scoring.done.synchronize()
+        ranks = scoring.ranks.numpy()
+        for (rid, complete), r in zip(scoring.due, ranks):
+            self._due_ranks[rid] = r[:complete]
 
     def _due_probabilities(self, due: list[Sequence]) -> torch.Tensor:
         """The memory indexer's probabilities [R, chunks visible to the furthest] of each request's
         last computed row (on the device; past a request's own visible chunks meaningless)."""
         mi = self.memory.scorer
-        query_x, query_rows = self._emit_query or (self._query_x, self._query_rows)
+        query_x, query_rows = self._query_x, self._query_rows
         last = torch.tensor([sum(query_rows[s.request_id]) - 1 for s in due], device=self.device)
         xs = {layer: query_x[layer].index_select(0, last) for layer in mi.config.layers}
         ratio = self.model.layers[mi.config.layers[0]].attn.ratio
@@ -761,8 +781,8 @@ class EngineCore:
         if end == pos + 1:
             xs = tail
         else:
-            query_x, query_rows = self._emit_query or (self._query_x, self._query_rows)
-            first, n = query_rows[seq.request_id]
+            first, n = self._query_rows[seq.request_id]
+            query_x = self._query_x
             xs = {layer: query_x[layer][first + n - 1:first + n] for layer in mi.config.layers}
         rows = next(iter(xs.values())).shape[0]
         ratio = self.model.layers[mi.config.layers[0]].attn.ratio
