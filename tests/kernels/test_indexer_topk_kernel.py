@@ -326,3 +326,19 @@ def test_paged_scores_are_the_reference_scores(kernels, device, fmt, monkeypatch
     assert torch.allclose(ref, got, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
     assert torch.equal(indexer_topk.paged_scores(q, w, batch, pool, ratio, fmt, d), ref)
+
+
+def test_resident_blocks_are_compacted_in_order_with_their_visible_entries(kernels):
+    """The kernels see only a request's resident blocks, in order: their pool ids, how many of their
+    entries each token sees (whole blocks before its position, the part of its own block) and which
+    block of the request each one is (hand-computed: 16-token blocks, ratio 4, 4 entries a block)."""
+    from hybridkv.ops.paged import PagedBatch
+    tables = [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
+    batch = PagedBatch.build([(0, 71, 1, tables[0]), (1, 39, 1, tables[1])], block_tokens=16)
+    pages = torch.tensor([[5, -1, 6, -1, 7], [-1, -1, 8, 9, -1]], dtype=torch.int32)
+    compact, visible, logical = kernels._compact_resident(batch, pages, 4)
+    # request 0 at position 71 sees 18 entries: blocks 0-3 whole, 2 of block 4; resident 0, 2, 4
+    # request 1 at position 39 sees 10: blocks 0-1 whole, 2 of block 2; resident 2, 3
+    assert logical[0, :3].tolist() == [0, 2, 4] and logical[1, :2].tolist() == [2, 3]
+    assert compact[0, :3].tolist() == [10, 12, 14] and compact[1, :2].tolist() == [22, 23]
+    assert visible.tolist() == [2 * 4 + 2, 0 * 4 + 2]

@@ -45,11 +45,10 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
     `resident` [R, ≥ blocks] (a memory policy's device pages, −1 = on the host only): only entries of
     blocks with a page ≥ 0 are chosen; slots the resident entries do not fill are −1.
     """
-    if use_triton(q):
+    if use_triton(q):     # the kernels score and select over the resident blocks alone
         from hybridkv.ops.indexer_topk import triton as kernels
-        idx = kernels.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, max_visible, resident)
-    else:
-        idx = reference.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, resident)
+        return kernels.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, max_visible, resident)
+    idx = reference.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, resident)
     if resident is None:
         return idx
     # entries of host-only blocks score −inf: they fill the slots only when fewer resident entries exist

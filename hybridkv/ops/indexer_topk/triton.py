@@ -171,13 +171,12 @@ def _rows(BT, s_bt, r, j, EPB: tl.constexpr, PAGED: tl.constexpr):
 
 
 @triton.jit
-def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, RES, s_res, KEYS, s_keys,
+def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, KEYS, s_keys,
                         TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BN: tl.constexpr,
                         CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
                         PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr, RATIO: tl.constexpr,
-                        RESIDENT: tl.constexpr, PDL: tl.constexpr):
-    """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows; with
-    RESIDENT, −inf for the entries of blocks whose RES page is < 0."""
+                        PDL: tl.constexpr):
+    """One token × CHUNK keys: s[n] = Σ_h w_h relu(k_n · q_h) with the keys as MMA rows."""
     wait_then_release(PDL)
     t = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
@@ -213,8 +212,6 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
             sc = tl.sum(tl.maximum(s, 0.0) * w[None, :], 1)
             if FP4:
                 sc = sc * (smax << 23).to(tl.float32, bitcast=True)
-            if RESIDENT:
-                sc = tl.where(tl.load(RES + r * s_res + jc // EPB) >= 0, sc, float("-inf"))
             key = tl.where(jv, _ordered(sc), 0)
             tl.store(KEYS + t.to(tl.int64) * s_keys + j, key.to(tl.int32, bitcast=True), mask=jv)
             tmax = tl.max(tl.reshape(key, [BN // TILE_N, TILE_N]), 1)
@@ -223,13 +220,13 @@ def score_decode_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_
 
 
 @triton.jit
-def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, RES, s_res, TILE_T0, TILE_CNT,
+def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_REQ, VIS, TILE_T0, TILE_CNT,
                       KEYS, s_keys, TMAX, s_tmax, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, TILE_N: tl.constexpr, FP4: tl.constexpr,
                       WORDS: tl.constexpr, PAGED: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
-                      RATIO: tl.constexpr, RESIDENT: tl.constexpr):
+                      RATIO: tl.constexpr):
     """BLOCK_T consecutive tokens of one request × CHUNK keys (keys shared by the tile); BN a
-    multiple of TILE_N. RESIDENT: as in `score_decode_kernel`."""
+    multiple of TILE_N."""
     tile = tl.program_id(0)
     n_start = tl.program_id(1) * CHUNK
     t0 = tl.load(TILE_T0 + tile)
@@ -266,8 +263,6 @@ def score_tile_kernel(Q, sq_t, sq_h, W, sw_t, POOL, s_pool_row, BT, s_bt, TOK_RE
             sc = tl.sum(tl.reshape(s, [BLOCK_T, BLOCK_H, BN]), 1)                              # [BLOCK_T, BN]
             if FP4:
                 sc = sc * (smax << 23).to(tl.float32, bitcast=True)[None, :]
-            if RESIDENT:
-                sc = tl.where((tl.load(RES + r * s_res + jc // EPB) >= 0)[None, :], sc, float("-inf"))
             valid = tmask[:, None] & (j[None, :] < vis_t[:, None])
             key = tl.where(valid, _ordered(sc), 0)
             tl.store(KEYS + (t0 + ti).to(tl.int64)[:, None] * s_keys + j[None, :], key.to(tl.int32, bitcast=True),
@@ -333,12 +328,10 @@ def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
     return min(8192, max(4 * bn, triton.next_power_of_2(want)))
 
 
-def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged, epb, vis_ratio,
-                  resident):
+def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged, epb, vis_ratio):
     """The decode scoring launch: one token's keys per program (chunks of them over the GPU), each
     score's order-preserving key into `keys` [T, n_max], each tile's largest into `tmax`. `common`:
-    (pool, its row stride, block tables and their stride, token requests, visibility, resident pages
-    and their stride)."""
+    (pool, its row stride, block tables and their stride, token requests, visibility)."""
     t, h, _ = q.shape
     cfg = DECODE_CFG
     assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
@@ -347,14 +340,13 @@ def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4,
         q, q.stride(0), q.stride(1), weights, weights.stride(0), *common, keys, keys.stride(0), tmax, tmax.stride(0),
         h, D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(h)), BN=cfg["BN"], CHUNK=chunk, TILE_N=per_max,
         FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        RATIO=vis_ratio, RESIDENT=resident, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **triton_args(q))
+        RATIO=vis_ratio, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **triton_args(q))
 
 
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None, words=False, vis_ratio=0, resident=None):
+         block_t=None, words=False, vis_ratio=0):
     """vis: [T] visible entries per token, or with vis_ratio > 0 the tokens' positions (the kernels
-    compute (position + 1) // vis_ratio themselves). resident: [R, blocks] pages (paged only), entries
-    of blocks with a page < 0 scoring −inf."""
+    compute (position + 1) // vis_ratio themselves)."""
     t, h, _ = q.shape
     dev = q.device
     assert head_dim == triton.next_power_of_2(head_dim), "indexer head_dim must be a power of two"
@@ -384,11 +376,10 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
         tmax = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
         tlist = torch.empty(tn, n_tiles, dtype=torch.int32, device=dev)
         cand = torch.empty(4 if split else 2, tn, n_max, dtype=torch.int32, device=dev)
-        res = resident if resident is not None else bt
-        common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b], res, res.stride(0))
+        common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b])
         if block_t == 1:
             _score_decode(q[a:b], weights[a:b], common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged,
-                          epb, vis_ratio, resident is not None)
+                          epb, vis_ratio)
         else:
             tile_t0, tile_n = _tiles(token_req[a:b], block_t)
             chunk = TILE_CFG["CHUNK"]
@@ -397,7 +388,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                 q[a:b], q.stride(0), q.stride(1), weights[a:b], weights.stride(0), *common, tile_t0, tile_n, keys,
                 keys.stride(0), tmax, tmax.stride(0), h, D=head_dim, BLOCK_H=block_h, BLOCK_T=block_t,
                 BN=TILE_CFG["BN"], CHUNK=chunk, TILE_N=per_max, FP4=fp4, WORDS=words, PAGED=paged, EPB=epb, PREC=prec,
-                RATIO=vis_ratio, RESIDENT=resident is not None, num_warps=TILE_CFG["num_warps"],
+                RATIO=vis_ratio, num_warps=TILE_CFG["num_warps"],
                 num_stages=TILE_CFG["num_stages"])
         kpad = triton.next_power_of_2(topk)
         if split:
@@ -449,16 +440,49 @@ def _paged_pool(q, batch: PagedBatch, pool, ratio, fmt, head_dim, max_visible):
 
 def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
                        resident=None):
-    """See `hybridkv.ops.indexer_topk.indexer_topk_paged`."""
+    """See `hybridkv.ops.indexer_topk.indexer_topk_paged`. With `resident` the kernels score and
+    select over the resident blocks alone (`_compact_resident`): a memory policy that keeps a tenth
+    of a long context on the device pays for a tenth of the scoring and selection."""
     flat, fp4, words, epb, max_visible = _paged_pool(q, batch, pool, ratio, fmt, head_dim, max_visible)
+    tables, vis, vis_ratio = batch.block_tables, batch.positions, ratio
     if resident is not None:
-        resident = resident.to(torch.int32).contiguous()
+        tables, vis, logical = _compact_resident(batch, resident, ratio)
+        vis_ratio = 0
     # one token per request (a decode group, known from the shapes): the decode-shaped scoring at any
     # batch size; the tile path groups a request's consecutive tokens, found on the host
     decode = batch.token_req.shape[0] == batch.block_tables.shape[0]
-    return _run(q, weights, flat, flat.stride(0), batch.block_tables, batch.token_req, batch.positions, topk,
-                max_visible, fp4, True, epb, head_dim or q.shape[-1], block_t=1 if decode else None, words=words,
-                vis_ratio=ratio, resident=resident)
+    idx = _run(q, weights, flat, flat.stride(0), tables, batch.token_req, vis, topk, max_visible, fp4, True, epb,
+               head_dim or q.shape[-1], block_t=1 if decode else None, words=words, vis_ratio=vis_ratio)
+    if resident is None:
+        return idx
+    # back from the resident blocks' numbering to the request's own (order-preserving: still ascending)
+    blocks = logical[batch.token_req.long().unsqueeze(1), idx.long().clamp(min=0) // epb]
+    return torch.where(idx >= 0, blocks * epb + idx % epb, -1).to(torch.int32)
+
+
+def _compact_resident(batch: PagedBatch, resident: torch.Tensor, ratio: int):
+    """The resident blocks of each request first, in their order: (their pool block ids [R, w] int32,
+    each token's visible entries among them [T] int32, their block index in the request [R, w]
+    int64), w = the block tables' width. On the device with fixed shapes (capturable); entries past a
+    request's resident count are its last block's (never visible there)."""
+    per = batch.block_tokens // ratio
+    tables = batch.block_tables
+    r, w = tables.shape
+    res = resident[:, :w] >= 0
+    before = torch.nn.functional.pad(res.cumsum(1, dtype=torch.int32), (1, 0))   # [R, w+1] resident blocks before b
+    cols = torch.arange(w, device=tables.device).expand(r, w)
+    slot = torch.where(res, before[:, 1:] - 1, w)                                 # where block b goes; w: dropped
+    logical = torch.full((r, w + 1), w - 1, dtype=torch.int64, device=tables.device).scatter_(1, slot.long(), cols)
+    logical = logical[:, :w]
+    compact = tables.gather(1, logical).to(torch.int32)
+    req = batch.token_req.long()
+    vis = (batch.positions.long() + 1) // ratio
+    full, part = vis // per, vis % per
+    in_table = full < w
+    fb = full.clamp(max=w - 1).unsqueeze(1)
+    part_res = res[req.unsqueeze(1), fb].squeeze(1) & in_table
+    cvis = before[req.unsqueeze(1), full.clamp(max=w).unsqueeze(1)].squeeze(1) * per + part_res * part
+    return compact, cvis.to(torch.int32), logical
 
 
 def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_dim=None, max_visible=None):
@@ -471,10 +495,10 @@ def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_
     keys = torch.zeros(t, n_max, dtype=torch.int32, device=dev)
     if t and n_max:
         bt = batch.block_tables
-        common = (flat, flat.stride(0), bt, bt.stride(0), batch.token_req, batch.positions, bt, bt.stride(0))
+        common = (flat, flat.stride(0), bt, bt.stride(0), batch.token_req, batch.positions)
         tmax = torch.empty(t, triton.cdiv(n_max, TILE), dtype=torch.int32, device=dev)
         _score_decode(q, weights, common, keys, tmax, n_max, TILE, head_dim or q.shape[-1], fp4, words, True, epb,
-                      ratio, False)
+                      ratio)
     # the inverse of `_ordered`: keys with the top bit set held non-negative floats
     bits = torch.where(keys < 0, keys & 0x7FFFFFFF, ~keys)
     visible = (batch.positions.long() + 1) // ratio
