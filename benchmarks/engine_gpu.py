@@ -265,6 +265,14 @@ def worker(a) -> None:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
         busy, gemm, top, _ = device_ms(lambda: prefill(ids), cuda)
+        if a.prefill_cprofile:      # a third run: where the host spends a prefill's time
+            import cProfile
+            import pstats
+            hot = cProfile.Profile()
+            hot.runcall(prefill, ids)
+            print(f"# prefill {n:,}: host time under cProfile", flush=True)
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(hot, stream=sys.stdout).sort_stats(order).print_stats(a.prefill_cprofile)
         emit(dict(kind="prefill", path=a.path, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy, gemm_ms=gemm,
                   linear_tflops=flops_tok * n / (gemm * 1e-3) / 1e12 if gemm else None, top=top))
     for b, ctx in cells:
@@ -538,6 +546,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=_parse_count, default=None,
                     help="leave out the decode cells whose batch x context exceeds this (their prefill is long)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
+    ap.add_argument("--prefill-cprofile", type=int, default=0, metavar="N",
+                    help="also run each prefill under cProfile and print its N costliest functions")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="queue the next decode step before the host reads this one's tokens (default: on)")
     ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
