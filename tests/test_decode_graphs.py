@@ -135,6 +135,47 @@ def test_engine_decode_through_the_fixed_shape_forward_matches_its_batched_decod
     assert follow.num_cached_tokens == 1152
 
 
+def test_graph_inputs_refresh_only_the_rows_whose_tables_changed(monkeypatch):
+    """Requests at their own positions open blocks at different steps, and a request that ends leaves
+    its row to the padding: the graph's inputs are then rewritten row by row, and after every step
+    equal the inputs built from scratch (ids, positions, slots, block tables, zeros for padding)."""
+    from hybridkv.engine import graphs as graphs_mod
+    checked, partial = [], []
+    run, changed_rows = DecodeGraphs.run, graphs_mod._changed_rows
+
+    def spy_changed(old, new):
+        rows = changed_rows(old, new)
+        partial.append(0 < 2 * len(rows) <= max(len(old), len(new), 1) and len(rows))
+        return rows
+
+    def checked_run(self, ids, seqs, positions):
+        out = run(self, ids, seqs, positions)
+        g = self.last
+        heads = torch.tensor([[t, p, s.slot] for t, p, s in zip(ids, positions, seqs)]
+                             + [[0, 0, self.pad_slot]] * (g.inputs.shape[0] - len(seqs)), dtype=torch.long)
+        checked.append(torch.equal(g.inputs, self._host_inputs(heads, seqs, (g.inputs.shape[1] - 3) * 128)))
+        return out
+    monkeypatch.setattr(DecodeGraphs, "run", checked_run)
+    monkeypatch.setattr(graphs_mod, "_changed_rows", spy_changed)
+    g = torch.Generator().manual_seed(3)
+    llm = LLM(FP8_FIXTURE, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=2048, kv_format="fp8")
+    eng = llm.engine
+    eng.store.kernel_formats = ("fp8", "fp4")
+    eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False)
+    try:
+        # one context bucket throughout (positions < 768); blocks open at 384, 256 and 512 (decode steps
+        # 4, 6 and 7), and the second request ends after 20 tokens
+        for n, steps in ((650, 40), (250, 20), (380, 30), (505, 35)):
+            eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=steps, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.store.kernel_formats, eng.graphs = None, None
+    assert len(checked) > 30 and all(checked)
+    assert sum(1 for p in partial if p) >= 3          # steps that rewrote a few rows, not the whole buffer
+
+
 V41_FIXTURE = ROOT / "tests" / "fixtures" / "v41-tiny"
 
 

@@ -97,13 +97,16 @@ def _tables_key(seqs: list[SeqCache]) -> tuple:
     """Identifies the rows' block tables (and device pages): during decode a table only grows (a
     block every block_tokens positions) and pages change with a version count, so the device copy is
     refreshed only when this changes. The key holds the lists themselves (compared by identity in
-    `_same_tables`), so none can be freed and another take its address while a graph remembers it."""
+    `_changed_rows`), so none can be freed and another take its address while a graph remembers it."""
     return tuple((s.block_table, len(s.block_table), s.pages, s.pages_version) for s in seqs)
 
 
-def _same_tables(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y and n == m and p is q and v == w
-                                    for (x, n, p, v), (y, m, q, w) in zip(a, b))
+def _changed_rows(old: tuple, new: tuple) -> list[int]:
+    """The rows whose block table or pages differ between two `_tables_key`s (a row only one of
+    them has: a request that joined, or left its row to the padding)."""
+    changed = [i for i, ((x, n, p, v), (y, m, q, w)) in enumerate(zip(old, new))
+               if not (x is y and n == m and p is q and v == w)]
+    return changed + list(range(min(len(old), len(new)), max(len(old), len(new))))
 
 
 class DecodeGraphs:
@@ -151,10 +154,17 @@ class DecodeGraphs:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
-            if _same_tables(g.tables, tables):     # most steps: only ids, positions and slots change
-                _copy_in(g.inputs[:, :3], heads)
-            else:
+            changed = _changed_rows(g.tables, tables)
+            if 2 * len(changed) > key[0]:
                 _copy_in(g.inputs, self._host_inputs(heads, seqs, cap))
+            else:      # most steps: only ids, positions and slots, and the tables of a few requests
+                _copy_in(g.inputs[:, :3], heads)
+                if changed:     # (requests at their own positions open blocks at different steps)
+                    rows = self._host_inputs(heads[changed], [seqs[i] if i < n else None for i in changed], cap)
+                    index = torch.tensor(changed)
+                    if g.inputs.is_cuda:
+                        rows, index = (t.pin_memory().to(g.inputs.device, non_blocking=True) for t in (rows, index))
+                    g.inputs.index_copy_(0, index, rows)
         if on_device:
             g.inputs[:n, 0].copy_(ids)
         g.tables = tables
@@ -165,14 +175,16 @@ class DecodeGraphs:
         self.replays += 1
         return g.logits[:n].clone()
 
-    def _host_inputs(self, heads: torch.Tensor, seqs: list[SeqCache], cap: int) -> torch.Tensor:
-        """[padded B, 3 + width (+ width)]: the heads, then each request's block table (zeros past its
-        end and for the padding rows, which read no compressed entry) and in offload mode its device
-        pages (−1 past its end and for the padding rows)."""
+    def _host_inputs(self, heads: torch.Tensor, seqs: list[SeqCache | None], cap: int) -> torch.Tensor:
+        """[rows of `heads`, 3 + width (+ width)]: the heads, then each request's block table (zeros past
+        its end and for the padding rows — those past `seqs` or None there — which read no compressed
+        entry) and in offload mode its device pages (−1 past its end and for the padding rows)."""
         width = cap // self.store.block_tokens
         tables = np.zeros((heads.shape[0], width), dtype=np.int64)
         pages = np.full((heads.shape[0], width), -1, dtype=np.int64) if self.store.offload else None
         for i, s in enumerate(seqs):     # numpy reads a list of ints several times faster than torch
+            if s is None:
+                continue
             row = s.block_table[:width]
             tables[i, :len(row)] = row
             if pages is not None:
