@@ -76,6 +76,29 @@ def test_a_random_memory_indexer_has_the_warm_starts_shape_and_rope(model):
         MemoryIndexer.random(model.config, layers=[2])
 
 
+def test_a_recalls_requests_ranked_together_keep_what_each_keeps_alone():
+    """The engine hands a step's due recalls each block's ranking key (`FlashMemory.block_ranks`,
+    computed where the scores are) and the policy ranks all of them in one sort: every request keeps
+    the blocks its chunk probabilities keep alone, ties (equal counts and masses, which coarse
+    probabilities make common) going to the lower block as there."""
+    from hybridkv.memory.policies import PolicyContext
+    g = torch.Generator().manual_seed(11)
+    for budget, tail in ((0.15, FlashMemory.DEFAULT_TAIL_SHARE), (0.3, 0.2), (0.5, 0.0), (1.0, 0.5)):
+        policy = FlashMemory(budget, tail_share=tail)
+        ctxs, alone = [], []
+        for r in range(40):
+            bc = 4
+            visible = int(torch.randint(1, 300, (1,), generator=g))
+            probs = torch.randint(0, 5, (visible,), generator=g).float() / 4     # 0, .25, .5, .75, 1: many ties
+            n_blocks = -(-visible // bc) + int(torch.randint(0, 2, (1,), generator=g))   # maybe one block opened since
+            extra = {"chunk_probs": probs, "block_chunks": bc}
+            alone.append(policy.resident(PolicyContext(str(r), n_blocks, visible * 4, 16, 64, extra=extra)))
+            ranks = FlashMemory.block_ranks(probs, visible // bc, bc).numpy()
+            ctxs.append(PolicyContext(str(r), n_blocks, visible * 4, 16, 64,
+                                      extra={"block_ranks": ranks, "visible_chunks": visible, "block_chunks": bc}))
+        assert policy.resident_many(ctxs) == alone, (budget, tail)
+
+
 def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget():
     policy = FlashMemory(0.3)
     visible = 42                      # 10 complete blocks of 4 chunks, block 10 being filled

@@ -117,7 +117,7 @@ class EngineCore:
         self._prompt_tail: dict[str, tuple[int, dict[int, torch.Tensor]]] = {}
         # this step's decode recalls: request id -> each complete block's ranking key (`_take_due_scores`)
         self._due_ranks: dict[str, np.ndarray] = {}
-        self._step_recalls: list | None = None     # (request, resident blocks) of the step's recalls, while emitting
+        self._step_recalls: list | None = None     # (request, policy context) of the step's recalls, while emitting
         if self.memory.needs_query:
             self._attach_memory_indexer()
         self.speculative = self.ec.speculative is not None
@@ -826,10 +826,10 @@ class EngineCore:
                             steps, seq.params.seed or 0, mass, extra)
         if seq.cache.recall is not None:        # the last recall's copies have not arrived yet
             self._count_recall(self.store.settle_recall(seq.cache, wait=True))
-        keep = self.memory.resident(ctx)
-        if self._step_recalls is not None:      # `_emit_tokens` starts the step's recalls together
-            self._step_recalls.append((seq, keep))
+        if self._step_recalls is not None:      # `_emit_tokens` ranks and starts the step's recalls together
+            self._step_recalls.append((seq, ctx))
             return
+        keep = self.memory.resident(ctx)
         self.store.start_recall(seq.cache, keep)
         self._count_recall(self.store.settle_recall(seq.cache))
 
@@ -840,11 +840,12 @@ class EngineCore:
         self._step_recalls = []
         try:
             events = [self._emit(seq, row, s) for seq, row, s in zip(seqs, rows, sampled)]
-            recalls = [(seq, keep) for seq, keep in self._step_recalls if seq.finish_reason is None]
+            recalls = [(seq, ctx) for seq, ctx in self._step_recalls if seq.finish_reason is None]
         finally:
             self._step_recalls = None
         if recalls:
-            self.store.start_recalls([(seq.cache, keep) for seq, keep in recalls])
+            keeps = self.memory.resident_many([ctx for _, ctx in recalls])
+            self.store.start_recalls([(seq.cache, keep) for (seq, _), keep in zip(recalls, keeps)])
             for seq, _ in recalls:
                 self._count_recall(self.store.settle_recall(seq.cache))
         return events

@@ -61,6 +61,10 @@ class MemoryPolicy:
     def resident(self, ctx: PolicyContext) -> set[int]:
         return set(range(ctx.num_blocks))
 
+    def resident_many(self, ctxs: list[PolicyContext]) -> list[set[int]]:
+        """`resident` for the requests whose recall falls in the same step."""
+        return [self.resident(ctx) for ctx in ctxs]
+
     def __str__(self) -> str:
         return self.name
 
@@ -194,6 +198,41 @@ class FlashMemory(MemoryPolicy):
     def chunks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
         """bool [visible]: the chunks of the blocks `blocks` keeps."""
         return self.blocks(probs, visible, block_chunks).repeat_interleave(block_chunks)[:visible]
+
+    def resident_many(self, ctxs: list[PolicyContext]) -> list[set[int]]:
+        """`resident` of each request; those with the engine's block ranking keys ranked together (one
+        sort for all of them: a recall of a hundred requests is a hundred small rankings otherwise)."""
+        ranked = [i for i, ctx in enumerate(ctxs) if ctx.extra.get("block_ranks") is not None]
+        out = [None if i in set(ranked) else self.resident(ctx) for i, ctx in enumerate(ctxs)]
+        if not ranked:
+            return out
+        bc = np.array([ctxs[i].extra["block_chunks"] for i in ranked])
+        visible = np.array([ctxs[i].extra["visible_chunks"] for i in ranked])
+        complete = visible // bc
+        budget = np.where(complete > 0, np.maximum(1, np.round(self.budget * complete)), 0).astype(np.int64)
+        tail = np.where(complete > 0, np.minimum(budget, np.maximum(1, np.round(self.tail_share * budget))),
+                        0).astype(np.int64)
+        need = np.minimum(budget - tail, complete)
+        width = max(1, int(complete.max()))
+        rank = np.full((len(ranked), width), -np.inf)
+        for row, i in enumerate(ranked):
+            rank[row, :complete[row] - tail[row]] = np.asarray(ctxs[i].extra["block_ranks"], dtype=np.float64)[
+                :complete[row] - tail[row]]
+        # the count first, the mass breaks ties, then the lower block (`_keep`'s stable sort); the newest
+        # blocks are kept apart, so they are not ranked. No sort: the need-th largest key per row, the
+        # keys above it, and the lowest blocks holding it for what is left
+        cols = np.arange(width)
+        kth = np.array([np.partition(rank[row], width - k)[width - k] if k else np.inf
+                        for row, k in enumerate(need.tolist())])[:, None]
+        above = rank > kth
+        at = rank == kth
+        fill = (need - above.sum(1))[:, None]
+        chosen = above | (at & (np.cumsum(at, axis=1) <= fill))
+        for row, i in enumerate(ranked):
+            c, n = int(complete[row]), ctxs[i].num_blocks
+            tail_and_open = range(c - int(tail[row]), -(-int(visible[row]) // int(bc[row])))
+            out[i] = set(cols[chosen[row]].tolist()) | set(tail_and_open) | {n - 1}
+        return out
 
     def resident(self, ctx: PolicyContext) -> set[int]:
         probs, ranks = ctx.extra.get("chunk_probs"), ctx.extra.get("block_ranks")

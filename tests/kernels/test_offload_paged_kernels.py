@@ -58,7 +58,8 @@ def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_ke
     while len(seqs[0].output_ids) < 63:                  # the reference path up to the step before the recall
         eng.step()
     seen, ranks = [], {}
-    due_probabilities, scores, resident = EngineCore._due_probabilities, EngineCore._memory_scores, FlashMemory.resident
+    due_probabilities, scores = EngineCore._due_probabilities, EngineCore._memory_scores
+    resident_many = FlashMemory.resident_many
 
     def batched(self, due):
         probs = due_probabilities(self, due)
@@ -67,12 +68,13 @@ def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_ke
             seen.append((seq.request_id, visible, probs[i, :visible].float().cpu(), scores(self, seq)))
         return probs
 
-    def spy(self, ctx):
-        if "block_ranks" in ctx.extra:
-            ranks[ctx.request_id] = (ctx.extra["block_ranks"], ctx.extra["visible_chunks"])
-        return resident(self, ctx)
+    def spy(self, ctxs):
+        for ctx in ctxs:
+            if "block_ranks" in ctx.extra:
+                ranks[ctx.request_id] = (ctx.extra["block_ranks"], ctx.extra["visible_chunks"])
+        return resident_many(self, ctxs)
     monkeypatch.setattr(EngineCore, "_due_probabilities", batched)
-    monkeypatch.setattr(FlashMemory, "resident", spy)
+    monkeypatch.setattr(FlashMemory, "resident_many", spy)
     eng.store.kernel_formats = ("fp8", "fp4")
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     while eng.has_unfinished():
