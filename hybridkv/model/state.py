@@ -318,11 +318,10 @@ class ForwardBatch:
                 raise ValueError("a segment needs at least one token")
             while row in taken:
                 row += 1
-            if any(r in taken for r in range(row, row + length)):
+            if taken and any(r in taken for r in range(row, row + length)):
                 raise ValueError(f"decode row inside the segment at rows [{row}, {row + length})")
             segments.append(Segment(kv, row, length, start_pos, *rest))
-            for i in range(length):
-                pos[row + i] = start_pos + i
+            pos[row:row + length] = range(start_pos, start_pos + length)
             row += length
         group = None
         if decode is not None:

@@ -342,3 +342,22 @@ def test_resident_blocks_are_compacted_in_order_with_their_visible_entries(kerne
     assert logical[0, :3].tolist() == [0, 2, 4] and logical[1, :2].tolist() == [2, 3]
     assert compact[0, :3].tolist() == [10, 12, 14] and compact[1, :2].tolist() == [22, 23]
     assert visible.tolist() == [2 * 4 + 2, 0 * 4 + 2]
+
+
+def test_prefill_tiles_are_runs_of_one_requests_tokens_cut_every_block_t(kernels):
+    """`_tiles` (vectorised): tiles of at most block_t consecutive tokens of one request, each run of a
+    request's tokens cut from its start, against the definition written as a loop."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        lengths = torch.randint(1, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        req = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(lengths)])
+        block_t = int(torch.randint(1, 9, (1,), generator=g))
+        want, i = [], 0
+        while i < len(req):
+            j = i
+            while j < len(req) and j - i < block_t and req[j] == req[i]:
+                j += 1
+            want.append((i, j - i))
+            i = j
+        t0, n = kernels._tiles(req, block_t)
+        assert list(zip(t0.tolist(), n.tolist())) == want
