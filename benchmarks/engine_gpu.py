@@ -22,13 +22,14 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
 - GPU memory after loading and the peak over the run, next to the checkpoint's bytes and the KV
   pool's.
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
-  (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill).
+  (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill); with
+  `--prefill-cprofile N` a third run under cProfile prints the host's N costliest functions.
 - `--paths hf`: the same cells through HF transformers' `DeepseekV4ForCausalLM` on the same
   checkpoint (bf16, its own cache); an import, load or out-of-memory failure is reported as such.
 
     python benchmarks/engine_gpu.py --ckpt /tmp/v4flash-8 [--layers 8] [--batches 1,8,64]
         [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense,hf] [--steps 16]
-        [--json OUT]
+        [--prefill-cprofile N] [--json OUT]
     python benchmarks/engine_gpu.py --smoke       # a tiny model on the CPU: checks the script runs
 
 Filling 64 requests of 128K takes 8M prefill tokens; `--paths packed --batches 64 --contexts 128k`
