@@ -156,27 +156,25 @@ class FlashMemory(MemoryPolicy):
         p = probs[..., :blocks * block_chunks].reshape(*probs.shape[:-1], blocks, block_chunks).double()
         return (p > 0.5).sum(-1).double() * (block_chunks + 1) + p.sum(-1)
 
-    def _keep(self, probs: torch.Tensor | None, visible: int, block_chunks: int,
-              ranks: np.ndarray | None = None) -> np.ndarray:
+    def _shares(self, complete: int) -> tuple[int, int, int]:
+        """(budget, newest blocks kept, blocks the ranking chooses) of a request with `complete` blocks."""
+        budget = max(1, round(self.budget * complete)) if complete else 0
+        tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
+        return budget, tail, min(budget - tail, complete)
+
+    def _keep(self, probs: torch.Tensor, visible: int, block_chunks: int) -> np.ndarray:
         """`blocks` in numpy: a recall ranks every due request's blocks on the host, a few small
-        arrays each, where torch's per-operation cost would dominate. `ranks` [≥ complete blocks]
-        (`block_ranks`, one query) replaces `probs` when the engine computed it."""
+        arrays each, where torch's per-operation cost would dominate."""
         n_blocks = -(-visible // block_chunks)
         complete = visible // block_chunks
         keep = np.zeros(n_blocks, dtype=bool)
         keep[complete:] = True
-        budget = max(1, round(self.budget * complete)) if complete else 0
-        tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
+        _, tail, need = self._shares(complete)
         keep[complete - tail:complete] = True
-        need = min(budget - tail, complete)
         if need > 0:
-            if ranks is not None:
-                rank = np.asarray(ranks, dtype=np.float64).reshape(1, -1)[:, :complete]
-            else:
-                scores = probs.detach().float().cpu().reshape(-1, probs.shape[-1]).numpy()[:, :complete * block_chunks]
-                p = scores.reshape(scores.shape[0], complete, block_chunks)
-                # the count first, the mass breaks ties (`block_ranks`); then the lower block
-                rank = (p > 0.5).sum(2).astype(np.float64) * (block_chunks + 1) + p.sum(2, dtype=np.float64)
+            scores = probs.detach().float().cpu().reshape(-1, probs.shape[-1])
+            rank = self.block_ranks(scores, complete, block_chunks).numpy()
+            # the best first, the lower block among equals
             orders = [np.argsort(-r, kind="stable") for r in rank]
             if len(orders) == 1:
                 free = orders[0][~keep[orders[0]]]
@@ -200,48 +198,40 @@ class FlashMemory(MemoryPolicy):
         return self.blocks(probs, visible, block_chunks).repeat_interleave(block_chunks)[:visible]
 
     def resident_many(self, ctxs: list[PolicyContext]) -> list[set[int]]:
-        """`resident` of each request; those with the engine's block ranking keys ranked together (one
-        sort for all of them: a recall of a hundred requests is a hundred small rankings otherwise)."""
+        """`resident` of each request; those with the engine's block ranking keys ranked together (a
+        recall of a hundred requests is a hundred small rankings otherwise): per request the need-th
+        largest key, the keys above it, and the lowest blocks holding it for what is left — the
+        blocks `_keep`'s stable sort keeps, without a sort."""
         ranked = [i for i, ctx in enumerate(ctxs) if ctx.extra.get("block_ranks") is not None]
-        out = [None if i in set(ranked) else self.resident(ctx) for i, ctx in enumerate(ctxs)]
+        out = [self.resident(ctx) if ctx.extra.get("block_ranks") is None else None for ctx in ctxs]
         if not ranked:
             return out
-        bc = np.array([ctxs[i].extra["block_chunks"] for i in ranked])
-        visible = np.array([ctxs[i].extra["visible_chunks"] for i in ranked])
-        complete = visible // bc
-        budget = np.where(complete > 0, np.maximum(1, np.round(self.budget * complete)), 0).astype(np.int64)
-        tail = np.where(complete > 0, np.minimum(budget, np.maximum(1, np.round(self.tail_share * budget))),
-                        0).astype(np.int64)
-        need = np.minimum(budget - tail, complete)
-        width = max(1, int(complete.max()))
-        rank = np.full((len(ranked), width), -np.inf)
-        for row, i in enumerate(ranked):
-            rank[row, :complete[row] - tail[row]] = np.asarray(ctxs[i].extra["block_ranks"], dtype=np.float64)[
-                :complete[row] - tail[row]]
-        # the count first, the mass breaks ties, then the lower block (`_keep`'s stable sort); the newest
-        # blocks are kept apart, so they are not ranked. No sort: the need-th largest key per row, the
-        # keys above it, and the lowest blocks holding it for what is left
-        cols = np.arange(width)
+        shapes = []          # (complete blocks, newest kept, chosen by rank, blocks of the visible chunks)
+        for i in ranked:
+            visible, bc = ctxs[i].extra["visible_chunks"], ctxs[i].extra["block_chunks"]
+            _, tail, need = self._shares(visible // bc)
+            shapes.append((visible // bc, tail, need, -(-visible // bc)))
+        width = max(1, max(c for c, _, _, _ in shapes))
+        rank = np.full((len(ranked), width), -np.inf)       # the newest blocks are kept apart: not ranked
+        for row, (i, (complete, tail, _, _)) in enumerate(zip(ranked, shapes)):
+            rank[row, :complete - tail] = np.asarray(ctxs[i].extra["block_ranks"], dtype=np.float64)[:complete - tail]
+        need = np.array([n for _, _, n, _ in shapes])
         kth = np.array([np.partition(rank[row], width - k)[width - k] if k else np.inf
                         for row, k in enumerate(need.tolist())])[:, None]
-        above = rank > kth
-        at = rank == kth
-        fill = (need - above.sum(1))[:, None]
-        chosen = above | (at & (np.cumsum(at, axis=1) <= fill))
-        for row, i in enumerate(ranked):
-            c, n = int(complete[row]), ctxs[i].num_blocks
-            tail_and_open = range(c - int(tail[row]), -(-int(visible[row]) // int(bc[row])))
-            out[i] = set(cols[chosen[row]].tolist()) | set(tail_and_open) | {n - 1}
+        above, at = rank > kth, rank == kth
+        chosen = above | (at & (np.cumsum(at, axis=1) <= (need - above.sum(1))[:, None]))
+        for row, (i, (complete, tail, _, n_blocks)) in enumerate(zip(ranked, shapes)):
+            out[i] = set(np.flatnonzero(chosen[row]).tolist()) | set(range(complete - tail, n_blocks)) \
+                | {ctxs[i].num_blocks - 1}
         return out
 
     def resident(self, ctx: PolicyContext) -> set[int]:
-        probs, ranks = ctx.extra.get("chunk_probs"), ctx.extra.get("block_ranks")
-        if ranks is not None:
-            keep = self._keep(None, ctx.extra["visible_chunks"], ctx.extra["block_chunks"], ranks)
-        elif probs is not None:
-            keep = self._keep(probs, probs.shape[-1], ctx.extra["block_chunks"])
-        else:
+        if ctx.extra.get("block_ranks") is not None:
+            return self.resident_many([ctx])[0]
+        probs = ctx.extra.get("chunk_probs")
+        if probs is None:
             raise RuntimeError("flashmemory policy without memory-indexer scores")
+        keep = self._keep(probs, probs.shape[-1], ctx.extra["block_chunks"])
         return set(np.flatnonzero(keep).tolist()) | {ctx.num_blocks - 1}
 
 
