@@ -51,7 +51,9 @@ class PagedBatch:
         rows0 = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         token_req = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
         positions = (np.arange(lengths.sum()) - np.repeat(rows0, lengths) + np.repeat(starts, lengths)).astype(np.int32)
-        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)   # noqa: E731
+
+        def i32(a) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
         return cls(i32(token_req), i32(positions), i32(slots), i32(bt), i32(starts), i32(rows0), block_tokens)
 
     @property
