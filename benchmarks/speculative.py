@@ -11,7 +11,8 @@ question, continued for `--free-tokens` tokens (ignore_eos). For every workload,
 time; `--prompts` prompts in groups of the batch size, each group's fastest of `--repeats` runs,
 the settings taking turns within each repeat),
 the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft acceptance
-rate, whether the outputs equal plain decoding's, and how far the logits are from plain decoding's
+rate, how many decode steps replayed CUDA graphs ("graphed": plain decode graphs, or the speculative
+step's, engine/spec_graphs.py; the CPU runs none), whether the outputs equal plain decoding's, and how far the logits are from plain decoding's
 (the largest |difference| of each token's logits, max and median over the tokens both runs share).
 
 `--mtp-stats N` also measures the MTP block itself on N training-distribution rows of `--context`
@@ -83,7 +84,7 @@ def summarise(runs: list[list[dict]]) -> dict:
     drafts = sum(x["drafts"] for x in first)
     drafted, accepted = sum(x["drafted"] for x in first), sum(x["accepted"] for x in first)
     return {"tokens_per_s": tokens / seconds, "decode_tokens": tokens, "seconds": seconds,
-            "steps": sum(b["steps"] for b in best),
+            "steps": sum(b["steps"] for b in best), "graphed_steps": sum(b["graphed"] for b in best),
             "acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "outputs": [o for x in first for o in x["outputs"]], "logits": [lg for x in first for lg in x["logits"]],
@@ -100,6 +101,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     while eng.scheduler.waiting or any(s.first_token_time is None for s in seqs):
         eng.step()
     first = sum(len(s.output_ids) for s in seqs)
+    graphed = eng.stats.graph_steps + eng.stats.spec_graph_steps
     t, steps = clock(), 0
     while eng.has_unfinished():
         eng.step()
@@ -108,7 +110,9 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     produced = sum(len(s.output_ids) for s in seqs) - first
     drafts, drafted, accepted = (a - b for a, b in zip((eng.stats.spec_drafts, eng.stats.spec_draft_tokens,
                                                         eng.stats.spec_accepted_tokens), before))
-    return {"decode_tokens": produced, "steps": steps, "seconds": dt, "drafts": drafts, "drafted": drafted,
+    graphed = eng.stats.graph_steps + eng.stats.spec_graph_steps - graphed
+    return {"decode_tokens": produced, "steps": steps, "graphed": graphed, "seconds": dt, "drafts": drafts,
+            "drafted": drafted,
             "accepted": accepted, "outputs": [s.output_ids for s in seqs], "logits": [s.step_logits for s in seqs]}
 
 
@@ -220,7 +224,7 @@ def main() -> int:
                                max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (a.context + 4),
                                **opts)
     print(f"{'workload':<10} {'batch':>5} {'k':>2} {'verify':>8} {'decode tok/s':>12} {'speedup':>8} "
-          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'same':>5} {'logit gap max/median':>21}")
+          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'graphed':>9} {'same':>5} {'logit gap max/median':>21}")
     sets = workloads(tok, a.context, max(batches), a.free_tokens)
     for batch in batches:
         for name, (prompts, params) in sets.items():
@@ -235,7 +239,8 @@ def main() -> int:
                 gap = logit_gap(r, base)
                 gaps = "-" if gap is None else f"{gap[0]:.1e}/{gap[1]:.1e}"
                 print(f"{name:<10} {batch:>5} {k:>2} {mode:>8} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} "
-                      f"{ar:>11} {r['decode_tokens']:>6} {'yes' if same else 'NO':>5} {gaps:>21}", flush=True)
+                      f"{ar:>11} {r['decode_tokens']:>6} {r['graphed_steps']:>4}/{r['steps']:<4} {'yes' if same else 'NO':>5} "
+                      f"{gaps:>21}", flush=True)
                 if not r["repeats_agree"]:
                     print("    repeats of a group gave different outputs", flush=True)
                 if not same:

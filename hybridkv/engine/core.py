@@ -12,7 +12,6 @@ import copy
 import itertools
 import os
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -29,6 +28,7 @@ from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.sampling import Drawn, Sampled, SamplingParams, draw_rows, sample, scored
 from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
+from hybridkv.engine.spec_graphs import SpeculativeGraphs
 from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
                                          check_supported, verify_waves)
 from hybridkv.engine.tokenizer import Tokenizer, require
@@ -84,6 +84,7 @@ class EngineStats:
     pages_evicted: int = 0
     pages_written_back: int = 0   # memory policy on the paged kernels: completed blocks' pages copied to host
     graph_steps: int = 0       # decode steps replayed from a CUDA graph (or run by its fixed-shape forward)
+    spec_graph_steps: int = 0  # speculative steps replayed from CUDA graphs (or run by their fixed-shape forwards)
     queued_steps: int = 0      # of those, queued before the host read the previous step's tokens (async scheduling)
     spec_drafts: int = 0       # speculative verify steps (requests × steps with at least one draft token)
     spec_draft_tokens: int = 0
@@ -123,13 +124,10 @@ class EngineCore:
         self.speculative = self.ec.speculative is not None
         if self.speculative:
             check_supported(model, self.memory.offloads)
-            if self.device.type == "cuda":
-                warnings.warn("speculative decoding launches every step eagerly on CUDA (its verify and draft "
-                              "passes are not captured in CUDA graphs): on the H200 it decoded 7-12x slower than "
-                              "plain decoding (BENCHMARKS.md); it pays on the CPU only", stacklevel=3)
-        # verify rows are not captured and drafting reads the streams: no decode graphs then
+        # with speculation, verify steps replay `SpeculativeGraphs` (plain decode graphs do not hand the
+        # streams to the MTP block)
         graphs = (self.ec.cuda_graphs and os.environ.get("HYBRIDKV_CUDA_GRAPHS", "1") != "0"
-                  and self.device.type == "cuda" and not self.speculative)
+                  and self.device.type == "cuda")
         # CUDA-graph decode reserves a slot for its padding rows
         self.store = PagedKVStore(self.config, self.ec.num_blocks, self.ec.max_num_seqs + graphs, self.ec.kv_format,
                                   model.dtype, self.device,
@@ -151,9 +149,11 @@ class EngineCore:
         # called with each forward's chunks before it is launched, a queued step's included (a sharded
         # engine checks that every rank scheduled the same, engine/sharded.py)
         self.schedule_check = None
-        self.graphs = DecodeGraphs(model, self.store) if graphs else None
+        self.graphs = DecodeGraphs(model, self.store) if graphs and not self.speculative else None
         self.drafter = (MTPDrafter(model, MTPCache(self.config, self.store.max_slots, model.dtype, self.device),
                                    self.device) if self.speculative else None)
+        self.spec_graphs = (SpeculativeGraphs(model, self.store, self.drafter.cache, self.store.new_seq().slot)
+                            if graphs and self.speculative else None)
         if self.speculative:
             k = self.ec.num_speculative_tokens
             self.stats.spec_accepted_per_pos, self.stats.spec_accepted_hist = [0] * k, [0] * (k + 1)
@@ -391,6 +391,8 @@ class EngineCore:
         """A step with MTP speculation (engine/speculative.py): verify chunks check their drafts,
         emit the accepted tokens and roll the rest back; then the MTP block runs over what the step
         computed and drafts the next step's tokens."""
+        if self.spec_graphs is not None and self._spec_graph_eligible(chunks):
+            return self._speculative_graph_step(chunks)
         checkpoints = {id(c): VerifyCheckpoint.take(self.store, c.seq.cache, c.start, c.length)
                        for c in chunks if c.draft}
         known = {c.seq.request_id: c.seq.num_tokens for c in chunks}
@@ -437,6 +439,67 @@ class EngineCore:
         for rid, draft in self.drafter.run(work).items():
             self.requests[rid].draft = draft
         self.stats.steps += 1
+        self.stats.forward_tokens += sum(c.length for c in chunks)
+        return events
+
+    def _spec_graph_eligible(self, chunks: list[Chunk]) -> bool:
+        """Whether this step can replay `SpeculativeGraphs`: every request verifies k greedy drafts (no
+        logprobs) past its prefix hit's frozen blocks, and no kept snapshot boundary falls inside the
+        verified positions n+1..n+k (the state there is not kept)."""
+        k, bt = self.ec.num_speculative_tokens, self.store.block_tokens
+        snapshots = self.policy.snapshots and self.prefix.enabled
+        for c in chunks:
+            s = c.seq
+            if (not c.draft or len(c.draft) != k or c.length != k + 1 or s.params.temperature > 0
+                    or s.params.logprobs or c.start < s.cache.frozen_until or s.mtp_start is None):
+                return False
+            if snapshots and (c.start + k) // bt > c.start // bt:
+                return False
+        return self.spec_graphs.eligible([c.seq.cache for c in chunks], [c.start for c in chunks])
+
+    def _speculative_graph_step(self, chunks: list[Chunk]) -> list[Event]:
+        """`_speculative_step` through `SpeculativeGraphs` (engine/spec_graphs.py): the verify forward
+        replayed, the greedy acceptance on the host from each row's argmax, the rejected positions
+        undone and the next drafts made by two more replays."""
+        k = self.ec.num_speculative_tokens
+        g = self.spec_graphs.verify([[c.seq.token_ids[c.start], *c.draft] for c in chunks],
+                                    [c.seq.cache for c in chunks], [c.start for c in chunks])
+        targets, logprobs = self.spec_graphs.targets(g, len(chunks))
+        events: list[Event] = []
+        kept, reasons = [], []
+        for b, c in enumerate(chunks):
+            seq = c.seq
+            accepted = next((i for i, (d, t) in enumerate(zip(c.draft, targets[b])) if d != t), k)
+            tokens = [*c.draft[:accepted], targets[b][accepted]]
+            reason = None
+            for i, t in enumerate(tokens):
+                event, reason = self._add_token(seq, g.out["logits"][i, b], Sampled(t, logprobs[b][i], None))
+                events.append(event)
+                if reason:
+                    break
+            self._count_verify(seq, k, accepted)
+            kept.append(tokens[:i + 1])
+            reasons.append(reason)
+            seq.num_computed = c.start + i + 1
+        drafts = self.spec_graphs.rollback_and_draft(g, kept, [c.seq.mtp_start for c in chunks])
+        snapshots = self.policy.snapshots and self.prefix.enabled
+        for c, reason, draft in zip(chunks, reasons, drafts):
+            seq = c.seq
+            self._drop_rejected(seq)
+            seq.draft = None
+            self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
+            if snapshots:     # a kept boundary at the last kept position: the state there is the state now
+                hook = self._snapshot_hook(seq)
+                for layer_id in range(self.store.num_layers):
+                    hook(layer_id, seq.num_computed)
+            self._publish_snapshots(seq)
+            if reason:
+                self._finish(seq, reason)
+                continue
+            n = self._draft_len(seq)
+            seq.draft = Draft(draft[:n], None) if n else None
+        self.stats.steps += 1
+        self.stats.spec_graph_steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
         return events
 

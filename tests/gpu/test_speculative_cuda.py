@@ -6,7 +6,8 @@ as decode waves (`speculative_verify` auto), so their attention is the decode pa
 segment per request it failed here (2026-12-02), and as waves too (2026-12-04: tokens parted at
 the 22nd), since plain decoding replays CUDA graphs, whose MoE ran every expert over every token
 and summed in w2's GEMM, while the eager verify forward ran each expert over its rows: the MoE now
-has one arithmetic in deterministic mode (`MoE._expert_order_sum`; not yet re-run here)."""
+has one arithmetic in deterministic mode (`MoE._expert_order_sum`). Verify steps now replay
+CUDA graphs too (engine/spec_graphs.py): their verify rows are decode waves over the paged kernels."""
 
 from pathlib import Path
 
@@ -32,10 +33,13 @@ def test_greedy_speculative_equals_plain_decoding_in_deterministic_mode():
     kw = dict(device="cuda", dtype=torch.bfloat16, num_blocks=64, max_num_seqs=4)
     with deterministic():
         plain = _outputs(LLM(str(MODEL), **kw), prompts, params)
-        for k in (1, 2):
+        for k in (1, 2, 3):
             llm = LLM(str(MODEL), speculative="mtp", num_speculative_tokens=k, **kw)
             assert _outputs(llm, prompts, params) == plain, f"k={k}"
-            assert llm.engine.stats.spec_accepted_tokens > 0
+            st = llm.engine.stats
+            assert st.spec_accepted_tokens > 0
+            # most verify steps replayed the speculative step's CUDA graphs (engine/spec_graphs.py)
+            assert llm.engine.spec_graphs.replays > 0 and st.spec_graph_steps >= 0.5 * st.spec_drafts / len(prompts)
 
 
 def test_seeded_sampled_speculation_runs_on_the_gpu_and_repeats():

@@ -1,0 +1,136 @@
+"""The speculative step that the engine captures into CUDA graphs (engine/spec_graphs.py), checked on
+the CPU where its fixed-shape forwards run eagerly over the paged kernels' path: greedy outputs equal
+plain decoding's in a ragged batch with drafts accepted 0..k times side by side (rejected tokens
+completing ratio-4 and ratio-128 entries), and the cache state the fixed-shape rollback leaves equals
+plain decoding's. tests/gpu/test_speculative_cuda.py captures and replays."""
+
+import pytest
+import torch
+
+from engine_helpers import prompts_of
+from test_speculative import assert_states_close, cache_state, crossing_plan, make
+
+from hybridkv.engine import SamplingParams
+from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs
+from hybridkv.engine.speculative import MTPCache
+
+
+def _paged(llm, speculate: bool) -> None:
+    """The paged kernels' path (CUDA decides this itself), and with speculation the fixed-shape step."""
+    eng = llm.engine
+    eng.store.kernel_formats = ("fp8", "fp4") if eng.store.fmt == "fp8" else ("bf16", "bf16")
+    if speculate:
+        eng.spec_graphs = SpeculativeGraphs(eng.model, eng.store, eng.drafter.cache, eng.store.new_seq().slot,
+                                            capture=False)
+
+
+def _run(llm, prompts, max_tokens, states: dict, oracle=None):
+    eng = llm.engine
+    finish = eng._finish
+
+    def wrapped(seq, reason):
+        states[seq.request_id] = cache_state(eng, seq)
+        finish(seq, reason)
+    eng._finish = wrapped
+    if oracle is not None:
+        oracle(eng)
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+            for i, p in enumerate(prompts)]
+    while eng.has_unfinished():
+        eng.step()
+    eng.store.pool.check()
+    return {s.request_id: s.output_ids for s in seqs}
+
+
+def _oracle(refs: dict, plan, vocab: int, rollbacks: list):
+    """Drafts from the reference continuation, wrong where `plan` says (as test_speculative's Oracle),
+    through both the eager drafter (after prefill) and the fixed-shape step's MTP pass; `rollbacks`
+    receives (first position, positions kept, positions verified) of every fixed-shape verify."""
+    def install(eng):
+        def fix(seq, tokens):
+            truth = refs[seq.request_id][len(seq.output_ids):len(seq.output_ids) + len(tokens)]
+            a = min(plan(seq.request_id, seq.num_tokens - 1, len(tokens)), len(tokens))
+            return truth[:a] + [(t + 1) % vocab for t in truth[a:a + 1]] + truth[a + 1:]
+
+        run = eng.drafter.run
+
+        def drafter_run(work):
+            drafts = run(work)
+            for rid, d in drafts.items():
+                d.tokens = fix(eng.requests[rid], d.tokens)
+            return drafts
+        eng.drafter.run = drafter_run
+        verify, step = eng.spec_graphs.verify, eng.spec_graphs.rollback_and_draft
+        order, starts_at = [], []
+
+        def graph_verify(tokens, caches, positions):
+            by_cache = {id(s.cache): s for s in eng.requests.values()}
+            order[:] = [by_cache[id(c)] for c in caches]
+            starts_at[:] = positions
+            return verify(tokens, caches, positions)
+
+        def graph_drafts(g, kept, starts):
+            rollbacks.extend((p, len(t), g.k + 1) for p, t in zip(starts_at, kept))
+            return [fix(seq, d) for seq, d in zip(order, step(g, kept, starts))]
+        eng.spec_graphs.verify = graph_verify
+        eng.spec_graphs.rollback_and_draft = graph_drafts
+    return install
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_fixed_shape_speculative_steps_equal_plain_decoding(fixtures, prefix_caching):
+    """Three requests (a batch padded to four) verifying k = 3 oracle drafts through the fixed-shape
+    step: the same tokens as plain decoding on the same path, most steps taken by the fixed-shape
+    step, rollbacks of every length, and at the end the same window rows, compressor states and
+    entries. Without prefix caching no snapshot boundary sends a step to the eager path, so rejected
+    tokens complete ratio-128 entries inside the fixed-shape step too."""
+    d, k = fixtures / "v4-tiny", 3
+    prompts = prompts_of([300, 700, 1148], seed=4)
+    kw = dict(kv_format="native", enable_prefix_caching=prefix_caching, max_num_batched_tokens=4096)
+    want, got = {}, {}
+    plain = make(d, **kw)
+    _paged(plain, False)
+    ref = _run(plain, prompts, 40, want)
+    llm = make(d, speculative="mtp", num_speculative_tokens=k, **kw)
+    _paged(llm, True)
+    verified: list[tuple[int, int, int]] = []
+    plan = crossing_plan(5)
+    if not prefix_caching:      # reject right away only where a ratio-4 block would complete
+        import random
+        rng = random.Random(5)
+
+        def plan(rid, start, k):
+            return rng.randint(0, k)
+    out = _run(llm, prompts, 40, got, _oracle(ref, plan, llm.config.vocab_size, verified))
+    assert out == ref
+    st = llm.engine.stats
+    print(f"\nverify steps of each request {st.spec_drafts / len(prompts):.1f}, fixed-shape steps {st.spec_graph_steps}")
+    assert st.spec_graph_steps >= 0.7 * st.spec_drafts / len(prompts)
+    assert {m for _, m, _ in verified} == {1, 2, 3, 4}          # every rollback length, and none
+
+    def rejected_completions(ratio):
+        return sum(any((p + 1) % ratio == 0 for p in range(s + m, s + n)) for s, m, n in verified)
+    assert rejected_completions(4) >= 5
+    if not prefix_caching:
+        assert rejected_completions(128) >= 1
+    for rid in ref:
+        assert_states_close(got[rid], want[rid], bound=1e-4)
+
+
+def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order():
+    """MTPDecodeKV: rows whose `write` is False leave the ring as it was; the window keys are the ring
+    rows from max(0, pos − W + 1) on, oldest first, valid from the request's first MTP position."""
+    class Config:
+        num_hidden_layers, sliding_window, head_dim = 2, 8, 4
+    cache = MTPCache(Config, 3, torch.float32, "cpu")
+    cache.ring.copy_(torch.arange(cache.ring.numel(), dtype=torch.float32).view_as(cache.ring))
+    before = cache.ring.clone()
+    view = MTPDecodeKV(cache, torch.tensor([5, 11]), torch.tensor([0, 2]), torch.tensor([2, 0]),
+                       write=torch.tensor([True, False]))
+    rows = torch.full((2, 4), -1.0)
+    keys, valid = view.window(2, rows)
+    assert torch.equal(cache.ring[0, 5], rows[0]) and torch.equal(cache.ring[2], before[2])
+    assert torch.equal(cache.ring[1], before[1])
+    assert torch.equal(keys[0, :6], cache.ring[0, :6]) and valid[0].tolist() == [False] * 2 + [True] * 4 + [False] * 2
+    order = [(11 - 8 + 1 + j) % 8 for j in range(8)]
+    assert torch.equal(keys[1], before[2, order]) and valid[1].all()
