@@ -47,9 +47,10 @@ def _oracle(refs: dict, plan, vocab: int, rollbacks: list):
     through both the eager drafter (after prefill) and the fixed-shape step's MTP pass; `rollbacks`
     receives (first position, positions kept, positions verified) of every fixed-shape verify."""
     def install(eng):
-        def fix(seq, tokens):
-            truth = refs[seq.request_id][len(seq.output_ids):len(seq.output_ids) + len(tokens)]
-            a = min(plan(seq.request_id, seq.num_tokens - 1, len(tokens)), len(tokens))
+        def fix(seq, tokens, emitted=0):
+            done = len(seq.output_ids) + emitted
+            truth = refs[seq.request_id][done:done + len(tokens)]
+            a = min(plan(seq.request_id, seq.num_tokens - 1 + emitted, len(tokens)), len(tokens))
             return truth[:a] + [(t + 1) % vocab for t in truth[a:a + 1]] + truth[a + 1:]
 
         run = eng.drafter.run
@@ -60,20 +61,25 @@ def _oracle(refs: dict, plan, vocab: int, rollbacks: list):
                 d.tokens = fix(eng.requests[rid], d.tokens)
             return drafts
         eng.drafter.run = drafter_run
-        verify, step = eng.spec_graphs.verify, eng.spec_graphs.rollback_and_draft
+        step, results = eng.spec_graphs.step, eng.spec_graphs.results
         order, starts_at = [], []
 
-        def graph_verify(tokens, caches, positions):
+        def graph_step(tokens, caches, positions, mtp_starts):
             by_cache = {id(s.cache): s for s in eng.requests.values()}
             order[:] = [by_cache[id(c)] for c in caches]
-            starts_at[:] = positions
-            return verify(tokens, caches, positions)
+            starts_at[:] = zip(positions, tokens)
+            return step(tokens, caches, positions, mtp_starts)
 
-        def graph_drafts(g, kept, starts):
-            rollbacks.extend((p, len(t), g.k + 1) for p, t in zip(starts_at, kept))
-            return [fix(seq, d) for seq, d in zip(order, step(g, kept, starts))]
-        eng.spec_graphs.verify = graph_verify
-        eng.spec_graphs.rollback_and_draft = graph_drafts
+        def graph_results(g, n):      # before the host emits: `emitted` tokens are still to come
+            targets, logprobs, drafts = results(g, n)
+            fixed = []
+            for seq, (p, toks), t, d in zip(order, starts_at, targets, drafts):
+                accepted = next((i for i, (x, y) in enumerate(zip(toks[1:], t)) if x != y), g.k)
+                rollbacks.append((p, accepted + 1, g.k + 1))
+                fixed.append(fix(seq, d, accepted + 1))
+            return targets, logprobs, fixed
+        eng.spec_graphs.step = graph_step
+        eng.spec_graphs.results = graph_results
     return install
 
 

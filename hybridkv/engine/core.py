@@ -458,33 +458,26 @@ class EngineCore:
         return self.spec_graphs.eligible([c.seq.cache for c in chunks], [c.start for c in chunks])
 
     def _speculative_graph_step(self, chunks: list[Chunk]) -> list[Event]:
-        """`_speculative_step` through `SpeculativeGraphs` (engine/spec_graphs.py): the verify forward
-        replayed, the greedy acceptance on the host from each row's argmax, the rejected positions
-        undone and the next drafts made by two more replays."""
+        """`_speculative_step` through `SpeculativeGraphs` (engine/spec_graphs.py): verify, greedy
+        acceptance, rollback and the next drafts in one replay; then the host emits the kept tokens."""
         k = self.ec.num_speculative_tokens
-        g = self.spec_graphs.verify([[c.seq.token_ids[c.start], *c.draft] for c in chunks],
-                                    [c.seq.cache for c in chunks], [c.start for c in chunks])
-        targets, logprobs = self.spec_graphs.targets(g, len(chunks))
+        g = self.spec_graphs.step([[c.seq.token_ids[c.start], *c.draft] for c in chunks],
+                                  [c.seq.cache for c in chunks], [c.start for c in chunks],
+                                  [c.seq.mtp_start for c in chunks])
+        targets, logprobs, drafts = self.spec_graphs.results(g, len(chunks))
+        snapshots = self.policy.snapshots and self.prefix.enabled
         events: list[Event] = []
-        kept, reasons = [], []
         for b, c in enumerate(chunks):
             seq = c.seq
             accepted = next((i for i, (d, t) in enumerate(zip(c.draft, targets[b])) if d != t), k)
-            tokens = [*c.draft[:accepted], targets[b][accepted]]
             reason = None
-            for i, t in enumerate(tokens):
+            for i, t in enumerate(targets[b][:accepted + 1]):   # accepted drafts equal their rows' argmax
                 event, reason = self._add_token(seq, g.out["logits"][i, b], Sampled(t, logprobs[b][i], None))
                 events.append(event)
                 if reason:
                     break
             self._count_verify(seq, k, accepted)
-            kept.append(tokens[:i + 1])
-            reasons.append(reason)
             seq.num_computed = c.start + i + 1
-        drafts = self.spec_graphs.rollback_and_draft(g, kept, [c.seq.mtp_start for c in chunks])
-        snapshots = self.policy.snapshots and self.prefix.enabled
-        for c, reason, draft in zip(chunks, reasons, drafts):
-            seq = c.seq
             self._drop_rejected(seq)
             seq.draft = None
             self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
@@ -497,7 +490,7 @@ class EngineCore:
                 self._finish(seq, reason)
                 continue
             n = self._draft_len(seq)
-            seq.draft = Draft(draft[:n], None) if n else None
+            seq.draft = Draft(drafts[b][:n], None) if n else None
         self.stats.steps += 1
         self.stats.spec_graph_steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
