@@ -11,8 +11,9 @@ greedy requests, each verifying k drafts, is one replay and one read of the host
    b's j-th token; each wave is one plain decode step's attention over the paged kernels,
    `PagedDecodeKV.fixed` at positions n_b + j), the LM head over every row, each row's argmax and
    its log-probability. Before the forward it copies the window-ring rows that positions n..n+k
-   overwrite; before each wave's compressor update, the compressor states (so the state after any
-   number of kept positions is at hand).
+   overwrite; before the compressor update of each wave after the first, the compressor states (so
+   the state after any number of kept positions is at hand). The compressors update as in plain
+   decode (one fused launch each on the GPU).
 2. acceptance on the device, as `speculative.accept` does for greedy requests: a request keeps its
    drafts while each equals the argmax of the row before it, then the argmax after the last kept
    one; m = accepted + 1 positions are kept. The tokens that follow the kept positions are the
@@ -56,13 +57,19 @@ from hybridkv.model.state import DecodeGroup, ForwardBatch
 
 
 class _VerifyWaveKV(PagedDecodeKV):
-    """One verify wave over the paged kernels (`PagedDecodeKV.fixed`) that copies the compressor
-    states before its update into `snapshots[(layer, kind)]`, one entry per wave in wave order."""
+    """Verify wave `wave` over the paged kernels (`PagedDecodeKV.fixed`). From the second wave on it
+    copies the compressor states before its update into `snapshots[(layer, kind)]` (wave j's copy:
+    the state after j kept positions), in wave order. Its compressors update in one launch each where
+    plain decode's do (`Attention._fused_compressors`): the rollback restores states from the copies,
+    not by replaying rows."""
 
     snapshots: dict
+    wave: int
+    fuse_compressors = True
 
     def record_compressor_rows(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
-        self.snapshots.setdefault((layer_id, kind), []).append(self.compressor_state(layer_id, kind))
+        if self.wave:
+            self.snapshots.setdefault((layer_id, kind), []).append(self.compressor_state(layer_id, kind))
 
 
 class MTPDecodeKV:
@@ -224,7 +231,7 @@ class SpeculativeGraphs:
         waves = []
         for j in range(k1):
             dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1)
-            dkv.snapshots = snapshots
+            dkv.snapshots, dkv.wave = snapshots, j
             waves.append(DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=slots.device), dkv))
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         h = self.model(tokens.t().reshape(-1), batch)
@@ -244,12 +251,12 @@ class SpeculativeGraphs:
             now = ring[slots.unsqueeze(1), ring_at]
             mask = keep.view(*keep.shape, *([1] * (now.dim() - 2)))
             ring[slots.unsqueeze(1), ring_at] = torch.where(mask, now, g.saved["ring"][i])
-        rows = torch.arange(g.batch, device=kept.device)
+        rows, pick = torch.arange(g.batch, device=kept.device), kept - 1
         for (i, kind), snaps in g.saved["states"].items():
             st_kv, st_score = store.states[i][kind]
-            # before wave m: the state after m kept positions (m = k + 1: the state now)
-            kv = torch.stack([x[0] for x in snaps] + [st_kv[slots]])[kept, rows]
-            score = torch.stack([x[1] for x in snaps] + [st_score[slots]])[kept, rows]
+            # copied before wave m: the state after m kept positions (m = k + 1: the state now)
+            kv = torch.stack([x[0] for x in snaps] + [st_kv[slots]])[pick, rows]
+            score = torch.stack([x[1] for x in snaps] + [st_score[slots]])[pick, rows]
             st_kv[slots] = kv
             st_score[slots] = score
 

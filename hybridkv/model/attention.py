@@ -137,7 +137,11 @@ class Attention(nn.Module):
                             kv[..., -self.rope_dim:]], -1)
         ced = batch.ced
         ahead = ced is not None and ced.source == self.layer_id   # CED: the compressor ran over every row
-        fused = self._fused_compressors(batch.decode.kv) if batch.decode is not None and batch.decode.whole else ()
+        fused = ()
+        if batch.decode is not None and batch.decode.whole:
+            fused = self._fused_compressors(batch.decode.kv)
+        elif batch.waves and getattr(batch.waves[0].kv, "fuse_compressors", False):
+            fused = self._fused_compressors(batch.waves[0].kv)   # every wave one kind of view (spec_graphs.py)
         rows = self._token_rows(x, qr, freqs, batch, compress=not ahead, fused=fused)
 
         # The output in the model's dtype: every path computes in float32, and its rows are rounded
@@ -188,7 +192,7 @@ class Attention(nn.Module):
             raise NotImplementedError("verify waves are V4's (V4.1 checkpoints have no MTP block)")
         for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
             r = wave.rows
-            o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}).to(o.dtype)
+            o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}, fused).to(o.dtype)
         o = (apply_rope_ if own else apply_rope)(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)
         wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
@@ -342,6 +346,9 @@ class Attention(nn.Module):
                     parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
                 for kind, compressor, kv_rows, score_rows in parts:
                     if kind in fused:
+                        record = getattr(dkv, "record_compressor_rows", None)
+                        if record is not None:   # (score rows without their position bias here)
+                            record(self.layer_id, kind, kv_rows, score_rows)
                         self._compress_decode_fused(kargs, dkv, kind, compressor, kv_rows, score_rows)
                     else:
                         self._compress_decode(dkv, kind, compressor, kv_rows, score_rows,
