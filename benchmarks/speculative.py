@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [--model models/tiny-v4] [--ks 1,2,3] [--batches 1,8]
                                      [--context 1024] [--cpu-time] [--mtp-stats 8] [--json OUT]
-                                     [--verify auto|waves|segments|both]
+                                     [--verify auto|waves|segments|both] [--replay-ms]
 
 Workloads, greedy: "needle" = pass-key and single-needle prompts (`hybridkv.tasks`), decoding their
 answers (the model stops at its EOS); "free text" = a haystack of filler sentences without a
@@ -12,13 +12,17 @@ time; `--prompts` prompts in groups of the batch size, each group's fastest of `
 the settings taking turns within each repeat),
 the mean acceptance length (tokens per verify step: 1 + accepted / drafts), the draft acceptance
 rate, how many decode steps replayed CUDA graphs ("graphed": plain decode graphs, or the speculative
-step's, engine/spec_graphs.py; the CPU runs none), whether the outputs equal plain decoding's, and how far the logits are from plain decoding's
+step's, engine/spec_graphs.py; the CPU runs none), whether the outputs equal plain decoding's, and
+how far the logits are from plain decoding's
 (the largest |difference| of each token's logits, max and median over the tokens both runs share).
 
 `--mtp-stats N` also measures the MTP block itself on N training-distribution rows of `--context`
 tokens (teacher forcing through the reference path): its loss (cross-entropy of token t+2 at
 position t), its top-1 accuracy, and how often its argmax equals the main model's argmax for the
 same token (what greedy acceptance needs), on answer tokens and on the rest.
+
+`--replay-ms` (CUDA) adds the device time of one step replayed from each setting's CUDA graph at each
+batch size: plain decoding's step against the whole speculative step.
 
 `--cpu-time` times with this process's CPU time (set OMP_NUM_THREADS=1 so that it equals the work),
 which other jobs on a shared machine do not inflate.
@@ -116,6 +120,31 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
             "accepted": accepted, "outputs": [s.output_ids for s in seqs], "logits": [s.step_logits for s in seqs]}
 
 
+def replay_ms(llm: LLM, batch: int, replays: int = 50) -> float | None:
+    """Device ms of one step replayed from the engine's most recent CUDA graph of this batch size (a
+    plain decode step, or a whole speculative step: engine/spec_graphs.py), replayed back to back
+    between device events; None without one. The replays rerun a step the engine already ran: only
+    their timing is kept."""
+    eng = llm.engine
+    holder = eng.spec_graphs if eng.spec_graphs is not None else eng.graphs
+    if holder is None:
+        return None
+    from hybridkv.engine.graphs import padded_batch
+    found = [g for key, g in holder.graphs.items() if key[0] == padded_batch(batch) and g.graph is not None]
+    if not found:
+        return None
+    graph = found[-1].graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def logit_gap(run: dict, base: dict) -> tuple[float, float] | None:
     """Max and median over tokens of the largest |logit difference| from the plain run, over each
     request's tokens up to the first that differs (where both saw the same context); None for the
@@ -193,6 +222,8 @@ def main() -> int:
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time")
     ap.add_argument("--mtp-stats", type=int, default=0, metavar="N", help="measure the MTP block on N rows")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--replay-ms", action="store_true",
+                    help="CUDA: also the device ms of one replayed step of each setting at each batch size")
     ap.add_argument("--verify", choices=("auto", "waves", "segments", "both"), default="auto",
                     help="how verify rows run (the engine's speculative_verify): auto (the default), as decode rows "
                          "wave by wave, as one segment per request, or waves and segments side by side")
@@ -224,7 +255,8 @@ def main() -> int:
                                max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * (a.context + 4),
                                **opts)
     print(f"{'workload':<10} {'batch':>5} {'k':>2} {'verify':>8} {'decode tok/s':>12} {'speedup':>8} "
-          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'graphed':>9} {'same':>5} {'logit gap max/median':>21}")
+          f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'graphed':>9} {'same':>5} "
+          f"{'logit gap max/median':>21}")
     sets = workloads(tok, a.context, max(batches), a.free_tokens)
     for batch in batches:
         for name, (prompts, params) in sets.items():
@@ -239,8 +271,8 @@ def main() -> int:
                 gap = logit_gap(r, base)
                 gaps = "-" if gap is None else f"{gap[0]:.1e}/{gap[1]:.1e}"
                 print(f"{name:<10} {batch:>5} {k:>2} {mode:>8} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} "
-                      f"{ar:>11} {r['decode_tokens']:>6} {r['graphed_steps']:>4}/{r['steps']:<4} {'yes' if same else 'NO':>5} "
-                      f"{gaps:>21}", flush=True)
+                      f"{ar:>11} {r['decode_tokens']:>6} {r['graphed_steps']:>4}/{r['steps']:<4} "
+                      f"{'yes' if same else 'NO':>5} {gaps:>21}", flush=True)
                 if not r["repeats_agree"]:
                     print("    repeats of a group gave different outputs", flush=True)
                 if not same:
@@ -248,6 +280,13 @@ def main() -> int:
                 results.append({"workload": name, "batch": batch, "k": k, "verify": mode, "speedup": speedup,
                                 "same_outputs": same, "logit_gap_max_median": gap,
                                 **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
+        if a.replay_ms:
+            ms = {f"k={k} {mode}": replay_ms(engines[k, mode], batch) for k, mode in runs}
+            base = ms["k=0 -"]
+            print(f"batch {batch}, device ms of one replayed step: " + ", ".join(
+                f"{name} {v:.3f}" + (f" ({v / base:.2f}x k=0)" if base and name != "k=0 -" else "")
+                for name, v in ms.items() if v is not None), flush=True)
+            results.append({"batch": batch, "replay_ms": ms})
     out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic,
            "threads": torch.get_num_threads(),
            "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,

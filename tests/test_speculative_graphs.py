@@ -110,7 +110,8 @@ def test_greedy_fixed_shape_speculative_steps_equal_plain_decoding(fixtures, pre
     out = _run(llm, prompts, 40, got, _oracle(ref, plan, llm.config.vocab_size, verified))
     assert out == ref
     st = llm.engine.stats
-    print(f"\nverify steps of each request {st.spec_drafts / len(prompts):.1f}, fixed-shape steps {st.spec_graph_steps}")
+    print(f"\nverify steps of each request {st.spec_drafts / len(prompts):.1f}, "
+          f"fixed-shape steps {st.spec_graph_steps}")
     assert st.spec_graph_steps >= 0.7 * st.spec_drafts / len(prompts)
     assert {m for _, m, _ in verified} == {1, 2, 3, 4}          # every rollback length, and none
 

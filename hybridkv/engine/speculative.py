@@ -54,9 +54,10 @@ into a whole quantization step). Greedy outputs therefore equal plain decoding's
 top two logits tie within that (BENCHMARKS.md has the case measured); the rollback itself is exact
 to the bit.
 
-Not combined with: V4.1 (no MTP), offloading memory policies, CUDA graphs (drafting needs the
-streams and verify rows are not captured yet; the engine launches every step eagerly when
-speculation is on).
+Not combined with: V4.1 (no MTP), offloading memory policies. On CUDA, a step in which every
+request verifies k greedy drafts replays one CUDA graph instead (engine/spec_graphs.py: the same
+waves, the acceptance on the device, a rollback from state copies); other speculative steps, and
+every step on the CPU, run as described here.
 """
 
 from __future__ import annotations
