@@ -69,9 +69,11 @@ def passes_ms(engine, passes: int, steps: int, device: str) -> tuple[float, floa
 
 
 def replay_ms(eng, n: int = 20) -> float | None:
-    """Elapsed device time of the most recently replayed decode graph (the last step's) replayed n
-    times back to back (it rewrites the same step's cache rows with the same values), per replay."""
-    captured = [g.graph for g in eng.graphs.graphs.values() if g.graph is not None] if eng.graphs else []
+    """Elapsed device time of the most recently replayed decode graph (the last step's; with
+    speculation the speculative step's) replayed n times back to back (it rewrites the same step's
+    cache rows with the same values), per replay."""
+    holder = getattr(eng, "spec_graphs", None) or eng.graphs
+    captured = [g.graph for g in holder.graphs.values() if g.graph is not None] if holder else []
     if not captured:
         return None
     graph = captured[-1]

@@ -24,12 +24,17 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
   (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill); with
   `--prefill-cprofile N` a third run under cProfile prints the host's N costliest functions.
+- `--paths mtp`: the packed path with MTP speculative decoding (`--num-speculative-tokens K`, 1 by
+  default): each decode cell's wall, device and replay ms of one speculative step (verify, rollback
+  and drafting replayed as one graph: engine/spec_graphs.py) and its tokens per step. A random
+  checkpoint's MTP block drafts tokens the model rejects, so these rows give what a step costs
+  against `packed`'s plain step, not what speculation gains; their byte columns are left empty.
 - `--paths hf`: the same cells through HF transformers' `DeepseekV4ForCausalLM` on the same
   checkpoint (bf16, its own cache); an import, load or out-of-memory failure is reported as such.
 
     python benchmarks/engine_gpu.py --ckpt /tmp/v4flash-8 [--layers 8] [--batches 1,8,64]
-        [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense,hf] [--steps 16]
-        [--prefill-cprofile N] [--json OUT]
+        [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense,mtp,hf] [--steps 16]
+        [--num-speculative-tokens K] [--prefill-cprofile N] [--json OUT]
     python benchmarks/engine_gpu.py --smoke       # a tiny model on the CPU: checks the script runs
 
 Filling 64 requests of 128K takes 8M prefill tokens; `--paths packed --batches 64 --contexts 128k`
@@ -219,9 +224,11 @@ def worker(a) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    spec = a.path == "mtp"
     llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=pool_blocks(a, cells, prefills),
               max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False,
-              async_scheduling=a.async_scheduling)
+              async_scheduling=a.async_scheduling,
+              **(dict(speculative="mtp", num_speculative_tokens=a.num_speculative_tokens) if spec else {}))
     eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
     from hybridkv.ops import pdl
     pdl_on = pdl.enabled(torch.empty(0, device=a.device))
@@ -277,7 +284,7 @@ def worker(a) -> None:
         emit(dict(kind="prefill", path=a.path, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy, gemm_ms=gemm,
                   linear_tflops=flops_tok * n / (gemm * 1e-3) / 1e12 if gemm else None, top=top))
     for b, ctx in cells:
-        budget = decode_budget(a, b, ctx)
+        budget = decode_budget(a, b, ctx) * ((a.num_speculative_tokens + 1) if spec else 1)
         ctx = min(ctx, eng.max_model_len - budget)
         seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
         prefill_steps, preempted = 0, eng.scheduler.num_preemptions
@@ -285,7 +292,9 @@ def worker(a) -> None:
             eng.step()
             prefill_steps += 1
         timed_steps(eng, WARM_STEPS, a.device)
+        produced = sum(len(s.output_ids) for s in seqs)
         wall = steps_back_to_back(eng, a.steps, a.device) / a.steps
+        per_step = (sum(len(s.output_ids) for s in seqs) - produced) / a.steps       # tokens a step emits
         busy, _, top, fams = device_ms(lambda: steps_back_to_back(eng, a.steps, a.device), cuda)
         replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
         ended = sum(s.finish_reason is not None for s in seqs)
@@ -294,6 +303,15 @@ def worker(a) -> None:
             raise RuntimeError(f"B={b} x {ctx:,}: {ended} requests ended and {preempted} were preempted before the "
                                f"measurement ended (decode_budget; the prefill took {prefill_steps} steps, outputs "
                                f"{sorted(len(s.output_ids) for s in seqs)[-4:]} at most)")
+        if spec:
+            emit(dict(kind="decode", path=a.path, batch=b, context=ctx, prefill_steps=prefill_steps,
+                      wall_ms=1e3 * wall, tok_s=per_step / wall, tokens_per_step=per_step,
+                      device_ms=busy / a.steps if busy is not None else None, replay_ms=replay,
+                      graph_steps=eng.stats.spec_graph_steps, pdl=pdl_on, top=top,
+                      families={k: v / a.steps for k, v in fams.items()}))
+            for s in seqs:
+                eng.abort(s.request_id)
+            continue
         graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
         timed_steps(eng, 1, a.device)                    # (after settling a step async scheduling queued)
         counter = ExpertCounter(model)
@@ -304,7 +322,7 @@ def worker(a) -> None:
         bytes_ms = must / a.bandwidth * 1e3
         dev = busy / a.steps if busy is not None else None
         emit(dict(kind="decode", path=a.path, batch=b, context=ctx, prefill_steps=prefill_steps,
-                  wall_ms=1e3 * wall, tok_s=b / wall,
+                  wall_ms=1e3 * wall, tok_s=per_step / wall, tokens_per_step=per_step,
                   device_ms=dev, replay_ms=replay, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
                   ratio=dev / bytes_ms if dev is not None else None,
                   replay_ratio=replay / bytes_ms if replay is not None else None, pdl=pdl_on,
@@ -478,11 +496,24 @@ def report(rows: list[dict], a) -> None:
           "device/bytes | replay/bytes | experts |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if r["kind"] == "decode":
+        if r["kind"] == "decode" and r["path"] != "mtp":
             print(f"| {r['path']} | {r['batch']} | {r['context']:,} | {r['tok_s']:.1f} | {r['wall_ms']:.2f} | "
                   f"{fmt(r['device_ms'])} | {fmt(r.get('replay_ms'))} | {fmt(r['wall_over_device'])} | {fmt_bytes(r['must_read_bytes'])} | "
                   f"{fmt(r['bytes_ms'], '.3f')} | {fmt(r['ratio'])} | {fmt(r.get('replay_ratio'))} | "
                   f"{fmt(r['experts_selected'], 'd')} |")
+    spec = [r for r in rows if r["kind"] == "decode" and r["path"] == "mtp"]
+    if spec:
+        plain = {(r["batch"], r["context"]): r.get("replay_ms") for r in rows
+                 if r["kind"] == "decode" and r["path"] == "packed"}
+        print(f"\nMTP speculation, k = {a.num_speculative_tokens} (the random MTP block's drafts are rejected: "
+              f"what a step costs, not what it gains):\n")
+        print("| batch | context | tokens/step | tok/s | wall ms | device ms | replay ms | replay ÷ packed replay |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in spec:
+            base = plain.get((r["batch"], r["context"]))
+            ratio = r["replay_ms"] / base if base and r.get("replay_ms") else None
+            print(f"| {r['batch']} | {r['context']:,} | {r['tokens_per_step']:.2f} | {r['tok_s']:.1f} | "
+                  f"{r['wall_ms']:.2f} | {fmt(r['device_ms'])} | {fmt(r.get('replay_ms'))} | {fmt(ratio)} |")
     print("\nDevice ms of one decode step by operator family:\n")
     for r in rows:
         if r["kind"] == "decode" and r.get("families"):
@@ -536,8 +567,9 @@ def main() -> int:
     ap.add_argument("--contexts", default="4k,128k")
     ap.add_argument("--million", action="store_true", help="also decode at 1M tokens with batch 1")
     ap.add_argument("--prefill", default="16k,128k")
-    ap.add_argument("--paths", default="packed,dense", help="packed, dense (HYBRIDKV_DENSE_WEIGHTS=1) and/or hf "
-                    "(HF transformers' DeepseekV4ForCausalLM)")
+    ap.add_argument("--paths", default="packed,dense", help="packed, dense (HYBRIDKV_DENSE_WEIGHTS=1), mtp (packed "
+                    "with MTP speculation) and/or hf (HF transformers' DeepseekV4ForCausalLM)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=1, help="draft tokens of the mtp path")
     ap.add_argument("--dense-experts", action="store_true",
                     help="packed path: FP4 experts from dense bf16 copies instead of the grouped FP4 kernels "
                          "(HYBRIDKV_GROUPED_FP4=0)")
@@ -570,8 +602,8 @@ def main() -> int:
     ensure_checkpoint(a)
     rows = []
     for path in a.paths.split(","):
-        if path not in ("packed", "dense", "hf"):
-            ap.error(f"--paths: unknown path {path!r} (packed, dense, hf)")
+        if path not in ("packed", "dense", "mtp", "hf"):
+            ap.error(f"--paths: unknown path {path!r} (packed, dense, mtp, hf)")
         env = {**os.environ, "HYBRIDKV_DENSE_WEIGHTS": "1" if path == "dense" else "0"}
         if path == "packed" and a.dense_experts:
             env["HYBRIDKV_GROUPED_FP4"] = "0"
