@@ -8,8 +8,8 @@ H200 it decoded 7-12x slower than plain decoding replayed from `DecodeGraphs`. H
 greedy requests, each verifying k drafts, is one replay and one read of the host:
 
 1. verify (`_verify`): the k+1 rows of every request as k+1 decode waves (row j·Bp + b is request
-   b's j-th token; each wave is one plain decode step's attention over the paged kernels,
-   `PagedDecodeKV.fixed` at positions n_b + j), the LM head over every row, each row's argmax and
+   b's j-th token, so a wave's rows are one span, read as views; each wave is one plain decode
+   step's attention over the paged kernels, `PagedDecodeKV.fixed` at positions n_b + j), the LM head over every row, each row's argmax and
    its log-probability. Before the forward it copies the window-ring rows that positions n..n+k
    overwrite; before the compressor update of each wave after the first, the compressor states (so
    the state after any number of kept positions is at hand). The compressors update as in plain
@@ -232,7 +232,8 @@ class SpeculativeGraphs:
         for j in range(k1):
             dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1)
             dkv.snapshots, dkv.wave = snapshots, j
-            waves.append(DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=slots.device), dkv))
+            waves.append(DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=slots.device), dkv,
+                                     span=(j * bp, (j + 1) * bp)))
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         h = self.model(tokens.t().reshape(-1), batch)
         logits = self.model.logits(h).view(k1, bp, -1)
@@ -264,7 +265,8 @@ class SpeculativeGraphs:
         model, cache, k1, bp = self.model, self.mtp, g.k + 1, g.batch
         dev = slots.device
         waves = [DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=dev),
-                             MTPDecodeKV(cache, positions[:, j].contiguous(), slots, mtp_start, write=kept > j))
+                             MTPDecodeKV(cache, positions[:, j].contiguous(), slots, mtp_start, write=kept > j),
+                             span=(j * bp, (j + 1) * bp))
                  for j in range(k1)]
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         # the token after each kept position is that row's argmax
@@ -282,7 +284,7 @@ class SpeculativeGraphs:
                 pos = first + j
                 one = ForwardBatch([], pos, None, static=True,
                                    waves=[DecodeGroup(torch.arange(bp, device=dev),
-                                                      MTPDecodeKV(cache, pos, slots, mtp_start))])
+                                                      MTPDecodeKV(cache, pos, slots, mtp_start), span=(0, bp))])
                 stream = model.mtp_forward(stream, draft, one)
                 draft = model.mtp_logits(stream).argmax(-1)
                 drafts.append(draft)

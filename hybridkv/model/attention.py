@@ -191,7 +191,7 @@ class Attention(nn.Module):
         if batch.waves and self.v41:
             raise NotImplementedError("verify waves are V4's (V4.1 checkpoints have no MTP block)")
         for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
-            r = wave.rows
+            r = wave.index()
             o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}, fused).to(o.dtype)
         o = (apply_rope_ if own else apply_rope)(o.to(x.dtype), freqs, inverse=True)
         o = o.reshape(x.shape[0], self.groups, -1)

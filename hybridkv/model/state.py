@@ -263,6 +263,11 @@ class DecodeGroup:
     rows: torch.Tensor   # [B] row indices into the flat batch
     kv: DecodeKV
     whole: bool = False  # the rows are the whole batch in order (rows == arange(T)): no gather needed
+    span: tuple[int, int] | None = None   # the rows are [span[0], span[1]) in order: read as views
+
+    def index(self) -> torch.Tensor | slice:
+        """What selects the group's rows of a [T, ...] tensor: a slice (a view) where they are one span."""
+        return slice(*self.span) if self.span is not None else self.rows
 
 
 @dataclass
