@@ -1,8 +1,11 @@
 """The speculative step that the engine captures into CUDA graphs (engine/spec_graphs.py), checked on
-the CPU where its fixed-shape forwards run eagerly over the paged kernels' path: greedy outputs equal
+the CPU where its fixed-shape forward runs eagerly over the paged kernels' path: greedy outputs equal
 plain decoding's in a ragged batch with drafts accepted 0..k times side by side (rejected tokens
-completing ratio-4 and ratio-128 entries), and the cache state the fixed-shape rollback leaves equals
-plain decoding's. tests/gpu/test_speculative_cuda.py captures and replays."""
+completing ratio-4 and ratio-128 entries) and where a stop token falls among accepted drafts, and
+the cache state the fixed-shape rollback leaves equals plain decoding's.
+tests/gpu/test_speculative_cuda.py captures and replays."""
+
+import random
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ def _paged(llm, speculate: bool) -> None:
                                             capture=False)
 
 
-def _run(llm, prompts, max_tokens, states: dict, oracle=None):
+def _run(llm, prompts, max_tokens, states: dict, oracle=None, stop: list[int] = ()):
     eng = llm.engine
     finish = eng._finish
 
@@ -34,8 +37,8 @@ def _run(llm, prompts, max_tokens, states: dict, oracle=None):
     eng._finish = wrapped
     if oracle is not None:
         oracle(eng)
-    seqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
-            for i, p in enumerate(prompts)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=list(stop))
+    seqs = [eng.add_request(p, params, f"r{i}") for i, p in enumerate(prompts)]
     while eng.has_unfinished():
         eng.step()
     eng.store.pool.check()
@@ -101,8 +104,7 @@ def test_greedy_fixed_shape_speculative_steps_equal_plain_decoding(fixtures, pre
     _paged(llm, True)
     verified: list[tuple[int, int, int]] = []
     plan = crossing_plan(5)
-    if not prefix_caching:      # reject right away only where a ratio-4 block would complete
-        import random
+    if not prefix_caching:      # 0..k accepted anywhere: rejected tokens may complete ratio-128 entries
         rng = random.Random(5)
 
         def plan(rid, start, k):
@@ -122,6 +124,34 @@ def test_greedy_fixed_shape_speculative_steps_equal_plain_decoding(fixtures, pre
         assert rejected_completions(128) >= 1
     for rid in ref:
         assert_states_close(got[rid], want[rid], bound=1e-4)
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_request_there(fixtures):
+    """Every draft right (the oracle), a stop token among them: the fixed-shape step keeps all k+1
+    positions on the device, the host emits up to the stop token and ends the request there; the
+    other request goes on. The same outputs as plain decoding with that stop token, the pool whole."""
+    d, k = fixtures / "v4-tiny", 3
+    prompts = prompts_of([300, 700], seed=6)
+    kw = dict(kv_format="native", max_num_batched_tokens=4096)
+    free = _run(_paged_llm(d, False, **kw), prompts, 30, {})
+    at = next(i for i in range(8, 30) if free["r0"][i] not in free["r0"][:i] + free["r1"])   # r0's alone
+    stop = free["r0"][at]
+    ref = _run(_paged_llm(d, False, **kw), prompts, 30, {}, stop=[stop])
+    assert len(ref["r0"]) == at + 1 and len(ref["r1"]) == 30
+    # r0's first token comes from its prefill, then each step emits k + 1: the stop token is not a step's last
+    assert (at - 1) % (k + 1) != k
+    llm = _paged_llm(d, True, speculative="mtp", num_speculative_tokens=k, **kw)
+    verified: list[tuple[int, int, int]] = []
+    out = _run(llm, prompts, 30, {}, _oracle(free, lambda rid, start, k: k, llm.config.vocab_size, verified),
+               stop=[stop])
+    assert out == ref
+    assert llm.engine.stats.spec_graph_steps >= 5 and {m for _, m, _ in verified} == {k + 1}
+
+
+def _paged_llm(d, speculate: bool, **kw):
+    llm = make(d, **kw)
+    _paged(llm, speculate)
+    return llm
 
 
 def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order():
