@@ -481,7 +481,9 @@ class EngineCore:
             self._drop_rejected(seq)
             seq.draft = None
             self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
-            if snapshots:     # a kept boundary at the last kept position: the state there is the state now
+            if snapshots:
+                # only a boundary at n+k+1 can be due here (one at n+1..n+k sends the step to the eager
+                # path), reached with every position kept and emitted: the state there is the state now
                 hook = self._snapshot_hook(seq)
                 for layer_id in range(self.store.num_layers):
                     hook(layer_id, seq.num_computed)
