@@ -62,8 +62,9 @@ class EngineConfig:
     oracle_query_tokens: int = 64        # prompt-end queries whose attention an oracle policy ranks by
     indexer: str = "native"              # native | random (ablation: CSA top-k replaced by a random set)
     indexer_seed: int = 0
-    cuda_graphs: bool = True             # replay captured decode steps on CUDA (engine/graphs.py); also
-                                         # off with the environment variable HYBRIDKV_CUDA_GRAPHS=0
+    cuda_graphs: bool = True             # replay captured decode steps on CUDA (engine/graphs.py; with
+                                         # speculation engine/spec_graphs.py); also off with the
+                                         # environment variable HYBRIDKV_CUDA_GRAPHS=0
     # with CUDA graphs: queue the next decode step before reading this one's tokens, so that the host's
     # work (emitting, detokenising, scheduling) runs while the device decodes (engine/core.py)
     async_scheduling: bool = True
