@@ -723,6 +723,16 @@ def _block_mask(blocks: set[int], n: int) -> np.ndarray:
     return mask
 
 
+def window_listing(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window a token at positions[b] reads, listed as a one-token segment lists it: positions
+    from max(0, pos − window + 1) on, oldest first, so the reductions run in the same order; (their
+    ring rows [B, window], their validity [B, window]: from start[b] up to the token itself, positions
+    past it invalid at the end while the window fills)."""
+    pos = positions.unsqueeze(1)
+    window_pos = (pos - window + 1).clamp(min=0) + torch.arange(window, device=positions.device)
+    return window_pos % window, (window_pos >= start.clamp(min=0).unsqueeze(1)) & (window_pos <= pos)
+
+
 def _window_complete(seq: SeqCache, first_pos: int, window: int) -> bool:
     """Whether every window row a token at first_pos (or later) reads is valid: the kernels take the
     ring rows of all positions ≥ 0; a bounded replay or state-less prefix hit starts them later."""
@@ -775,12 +785,8 @@ class PagedDecodeKV:
         ring = self.store.ring[layer_id]
         codec = self.store.codec["window"]
         ring[self.slots, self.positions % W] = codec.encode(rows)
-        # listed as a one-token segment lists them: from max(0, pos − W + 1) on, positions past the
-        # token (before the window fills) invalid at the end, so the reductions run in the same order
-        pos = self.positions.unsqueeze(1)
-        window_pos = (pos - W + 1).clamp(min=0) + torch.arange(W, device=rows.device)
-        keys = codec.decode(ring[self.slots.unsqueeze(1), window_pos % W])
-        return keys, (window_pos >= self.window_start.clamp(min=0).unsqueeze(1)) & (window_pos <= pos)
+        at, valid = window_listing(self.positions, W, self.window_start)
+        return codec.decode(ring[self.slots.unsqueeze(1), at]), valid
 
     def kernel_args(self) -> KernelArgs | None:
         """The group's layout for the paged kernels, or None when attention takes the reference path."""

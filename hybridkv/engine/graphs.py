@@ -88,6 +88,41 @@ def _copy_in(dst: torch.Tensor, host: torch.Tensor) -> None:
         dst.copy_(host)
 
 
+def windows_complete(store: PagedKVStore, max_batch: int, seqs: list[SeqCache], positions: list[int]) -> bool:
+    """Whether a captured step may serve these requests: at most `max_batch` of them, each with every
+    window row its token reads valid (the paged kernels' fixed-shape path)."""
+    W = store.config.sliding_window
+    return 0 < len(seqs) <= max_batch and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
+
+
+def warm_up_and_capture(forward, store: PagedKVStore, slots: list[int], pool, what: str,
+                        also: list[torch.Tensor] = ()) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `forward()` and what its capture returned. A warm-up call on a side stream first
+    compiles the kernels and builds the weight caches outside the capture; it runs the very step the
+    graph will, so the windows and compressor states of `slots` (and the tensors in `also`) are put
+    back after it: the replay runs the step again, and ring rows and entries it rewrites get the
+    same values."""
+    saved = {(s, i): store.capture_state(s, i) for s in slots for i in range(store.num_layers)}
+    copies = [t.clone() for t in also]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    for (s, i), tensors in saved.items():
+        store.restore_state(s, i, tensors)
+    for t, c in zip(also, copies):
+        t.copy_(c)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        # thread_local: the prefix cache's writer thread may copy snapshots to the host meanwhile
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = forward()
+    except RuntimeError as e:
+        raise RuntimeError(f"capturing {what} failed: {e}; HYBRIDKV_CUDA_GRAPHS=0 runs it eagerly") from e
+    return graph, out
+
+
 def padded_batch(n: int) -> int:
     """The batch size a graph is captured for: the next power of two."""
     return 1 << (n - 1).bit_length()
@@ -132,8 +167,7 @@ class DecodeGraphs:
         return model.config.family in ("v4", "v4.1") and store.kernel_formats is not None and indexer_mode == "native"
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
-        W = self.store.config.sliding_window
-        return 0 < len(seqs) <= self.max_batch and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
+        return windows_complete(self.store, self.max_batch, seqs, positions)
 
     def run(self, ids: list[int] | torch.Tensor, seqs: list[SeqCache], positions: list[int]) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one decode step: token ids[b] of request seqs[b] at positions[b].
@@ -197,26 +231,9 @@ class DecodeGraphs:
         inputs = host.to(self.store.device)
         if not self.capture:
             return _Graph(None, inputs, None)
-        # A warm-up forward compiles the kernels and builds the weight caches outside the capture. It
-        # runs this very step, so the requests' windows and compressor states are put back after it
-        # (the replay runs the step again; ring rows and entries it rewrites get the same values).
-        slots = sorted(set(host[:, 2].tolist()))
-        saved = {(s, i): self.store.capture_state(s, i) for s in slots for i in range(self.store.num_layers)}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(inputs, cap)
-        torch.cuda.current_stream().wait_stream(side)
-        for (s, i), tensors in saved.items():
-            self.store.restore_state(s, i, tensors)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: the prefix cache's writer thread may copy snapshots to the host meanwhile
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                logits = self._forward(inputs, cap)
-        except RuntimeError as e:
-            raise RuntimeError(f"capturing the decode step (batch {host.shape[0]}, {cap} positions) failed: {e}; "
-                               f"HYBRIDKV_CUDA_GRAPHS=0 launches decode steps eagerly") from e
+        graph, logits = warm_up_and_capture(lambda: self._forward(inputs, cap), self.store,
+                                            sorted(set(host[:, 2].tolist())), self.mempool,
+                                            f"the decode step (batch {host.shape[0]}, {cap} positions)")
         self.captures += 1
         return _Graph(graph, inputs, logits)
 

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, _window_complete
-from hybridkv.engine.graphs import _copy_in, context_bucket, max_graph_batch, padded_batch
+from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, window_listing
+from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, padded_batch, warm_up_and_capture,
+                                    windows_complete)
 from hybridkv.model.state import DecodeGroup, ForwardBatch
 
 
@@ -90,11 +91,8 @@ class MTPDecodeKV:
         if self.write is not None:
             new = torch.where(self.write.unsqueeze(1), new, ring[self.slots, at])
         ring[self.slots, at] = new
-        # listed as a one-token segment lists them: from max(0, pos − W + 1) on, oldest first
-        pos = self.positions.unsqueeze(1)
-        window_pos = (pos - W + 1).clamp(min=0) + torch.arange(W, device=rows.device)
-        keys = ring[self.slots.unsqueeze(1), window_pos % W]
-        return keys, (window_pos >= self.start.unsqueeze(1)) & (window_pos <= pos)
+        listed, valid = window_listing(self.positions, W, self.start)
+        return ring[self.slots.unsqueeze(1), listed], valid
 
     def done(self, layer_id: int) -> None:
         pass
@@ -129,8 +127,7 @@ class SpeculativeGraphs:
         self.replays = 0
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
-        W = self.store.config.sliding_window
-        return 0 < len(seqs) <= self.max_batch and all(_window_complete(s, p, W) for s, p in zip(seqs, positions))
+        return windows_complete(self.store, self.max_batch, seqs, positions)
 
     def step(self, tokens: list[list[int]], seqs: list[SeqCache], positions: list[int],
              mtp_starts: list[int]) -> SpecGraph:
@@ -183,28 +180,10 @@ class SpeculativeGraphs:
         g = SpecGraph(k, host.shape[0], cap, host.to(self.store.device))
         if not self.capture:
             return g
-        # A warm-up compiles the kernels outside the capture; what it changed in the requests' windows,
-        # compressor states and MTP rings is put back (the replay runs the step again; entries it
-        # rewrites get the same values).
         slots = sorted(set(host[:, 2 * (k + 1)].tolist()))
-        saved = {(s, i): self.store.capture_state(s, i) for s in slots for i in range(self.store.num_layers)}
-        mtp_rows = {s: self.mtp.ring[s].clone() for s in slots}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(g)
-        torch.cuda.current_stream().wait_stream(side)
-        for (s, i), tensors in saved.items():
-            self.store.restore_state(s, i, tensors)
-        for s, rows in mtp_rows.items():
-            self.mtp.ring[s].copy_(rows)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                self._forward(g)
-        except RuntimeError as e:
-            raise RuntimeError(f"capturing the speculative step (batch {g.batch}, k {k}, {cap} positions) failed: "
-                               f"{e}; HYBRIDKV_CUDA_GRAPHS=0 runs speculative steps eagerly") from e
+        graph, _ = warm_up_and_capture(lambda: self._forward(g), self.store, slots, self.mempool,
+                                       f"the speculative step (batch {g.batch}, k {k}, {cap} positions)",
+                                       also=[self.mtp.ring[s] for s in slots])
         g.graph = graph
         self.captures += 1
         return g

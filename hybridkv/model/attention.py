@@ -346,9 +346,6 @@ class Attention(nn.Module):
                     parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
                 for kind, compressor, kv_rows, score_rows in parts:
                     if kind in fused:
-                        record = getattr(dkv, "record_compressor_rows", None)
-                        if record is not None:   # (score rows without their position bias here)
-                            record(self.layer_id, kind, kv_rows, score_rows)
                         self._compress_decode_fused(kargs, dkv, kind, compressor, kv_rows, score_rows)
                     else:
                         self._compress_decode(dkv, kind, compressor, kv_rows, score_rows,
@@ -512,11 +509,16 @@ class Attention(nn.Module):
             dkv.append_entries(self.layer_id, "index", which, entry_ids, self.indexer.keys(latent, freqs))
             dkv.append_entries(self.layer_id, "kv", which, entry_ids, global_kv(latent, freqs))
 
-    def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score,
-                         write=None) -> None:
-        record = getattr(dkv, "record_compressor_rows", None)   # verify rows, which may be rolled back
+    def _record_rows(self, dkv: DecodeKV, kind: str, rows_kv, rows_score) -> None:
+        """Hand a decode group's compressor input rows to a view that records them before the update
+        (verify rows, which may be rolled back: engine/speculative.py, engine/spec_graphs.py)."""
+        record = getattr(dkv, "record_compressor_rows", None)
         if record is not None:
             record(self.layer_id, kind, rows_kv, rows_score)
+
+    def _compress_decode(self, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv, rows_score,
+                         write=None) -> None:
+        self._record_rows(dkv, kind, rows_kv, rows_score)
         st_kv, st_score = dkv.compressor_state(self.layer_id, kind)
         which, entries = compressor.update_decode(st_kv, st_score, rows_kv, rows_score, dkv.positions, self.inv_freq,
                                                   write)
@@ -540,6 +542,7 @@ class Attention(nn.Module):
 
     def _compress_decode_fused(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv,
                                rows_score) -> None:
+        self._record_rows(dkv, kind, rows_kv, rows_score)     # (score rows without their position bias here)
         st_kv, st_score = dkv.state_tensors(self.layer_id, kind)
         compress_decode_paged(st_kv, st_score, dkv.slots, dkv.positions, rows_kv, rows_score, self.ratio,
                               compressor.overlap, compressor.norm.weight, compressor.norm.eps,
