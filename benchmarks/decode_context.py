@@ -68,12 +68,14 @@ def passes_ms(engine, passes: int, steps: int, device: str) -> tuple[float, floa
     return statistics.median(medians), min(medians), max(medians)
 
 
-def replay_ms(eng, n: int = 20) -> float | None:
+def replay_ms(eng, n: int = 20, batch: int | None = None) -> float | None:
     """Elapsed device time of the most recently replayed decode graph (the last step's; with
-    speculation the speculative step's) replayed n times back to back (it rewrites the same step's
-    cache rows with the same values), per replay."""
+    speculation the speculative step's; with `batch`, the latest of that batch size's) replayed n
+    times back to back (it rewrites the same step's cache rows with the same values), per replay."""
+    from hybridkv.engine.graphs import padded_batch
     holder = getattr(eng, "spec_graphs", None) or eng.graphs
-    captured = [g.graph for g in holder.graphs.values() if g.graph is not None] if holder else []
+    captured = [g.graph for key, g in holder.graphs.items()
+                if g.graph is not None and (batch is None or key[0] == padded_batch(batch))] if holder else []
     if not captured:
         return None
     graph = captured[-1]

@@ -303,31 +303,26 @@ def worker(a) -> None:
             raise RuntimeError(f"B={b} x {ctx:,}: {ended} requests ended and {preempted} were preempted before the "
                                f"measurement ended (decode_budget; the prefill took {prefill_steps} steps, outputs "
                                f"{sorted(len(s.output_ids) for s in seqs)[-4:]} at most)")
-        if spec:
-            emit(dict(kind="decode", path=a.path, batch=b, context=ctx, prefill_steps=prefill_steps,
-                      wall_ms=1e3 * wall, tok_s=per_step / wall, tokens_per_step=per_step,
-                      device_ms=busy / a.steps if busy is not None else None, replay_ms=replay,
-                      graph_steps=eng.stats.spec_graph_steps, pdl=pdl_on, top=top,
-                      families={k: v / a.steps for k, v in fams.items()}))
-            for s in seqs:
-                eng.abort(s.request_id)
-            continue
-        graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
-        timed_steps(eng, 1, a.device)                    # (after settling a step async scheduling queued)
-        counter = ExpertCounter(model)
-        timed_steps(eng, 1, a.device)
-        counter.close()
-        eng.graphs = graphs
-        must = wb["non_expert"] + counter.total * wb["expert"] + b * kv_read_bytes(cfg, ctx, cfg.index_topk)
-        bytes_ms = must / a.bandwidth * 1e3
         dev = busy / a.steps if busy is not None else None
-        emit(dict(kind="decode", path=a.path, batch=b, context=ctx, prefill_steps=prefill_steps,
-                  wall_ms=1e3 * wall, tok_s=per_step / wall, tokens_per_step=per_step,
-                  device_ms=dev, replay_ms=replay, must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
-                  ratio=dev / bytes_ms if dev is not None else None,
-                  replay_ratio=replay / bytes_ms if replay is not None else None, pdl=pdl_on,
-                  wall_over_device=1e3 * wall / dev if dev else None, top=top,
-                  families={k: v / a.steps for k, v in fams.items()}))
+        row = dict(kind="decode", path=a.path, batch=b, context=ctx, prefill_steps=prefill_steps,
+                   wall_ms=1e3 * wall, tok_s=per_step / wall, tokens_per_step=per_step, device_ms=dev,
+                   replay_ms=replay, pdl=pdl_on, wall_over_device=1e3 * wall / dev if dev else None, top=top,
+                   families={k: v / a.steps for k, v in fams.items()})
+        if spec:     # a random MTP block's steps: what they cost, not the bytes a plain step must read
+            row["graph_steps"] = eng.stats.spec_graph_steps
+        else:
+            graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
+            timed_steps(eng, 1, a.device)                    # (after settling a step async scheduling queued)
+            counter = ExpertCounter(model)
+            timed_steps(eng, 1, a.device)
+            counter.close()
+            eng.graphs = graphs
+            must = wb["non_expert"] + counter.total * wb["expert"] + b * kv_read_bytes(cfg, ctx, cfg.index_topk)
+            bytes_ms = must / a.bandwidth * 1e3
+            row.update(must_read_bytes=must, experts_selected=counter.total, bytes_ms=bytes_ms,
+                       ratio=dev / bytes_ms if dev is not None else None,
+                       replay_ratio=replay / bytes_ms if replay is not None else None)
+        emit(row)
         for s in seqs:
             eng.abort(s.request_id)
     if cuda:

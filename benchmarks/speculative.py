@@ -45,6 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from decode_context import replay_ms  # noqa: E402  (this folder is on sys.path)
 from hybridkv.engine import LLM, SamplingParams  # noqa: E402
 from hybridkv.tasks.generators import Pools, make_sample, training_example  # noqa: E402
 from hybridkv.tasks.tokenizer import TaskTokenizer  # noqa: E402
@@ -118,31 +119,6 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     return {"decode_tokens": produced, "steps": steps, "graphed": graphed, "seconds": dt, "drafts": drafts,
             "drafted": drafted,
             "accepted": accepted, "outputs": [s.output_ids for s in seqs], "logits": [s.step_logits for s in seqs]}
-
-
-def replay_ms(llm: LLM, batch: int, replays: int = 50) -> float | None:
-    """Device ms of one step replayed from the engine's most recent CUDA graph of this batch size (a
-    plain decode step, or a whole speculative step: engine/spec_graphs.py), replayed back to back
-    between device events; None without one. The replays rerun a step the engine already ran: only
-    their timing is kept."""
-    eng = llm.engine
-    holder = eng.spec_graphs if eng.spec_graphs is not None else eng.graphs
-    if holder is None:
-        return None
-    from hybridkv.engine.graphs import padded_batch
-    found = [g for key, g in holder.graphs.items() if key[0] == padded_batch(batch) and g.graph is not None]
-    if not found:
-        return None
-    graph = found[-1].graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        graph.replay()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def logit_gap(run: dict, base: dict) -> tuple[float, float] | None:
@@ -281,11 +257,11 @@ def main() -> int:
                                 "same_outputs": same, "logit_gap_max_median": gap,
                                 **{key: v for key, v in r.items() if key not in ("outputs", "logits")}})
         if a.replay_ms:
-            ms = {f"k={k} {mode}": replay_ms(engines[k, mode], batch) for k, mode in runs}
+            ms = {f"k={k} {mode}": replay_ms(engines[k, mode].engine, 50, batch) for k, mode in runs}
             base = ms["k=0 -"]
-            print(f"batch {batch}, device ms of one replayed step: " + ", ".join(
+            print(f"batch {batch}, device ms of one replayed step: " + (", ".join(
                 f"{name} {v:.3f}" + (f" ({v / base:.2f}x k=0)" if base and name != "k=0 -" else "")
-                for name, v in ms.items() if v is not None), flush=True)
+                for name, v in ms.items() if v is not None) or "no CUDA graph replayed"), flush=True)
             results.append({"batch": batch, "replay_ms": ms})
     out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic,
            "threads": torch.get_num_threads(),
