@@ -76,3 +76,33 @@ def test_a_seeded_row_draws_as_alone_whatever_else_the_step_samples():
     gens = [None, None, torch.Generator().manual_seed(11), None, None]
     mixed = draw_rows(logits, others[:2] + [p] + others[2:], gens).tokens
     assert mixed[2] == alone and mixed[1] == logits[1].argmax()
+
+
+def test_fixed_shape_filter_equals_the_per_row_filter():
+    """`filtered_probs_fixed` (parameters as tensors, for CUDA graphs) against `filtered_probs_rows`:
+    temperatures, top-k (ties with the k-th value kept, k past the vocabulary), top-p, both, neither."""
+    from hybridkv.engine.sampling import filtered_probs_fixed
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50) * 3
+    logits[2, :10] = 1.0
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=1.3, top_k=12, top_p=0.8), SamplingParams(temperature=0.5, top_p=0.3),
+              SamplingParams(temperature=2.0, top_k=100), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.0, top_k=3)]
+    want = filtered_probs_rows(logits, params)
+    got = filtered_probs_fixed(logits, *(torch.tensor([getattr(p, a) for p in params], dtype=torch.float32)
+                                         for a in ("temperature", "top_k", "top_p")))
+    assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, atol=1e-7)
+
+
+def test_draws_by_uniforms_invert_the_cumulative_weights():
+    """`draw_with_uniforms`: the token whose cumulative weight first passes u · total, never a token
+    of weight 0 (u at 0 or as close to 1 as float32 goes), unnormalised rows."""
+    from hybridkv.engine.sampling import draw_with_uniforms
+
+    w = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [5.0, 0.0, 0.0, 0.0, 0.0]])
+    assert draw_with_uniforms(w, torch.tensor([0.0, 0.0, 0.0])).tolist() == [1, 4, 0]
+    assert draw_with_uniforms(w, torch.tensor([1 - 2 ** -24] * 3)).tolist() == [3, 4, 0]
+    assert draw_with_uniforms(w, torch.tensor([0.2499, 0.5, 0.5])).tolist() == [1, 4, 0]
+    assert draw_with_uniforms(w, torch.tensor([0.25, 0.5, 0.5])).tolist() == [3, 4, 0]

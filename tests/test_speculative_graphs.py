@@ -7,13 +7,15 @@ tests/gpu/test_speculative_cuda.py captures and replays."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from engine_helpers import prompts_of
-from test_speculative import assert_states_close, cache_state, crossing_plan, make
+from test_speculative import MODEL, assert_states_close, cache_state, crossing_plan, make
 
 from hybridkv.engine import SamplingParams
+from hybridkv.engine.sampling import filtered_probs
 from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs
 from hybridkv.engine.speculative import MTPCache
 
@@ -67,20 +69,19 @@ def _oracle(refs: dict, plan, vocab: int, rollbacks: list):
         step, results = eng.spec_graphs.step, eng.spec_graphs.results
         order, starts_at = [], []
 
-        def graph_step(tokens, caches, positions, mtp_starts):
+        def graph_step(tokens, caches, positions, mtp_starts, params=None):
             by_cache = {id(s.cache): s for s in eng.requests.values()}
             order[:] = [by_cache[id(c)] for c in caches]
             starts_at[:] = zip(positions, tokens)
-            return step(tokens, caches, positions, mtp_starts)
+            return step(tokens, caches, positions, mtp_starts, params)
 
         def graph_results(g, n):      # before the host emits: `emitted` tokens are still to come
-            targets, logprobs, drafts = results(g, n)
+            tokens, logprobs, accepted, drafts = results(g, n)
             fixed = []
-            for seq, (p, toks), t, d in zip(order, starts_at, targets, drafts):
-                accepted = next((i for i, (x, y) in enumerate(zip(toks[1:], t)) if x != y), g.k)
-                rollbacks.append((p, accepted + 1, g.k + 1))
-                fixed.append(fix(seq, d, accepted + 1))
-            return targets, logprobs, fixed
+            for seq, (p, _), a, d in zip(order, starts_at, accepted, drafts):
+                rollbacks.append((p, a + 1, g.k + 1))
+                fixed.append(fix(seq, d, a + 1))
+            return tokens, logprobs, accepted, fixed
         eng.spec_graphs.step = graph_step
         eng.spec_graphs.results = graph_results
     return install
@@ -171,3 +172,124 @@ def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order
     assert torch.equal(keys[0, :6], cache.ring[0, :6]) and valid[0].tolist() == [False] * 2 + [True] * 4 + [False] * 2
     order = [(11 - 8 + 1 + j) % 8 for j in range(8)]
     assert torch.equal(keys[1], before[2, order]) and valid[1].all()
+
+
+def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
+    """tiny-v4 (its trained MTP block drafts tokens the model may sample) continuing filler text:
+    unseeded sampled requests (top-k 2, four tokens, k = 1) verify through the fixed-shape step, with
+    drafts from the eager drafter (after prefill) and from the step's own MTP pass (after a
+    rejection); the joint frequency of the four tokens over 372 requests matches the main model's
+    probabilities computed without speculation (chi-square), drafts are accepted and rejected; greedy
+    requests in the same steps give plain decoding's tokens."""
+    from hybridkv.tasks.generators import Pools
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+
+    tok = TaskTokenizer.load(f"{MODEL}/tokenizer.json")
+    pools = Pools(tok, seed=0, n_sentences=256, n_needles=64)
+    rng = np.random.default_rng(3)
+    # past the window: the fixed-shape step needs it whole
+    prompt, other = ([tok.bos_id, *pools.sentences.fill(rng, n)[0].astype(int).tolist()] for n in (160, 190))
+    sp = SamplingParams(temperature=1.0, top_k=2, max_tokens=4, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = make(MODEL, kv_format="native")
+    _paged(plain, False)
+    want = plain.generate([other], greedy)[0].output_ids
+    torch.manual_seed(0)
+    # every prompt prefilled in one step: the verify steps hold no prefill chunk
+    llm = make(MODEL, speculative="mtp", num_speculative_tokens=1, kv_format="native", max_num_seqs=64,
+               num_blocks=256, max_num_batched_tokens=16384)
+    _paged(llm, True)
+    outs = []
+    for _ in range(6):     # 64 requests a round: the largest graph batch
+        got = llm.generate([other] * 2 + [prompt] * 62, [greedy] * 2 + [sp] * 62)
+        assert all(o.output_ids == want for o in got[:2])
+        outs += [tuple(o.output_ids) for o in got[2:]]
+    st = llm.engine.stats
+    assert st.spec_graph_steps > 0 and llm.engine.spec_graphs.draft_probs is not None
+    assert st.spec_accepted_hist[0] > 20 and st.spec_accepted_hist[1] > 20
+    plain.engine.record_logits = True
+
+    def next_probs(prefix):
+        seq = plain.engine.add_request(prompt + list(prefix), SamplingParams(max_tokens=1, ignore_eos=True))
+        while plain.engine.has_unfinished():
+            plain.engine.step()
+        return filtered_probs(seq.step_logits[0], sp)
+
+    exact = {(): 1.0}
+    for _ in range(4):
+        exact = {pre + (t,): w * float(p[t]) for pre, w in exact.items()
+                 for p in [next_probs(pre)] for t in torch.nonzero(p).flatten().tolist()}
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[o] = counts.get(o, 0) + 1
+    assert set(counts) <= set(exact)
+    n = len(outs)
+    chi2 = sum((counts.get(k, 0) - n * e) ** 2 / (n * e) for k, e in exact.items())
+    dof = len(exact) - 1
+    print(f"\nchi2 {chi2:.1f} dof {dof} graph steps {st.spec_graph_steps} accepted {st.spec_accepted_hist}")
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_sampled_acceptance_on_fixed_shapes_matches_the_eager_rule():
+    """The fixed-shape acceptance against `speculative.accept` on one request's rows, with the
+    uniforms the eager rule would draw: same accepted count and the residual's token."""
+    from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
+
+    torch.manual_seed(1)
+    vocab, k = 7, 2
+    for trial in range(200):
+        logits = torch.randn(k + 1, vocab) * 2
+        q = torch.softmax(torch.randn(k, vocab) * 2, -1)
+        drafts = [int(torch.multinomial(q[i], 1)) for i in range(k)]
+        u = torch.rand(2 * k + 1)
+        p = filtered_probs_fixed(logits, torch.ones(k + 1), torch.zeros(k + 1), torch.ones(k + 1))
+        # the eager rule, written out with these uniforms
+        out = []
+        for i, dr in enumerate(drafts):
+            if u[i] * q[i, dr] < p[i, dr]:
+                out.append(dr)
+                continue
+            r = (p[i] - q[i]).clamp(min=0)
+            out.append(int(draw_with_uniforms(r[None], u[k:k + 1])))
+            break
+        else:
+            out.append(int(draw_with_uniforms(p[k][None], u[k:k + 1])))
+
+        class G:
+            sampled, batch = True, 1
+            params = torch.tensor([[1.0, 0.0, 1.0]])
+            uniforms = u[None]
+            out: dict = {}
+        G.k = k
+        graphs = SpeculativeGraphs.__new__(SpeculativeGraphs)
+        graphs.draft_probs = q[None]
+        tokens = torch.tensor([[0] + drafts])
+        kept, following = graphs._accept(G, logits[:, None], tokens, torch.tensor([0]))
+        assert int(kept) == len(out) and following[0, :len(out)].tolist() == out, trial
+
+
+def test_sampled_drafts_on_fixed_shapes_follow_the_mtp_distribution():
+    """`_pick` for sampled rows: drafts drawn from the MTP block's filtered distribution with the
+    step's uniforms (chi-square over 4000 rows), that distribution kept for the next step's
+    acceptance; greedy rows take the argmax."""
+    torch.manual_seed(2)
+    vocab, rows = 6, 4000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -3.0]]).expand(rows, vocab).contiguous()
+    temp = torch.full((rows,), 0.8)
+    temp[:10] = 0                                                 # greedy rows
+
+    class G:
+        sampled, batch, k = True, rows, 1
+        params = torch.stack([temp, torch.full((rows,), 4.0), torch.full((rows,), 0.95)], 1)
+        uniforms = torch.rand(rows, 3)
+    graphs = SpeculativeGraphs.__new__(SpeculativeGraphs)
+    graphs.draft_probs = torch.zeros(rows, 1, vocab)
+    drafts = graphs._pick(G, logits, torch.arange(rows), 0)
+    q = graphs.draft_probs[20, 0]
+    assert torch.allclose(q, filtered_probs(logits[0], SamplingParams(temperature=0.8, top_k=4, top_p=0.95)))
+    assert (drafts[:10] == 3).all()
+    counts = torch.bincount(drafts[10:], minlength=vocab).float()
+    assert counts[q == 0].sum() == 0
+    expect = q * (rows - 10)
+    chi2 = float(((counts - expect) ** 2 / expect)[q > 0].sum())
+    assert chi2 < 16.3, (counts, expect)       # P(chi2 > 16.3) = 0.001 at 3 degrees of freedom

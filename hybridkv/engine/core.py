@@ -443,14 +443,16 @@ class EngineCore:
         return events
 
     def _spec_graph_eligible(self, chunks: list[Chunk]) -> bool:
-        """Whether this step can replay `SpeculativeGraphs`: every request verifies k greedy drafts (no
-        logprobs) past its prefix hit's frozen blocks, and no kept snapshot boundary falls inside the
-        verified positions n+1..n+k (the state there is not kept)."""
+        """Whether this step can replay `SpeculativeGraphs`: every request verifies k drafts, greedy or
+        sampled without a seed (a seeded request draws from its own generator on the eager path, so that
+        its tokens do not depend on the requests beside it), no logprobs, past its prefix hit's frozen
+        blocks, and no kept snapshot boundary falls inside the verified positions n+1..n+k (the state
+        there is not kept)."""
         k, bt = self.ec.num_speculative_tokens, self.store.block_tokens
         snapshots = self.policy.snapshots and self.prefix.enabled
         for c in chunks:
             s = c.seq
-            if (not c.draft or len(c.draft) != k or c.length != k + 1 or s.params.temperature > 0
+            if (not c.draft or len(c.draft) != k or c.length != k + 1 or s.generator is not None
                     or s.params.logprobs or c.start < s.cache.frozen_until or s.mtp_start is None):
                 return False
             if snapshots and (c.start + k) // bt > c.start // bt:
@@ -458,20 +460,25 @@ class EngineCore:
         return self.spec_graphs.eligible([c.seq.cache for c in chunks], [c.start for c in chunks])
 
     def _speculative_graph_step(self, chunks: list[Chunk]) -> list[Event]:
-        """`_speculative_step` through `SpeculativeGraphs` (engine/spec_graphs.py): verify, greedy
-        acceptance, rollback and the next drafts in one replay; then the host emits the kept tokens."""
+        """`_speculative_step` through `SpeculativeGraphs` (engine/spec_graphs.py): verify, acceptance,
+        rollback and the next drafts in one replay; then the host emits the kept tokens."""
         k = self.ec.num_speculative_tokens
-        g = self.spec_graphs.step([[c.seq.token_ids[c.start], *c.draft] for c in chunks],
-                                  [c.seq.cache for c in chunks], [c.start for c in chunks],
-                                  [c.seq.mtp_start for c in chunks])
-        targets, logprobs, drafts = self.spec_graphs.results(g, len(chunks))
+        graphs = self.spec_graphs
+        sampled = any(c.seq.params.temperature > 0 for c in chunks)
+        for c in chunks:      # drafts the eager drafter drew: their distributions where the graph reads them
+            if c.seq.params.temperature > 0 and not c.seq.draft.on_device:
+                graphs.put_draft_probs(c.seq.cache.slot, c.seq.draft.probs[:k])
+        g = graphs.step([[c.seq.token_ids[c.start], *c.draft] for c in chunks], [c.seq.cache for c in chunks],
+                        [c.start for c in chunks], [c.seq.mtp_start for c in chunks],
+                        [c.seq.params for c in chunks] if sampled else None)
+        tokens, logprobs, accepted_counts, drafts = graphs.results(g, len(chunks))
         snapshots = self.policy.snapshots and self.prefix.enabled
         events: list[Event] = []
         for b, c in enumerate(chunks):
             seq = c.seq
-            accepted = next((i for i, (d, t) in enumerate(zip(c.draft, targets[b])) if d != t), k)
+            accepted = accepted_counts[b]
             reason = None
-            for i, t in enumerate(targets[b][:accepted + 1]):   # accepted drafts equal their rows' argmax
+            for i, t in enumerate(tokens[b][:accepted + 1]):
                 event, reason = self._add_token(seq, g.out["logits"][i, b], Sampled(t, logprobs[b][i], None))
                 events.append(event)
                 if reason:
@@ -492,7 +499,12 @@ class EngineCore:
                 self._finish(seq, reason)
                 continue
             n = self._draft_len(seq)
-            seq.draft = Draft(drafts[b][:n], None) if n else None
+            if n:
+                sampled_draft = seq.params.temperature > 0
+                probs = [graphs.draft_probs[seq.cache.slot, j] for j in range(n)] if sampled_draft else None
+                seq.draft = Draft(drafts[b][:n], probs, on_device=sampled_draft)
+            else:
+                seq.draft = None
         self.stats.steps += 1
         self.stats.spec_graph_steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)

@@ -81,6 +81,36 @@ def filtered_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> t
     return torch.softmax(scaled, -1)
 
 
+def filtered_probs_fixed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor:
+    """`filtered_probs_rows` with each row's parameters as tensors [R] (top_k 0: no cut; top_p 1: no
+    cut) and no branch on their values, so that a CUDA graph captured once serves any parameters: every
+    row is sorted, cut by its top-k (ties with the k-th value kept) and its top-p, softmaxed. Rows with
+    temperature 0 (greedy) get their distribution at temperature 1, for the caller to ignore."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    scaled = logits.float() / t[:, None]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    k = top_k.long().clamp(0, vocab)
+    kth = sorted_logits.gather(1, (k - 1).clamp(min=0)[:, None])
+    sorted_logits = sorted_logits.masked_fill((k[:, None] > 0) & (sorted_logits < kth), float("-inf"))
+    probs = torch.softmax(sorted_logits, -1)
+    cut_p = torch.where(top_p < 1.0, top_p.float(), torch.full_like(top_p, float("inf"), dtype=torch.float32))
+    sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= cut_p[:, None], float("-inf"))
+    return torch.softmax(torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits), -1)
+
+
+def draw_with_uniforms(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A token from each row of non-negative weights [R, vocab] (not necessarily normalised; each row
+    with some positive weight) by inverting its cumulative sum at u [R] in [0, 1): fixed shapes and
+    no host read, so it runs inside a CUDA graph with uniforms drawn before the replay. Never a token
+    of weight 0 (the target stays below the row's total, which rounding of u · total could reach)."""
+    c = weights.float().cumsum(-1)
+    total = c[:, -1:]
+    target = torch.minimum(u.float()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(c, target, right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
+
+
 def _per_row(values: list, device: torch.device, dtype: torch.dtype = torch.float32):
     """One value a row as a [R, 1] tensor on `device` (a Python scalar when every row's is the same).
     Through pinned memory on CUDA: a copy from pageable memory would wait for the queued steps."""

@@ -1,11 +1,11 @@
-"""CUDA graphs of the speculative step (engine/speculative.py): the verify forward, the greedy
+"""CUDA graphs of the speculative step (engine/speculative.py): the verify forward, the
 acceptance, the rollback of rejected positions and the MTP pass, captured as one graph per (padded
-batch, draft length k, context bucket) and replayed.
+batch, draft length k, context bucket, whether any request samples) and replayed.
 
 Run eagerly, a speculative step on the GPU is hundreds of small launches twice over (the verify
 forward, then the MTP block) plus the checkpoint and rollback copies, request by request: on the
 H200 it decoded 7-12x slower than plain decoding replayed from `DecodeGraphs`. Here a step of B
-greedy requests, each verifying k drafts, is one replay and one read of the host:
+requests, each verifying k drafts, is one replay and one read of the host:
 
 1. verify (`_verify`): the k+1 rows of every request as k+1 decode waves (row j·Bp + b is request
    b's j-th token, so a wave's rows are one span, read as views; each wave is one plain decode
@@ -14,29 +14,35 @@ greedy requests, each verifying k drafts, is one replay and one read of the host
    overwrite; before the compressor update of each wave after the first, the compressor states (so
    the state after any number of kept positions is at hand). The compressors update as in plain
    decode (one fused launch each on the GPU).
-2. acceptance on the device, as `speculative.accept` does for greedy requests: a request keeps its
-   drafts while each equals the argmax of the row before it, then the argmax after the last kept
-   one; m = accepted + 1 positions are kept. The tokens that follow the kept positions are the
-   argmaxes themselves (an accepted draft equals its row's argmax).
+2. acceptance on the device (`_accept`), as `speculative.accept` decides: a greedy request keeps its
+   drafts while each equals the argmax of the row before it, then takes the argmax after the last
+   kept one; a sampled one accepts draft i with probability min(1, p(d)/q(d)) (p: the main model's
+   filtered distribution at the row before it, q: the draft's, kept in `draft_probs` by the MTP pass
+   that drew it) and at the first rejection draws from max(p − q, 0), after k acceptances from p.
+   m = accepted + 1 positions are kept. Randomness comes from uniforms drawn before each replay by
+   the device's default generator, tokens by inverting cumulative weights (`draw_with_uniforms`);
+   the filters run on every row without branching on their parameters (`filtered_probs_fixed`).
 3. rollback (`_rollback`): the rejected positions' ring rows are written back and each compressor
    state is set to the one before the first rejected wave. Entries that rejected tokens completed
    are left in place: no query reads entry j before the token that completes it has run again, and
    that token's layer stores it anew before attending (the compressor runs before the attention).
 4. MTP (`_draft`): the MTP block over positions n..n+k as k+1 decode waves over its window ring
    (`MTPDecodeKV`; rows past a request's kept ones run but write nothing), draft 1 from each
-   request's last kept row, drafts 2..k chained one position on (their ring rows put back after),
-   all argmaxes on the device.
+   request's last kept row, drafts 2..k chained one position on (their ring rows put back after):
+   argmaxes, or for sampled requests draws from the filtered MTP distribution (`_pick`).
 
-The host then reads each request's argmaxes, log-probabilities and next drafts at once, emits the
-kept tokens and does the bookkeeping (blocks of rejected positions back to the pool, the prefix cache
-registering blocks up to the kept positions). Where it emits fewer tokens than the device kept (an
+The host then reads each request's tokens, log-probabilities, accepted count and next drafts at once,
+emits the kept tokens and does the bookkeeping (blocks of rejected positions back to the pool, the
+prefix cache registering blocks up to the kept positions). Where it emits fewer tokens than the device kept (an
 EOS, a stop string, max_tokens), the request ends with them, so what the device kept past them is
 never read.
 
 Padding rows (the batch is padded to a power of two) decode token 0 at position 0 in every wave, in
 the slot `DecodeGraphs` would reserve: no compressed block completes there.
 
-Taken where every request of the step verifies k greedy drafts (no logprobs asked) past its prefix
+Taken where every request of the step verifies k drafts, greedy or sampled without a seed (a seeded
+request draws from its own generator on the eager path, so that its tokens do not depend on the
+requests beside it), no logprobs asked, past its prefix
 hit's frozen blocks with a complete window, and no block boundary whose window-state snapshot the
 prefix cache keeps falls inside the verified positions (the state there is not kept; a boundary at
 the last kept position is snapshotted after the step). Other steps run eagerly. With capture=False
@@ -54,6 +60,7 @@ import torch
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, window_listing
 from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, padded_batch, warm_up_and_capture,
                                     windows_complete)
+from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
 from hybridkv.model.state import DecodeGroup, ForwardBatch
 
 
@@ -108,6 +115,9 @@ class SpecGraph:
     batch: int
     cap: int
     inputs: torch.Tensor
+    sampled: bool = False
+    params: torch.Tensor | None = None       # sampled: [Bp, 3] float32 temperature, top-k, top-p
+    uniforms: torch.Tensor | None = None     # sampled: [Bp, 2k + 1], drawn anew before each replay
     graph: torch.cuda.CUDAGraph | None = None
     out: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)
@@ -125,27 +135,37 @@ class SpeculativeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
         self.replays = 0
+        # sampled requests' draft distributions [slots, k, vocab] float32, by the MTP pass that drew the
+        # drafts (its own or the eager drafter's, `put_draft_probs`), read by the next step's acceptance
+        self.draft_probs: torch.Tensor | None = None
 
     def eligible(self, seqs: list[SeqCache], positions: list[int]) -> bool:
         return windows_complete(self.store, self.max_batch, seqs, positions)
 
     def step(self, tokens: list[list[int]], seqs: list[SeqCache], positions: list[int],
-             mtp_starts: list[int]) -> SpecGraph:
+             mtp_starts: list[int], params: list | None = None) -> SpecGraph:
         """The speculative step of requests seqs[b] feeding tokens[b] (its last token and k drafts) at
-        positions[b].., their MTP windows valid from mtp_starts[b]; read its results with `results`."""
+        positions[b].., their MTP windows valid from mtp_starts[b], sampling under params[b]
+        (`SamplingParams`; None: all greedy; a sampled request's draft distributions must be in
+        `draft_probs`); read its results with `results`."""
         k = len(tokens[0]) - 1
         cap = context_bucket(max(positions) + k, self.store.block_tokens)
-        key = (padded_batch(len(seqs)), k, cap)
+        sampled = params is not None and any(p.temperature > 0 for p in params)
+        key = (padded_batch(len(seqs)), k, cap, sampled)
         host = self._host_inputs(tokens, seqs, positions, mtp_starts, key[0], cap)
         g = self.graphs.get(key)
         if g is None:
-            g = self._build(host, k, cap)
+            g = self._build(host, k, cap, self._host_params(params, key[0]) if sampled else None)
             self.graphs[key] = g
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
             _copy_in(g.inputs, host)
+            if sampled:
+                _copy_in(g.params, self._host_params(params, key[0]))
+        if sampled:
+            g.uniforms.uniform_()       # outside the graph: the device's default generator, anew each step
         if g.graph is None:
             self._forward(g)
         else:
@@ -154,13 +174,26 @@ class SpeculativeGraphs:
         return g
 
     @staticmethod
-    def results(g: SpecGraph, n: int) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
-        """For each of the first n requests: the argmax of each of its k+1 rows, that token's
-        log-probability, and its k drafts for the next step (one read)."""
+    def results(g: SpecGraph, n: int) -> tuple[list[list[int]], list[list[float]], list[int], list[list[int]]]:
+        """For each of the first n requests (one read): the k+1 tokens that follow its verified
+        positions (the accepted drafts, then the main model's own token; entries past it unused),
+        their log-probabilities, how many drafts it accepted, and its k drafts for the next step."""
         k1 = g.k + 1
-        both = torch.cat([g.out["targets"][:, :n].double(), g.out["logprobs"][:, :n].double(),
-                          g.out["drafts"][:n].t().double()]).t().cpu()
-        return both[:, :k1].long().tolist(), both[:, k1:2 * k1].tolist(), both[:, 2 * k1:].long().tolist()
+        both = torch.cat([g.out["tokens"][:n].double(), g.out["logprobs"][:n].double(),
+                          g.out["kept"][:n, None].double() - 1, g.out["drafts"][:n].double()], 1).cpu()
+        return (both[:, :k1].long().tolist(), both[:, k1:2 * k1].tolist(), both[:, 2 * k1].long().tolist(),
+                both[:, 2 * k1 + 1:].long().tolist())
+
+    def put_draft_probs(self, slot: int, probs: list[torch.Tensor]) -> None:
+        """A sampled request's draft distributions from the eager drafter, where the next graph reads them."""
+        buf = self._draft_buffer(len(probs))
+        buf[slot, :len(probs)] = torch.stack(probs).to(buf.device)
+
+    def _draft_buffer(self, k: int) -> torch.Tensor:
+        if self.draft_probs is None or self.draft_probs.shape[1] < k:
+            self.draft_probs = torch.zeros(self.mtp.ring.shape[0], k, self.model.config.vocab_size,
+                                           dtype=torch.float32, device=self.store.device)
+        return self.draft_probs
 
     # ----- building -----
     def _host_inputs(self, tokens, seqs, positions, mtp_starts, batch: int, cap: int) -> torch.Tensor:
@@ -176,14 +209,29 @@ class SpeculativeGraphs:
             out[b, 2 * k1 + 2:2 * k1 + 2 + len(row)] = row
         return torch.from_numpy(out)
 
-    def _build(self, host: torch.Tensor, k: int, cap: int) -> SpecGraph:
-        g = SpecGraph(k, host.shape[0], cap, host.to(self.store.device))
+    @staticmethod
+    def _host_params(params: list, batch: int) -> torch.Tensor:
+        """[batch, 3] float32: each request's temperature, top-k and top-p; padding rows greedy."""
+        out = np.zeros((batch, 3), dtype=np.float32)
+        out[:, 2] = 1.0
+        for b, p in enumerate(params):
+            out[b] = (p.temperature, p.top_k, p.top_p)
+        return torch.from_numpy(out)
+
+    def _build(self, host: torch.Tensor, k: int, cap: int, params: torch.Tensor | None = None) -> SpecGraph:
+        dev = self.store.device
+        g = SpecGraph(k, host.shape[0], cap, host.to(dev))
+        if params is not None:
+            g.sampled, g.params = True, params.to(dev)
+            g.uniforms = torch.rand(g.batch, 2 * k + 1, device=dev)
+            self._draft_buffer(k)       # before the capture: the graph reads and writes it in place
         if not self.capture:
             return g
         slots = sorted(set(host[:, 2 * (k + 1)].tolist()))
         graph, _ = warm_up_and_capture(lambda: self._forward(g), self.store, slots, self.mempool,
                                        f"the speculative step (batch {g.batch}, k {k}, {cap} positions)",
-                                       also=[self.mtp.ring[s] for s in slots])
+                                       also=[self.mtp.ring[s] for s in slots]
+                                       + ([self.draft_probs[s] for s in slots] if g.sampled else []))
         g.graph = graph
         self.captures += 1
         return g
@@ -196,11 +244,47 @@ class SpeculativeGraphs:
         slots, mtp_start, tables = (inp[:, 2 * k1].contiguous(), inp[:, 2 * k1 + 1].contiguous(),
                                     inp[:, 2 * k1 + 2:].contiguous())
         with torch.inference_mode():
-            targets = self._verify(g, tokens, positions, slots, tables)            # [k+1, Bp]
-            agree = (tokens[:, 1:] == targets[:-1].t()).long().cumprod(1)          # drafts kept while all agree
-            kept = agree.sum(1) + 1                                                # [Bp] positions kept, 1..k+1
+            logits = self._verify(g, tokens, positions, slots, tables)             # [k+1, Bp, vocab]
+            kept, following = self._accept(g, logits, tokens, slots)
             self._rollback(g, kept, positions, slots)
-            self._draft(g, targets, kept, positions, slots, mtp_start)
+            self._draft(g, following, kept, positions, slots, mtp_start)
+
+    def _accept(self, g: SpecGraph, logits: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor):
+        """Each request's kept positions [Bp] (1..k+1) and the tokens that follow its k+1 verified
+        positions [Bp, k+1] (accepted drafts, then its own token; past that, that token again), as
+        `speculative.accept` decides: greedy rows keep drafts while each equals the argmax of the
+        row before; sampled rows accept draft i with probability min(1, p(d)/q(d)) and then draw from
+        the residual max(p − q, 0) at the first rejection, else from p, with this step's uniforms."""
+        k, bp = g.k, g.batch
+        argmax = logits.argmax(-1).t()                                            # [Bp, k+1], the first maximum
+        drafts = tokens[:, 1:]
+        agree = drafts == argmax[:, :-1]
+        if g.sampled:
+            temp, top_k, top_p = g.params.unbind(1)
+            rows = logits.transpose(0, 1).reshape(bp * (k + 1), -1)
+            p = filtered_probs_fixed(rows, *(x.repeat_interleave(k + 1) for x in (temp, top_k, top_p)))
+            p = p.view(bp, k + 1, -1)
+            q = self.draft_probs[slots, :k]                                       # [Bp, k, vocab]
+            p_d = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+            q_d = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+            sampled = (temp > 0).unsqueeze(1)
+            agree = torch.where(sampled, g.uniforms[:, :k] * q_d < p_d, agree)
+        kept = agree.long().cumprod(1).sum(1) + 1
+        at = (kept - 1).unsqueeze(1)                                              # the first unverified draft
+        own = argmax.gather(1, at).squeeze(1)
+        if g.sampled:
+            pick = at.unsqueeze(-1).expand(bp, 1, p.shape[-1])
+            p_at = p.gather(1, pick).squeeze(1)
+            q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, pick).squeeze(1)   # q past k: 0
+            residual = (p_at - q_at).clamp(min=0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+            own = torch.where(temp > 0, draw_with_uniforms(residual, g.uniforms[:, k]), own)
+        column = torch.arange(k + 1, device=kept.device).unsqueeze(0)
+        following = torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own.unsqueeze(1))
+        g.out["kept"], g.out["tokens"] = kept, following
+        logprobs = torch.log_softmax(logits, -1).transpose(0, 1)                   # [Bp, k+1, vocab]
+        g.out["logprobs"] = logprobs.gather(-1, following.unsqueeze(-1)).squeeze(-1)
+        return kept, following
 
     def _verify(self, g: SpecGraph, tokens, positions, slots, tables) -> torch.Tensor:
         store, k1, bp = self.store, g.k + 1, g.batch
@@ -216,11 +300,9 @@ class SpeculativeGraphs:
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         h = self.model(tokens.t().reshape(-1), batch)
         logits = self.model.logits(h).view(k1, bp, -1)
-        targets = logits.argmax(-1)                                              # the first maximum, as `accept`
-        logprobs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        g.out.update(hidden=h, logits=logits, targets=targets, logprobs=logprobs)
+        g.out.update(hidden=h, logits=logits)
         g.saved["states"] = snapshots
-        return targets
+        return logits
 
     def _rollback(self, g: SpecGraph, kept, positions, slots) -> None:
         store, k1 = self.store, g.k + 1
@@ -240,7 +322,18 @@ class SpeculativeGraphs:
             st_kv[slots] = kv
             st_score[slots] = score
 
-    def _draft(self, g: SpecGraph, targets, kept, positions, slots, mtp_start) -> None:
+    def _pick(self, g: SpecGraph, logits: torch.Tensor, slots: torch.Tensor, j: int) -> torch.Tensor:
+        """Draft j+1 of every request from the MTP block's logits [Bp, vocab]: the argmax, or for a
+        sampled request a draw from its filtered distribution, which is kept for the next step."""
+        greedy = logits.argmax(-1)
+        if not g.sampled:
+            return greedy
+        temp, top_k, top_p = g.params.unbind(1)
+        q = filtered_probs_fixed(logits, temp, top_k, top_p)
+        self.draft_probs[slots, j] = q
+        return torch.where(temp > 0, draw_with_uniforms(q, g.uniforms[:, g.k + 1 + j]), greedy)
+
+    def _draft(self, g: SpecGraph, following, kept, positions, slots, mtp_start) -> None:
         model, cache, k1, bp = self.model, self.mtp, g.k + 1, g.batch
         dev = slots.device
         waves = [DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=dev),
@@ -248,10 +341,9 @@ class SpeculativeGraphs:
                              span=(j * bp, (j + 1) * bp))
                  for j in range(k1)]
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
-        # the token after each kept position is that row's argmax
-        out = model.mtp_forward(g.out["hidden"], targets.reshape(-1), batch)
+        out = model.mtp_forward(g.out["hidden"], following.t().reshape(-1), batch)
         stream = out[(kept - 1) * bp + torch.arange(bp, device=dev)]
-        draft = model.mtp_logits(stream).argmax(-1)
+        draft = self._pick(g, model.mtp_logits(stream), slots, 0)
         drafts = [draft]
         if g.k > 1:
             # the chain runs on from position n + m, on its own stream and draft; its ring rows are
@@ -265,7 +357,7 @@ class SpeculativeGraphs:
                                    waves=[DecodeGroup(torch.arange(bp, device=dev),
                                                       MTPDecodeKV(cache, pos, slots, mtp_start), span=(0, bp))])
                 stream = model.mtp_forward(stream, draft, one)
-                draft = model.mtp_logits(stream).argmax(-1)
+                draft = self._pick(g, model.mtp_logits(stream), slots, j + 1)
                 drafts.append(draft)
             cache.ring[slots.unsqueeze(1), at] = saved
         g.out["drafts"] = torch.stack(drafts, 1)

@@ -55,9 +55,9 @@ top two logits tie within that (BENCHMARKS.md has the case measured); the rollba
 to the bit.
 
 Not combined with: V4.1 (no MTP), offloading memory policies. On CUDA, a step in which every
-request verifies k greedy drafts replays one CUDA graph instead (engine/spec_graphs.py: the same
-waves, the acceptance on the device, a rollback from state copies); other speculative steps, and
-every step on the CPU, run as described here.
+request verifies k drafts, greedy or sampled without a seed, replays one CUDA graph instead
+(engine/spec_graphs.py: the same waves, the acceptance on the device, a rollback from state copies);
+other speculative steps, and every step on the CPU, run as described here.
 """
 
 from __future__ import annotations
@@ -269,6 +269,8 @@ def _discard(*_args) -> None:
 class Draft:
     tokens: list[int]
     probs: list[torch.Tensor] | None     # sampled requests: the draft distribution of each token
+    # the probs are views of `SpeculativeGraphs.draft_probs`, which the graph that drew them filled
+    on_device: bool = False
 
 
 def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
