@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import prompts_of
+from engine_helpers import HostReadRecorder, prompts_of
 from test_speculative import MODEL, assert_states_close, cache_state, crossing_plan, make
 
 from hybridkv.engine import SamplingParams
@@ -263,8 +263,10 @@ def test_sampled_acceptance_on_fixed_shapes_matches_the_eager_rule():
         G.k = k
         graphs = SpeculativeGraphs.__new__(SpeculativeGraphs)
         graphs.draft_probs = q[None]
-        tokens = torch.tensor([[0] + drafts])
-        kept, following = graphs._accept(G, logits[:, None], tokens, torch.tensor([0]))
+        tokens, slots = torch.tensor([[0] + drafts]), torch.tensor([0])
+        with HostReadRecorder() as reads:        # capturable: nothing read back by the host
+            kept, following = graphs._accept(G, logits[:, None], tokens, slots)
+        assert not reads.flagged, dict(reads.flagged)
         assert int(kept) == len(out) and following[0, :len(out)].tolist() == out, trial
 
 
@@ -284,7 +286,10 @@ def test_sampled_drafts_on_fixed_shapes_follow_the_mtp_distribution():
         uniforms = torch.rand(rows, 3)
     graphs = SpeculativeGraphs.__new__(SpeculativeGraphs)
     graphs.draft_probs = torch.zeros(rows, 1, vocab)
-    drafts = graphs._pick(G, logits, torch.arange(rows), 0)
+    slots = torch.arange(rows)
+    with HostReadRecorder() as reads:            # capturable: nothing read back by the host
+        drafts = graphs._pick(G, logits, slots, 0)
+    assert not reads.flagged, dict(reads.flagged)
     q = graphs.draft_probs[20, 0]
     assert torch.allclose(q, filtered_probs(logits[0], SamplingParams(temperature=0.8, top_k=4, top_p=0.95)))
     assert (drafts[:10] == 3).all()

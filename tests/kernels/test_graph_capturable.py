@@ -5,54 +5,17 @@ the paged ops run their Triton kernels (in the interpreter), against the engine'
 which does synchronise (the MoE's per-expert token counts). A host tensor moved to the device (a
 cached CPU constant) is invisible here, where both are the CPU: tests/gpu captures for real."""
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine_helpers import HostReadRecorder as _Recorder
 from helpers import interpreter_only, next_decode_step
 from hybridkv.ops.indexer_topk import triton as indexer_kernels
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
 V41_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v41-tiny"
-aten = torch.ops.aten
-# a value read back by the host, a shape that depends on values, a tensor made from host data
-HOST_BOUND = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
-              aten.bincount, aten.lift_fresh, aten.lift_fresh_copy, aten.equal, aten.is_nonzero}
-
-
-class _Recorder(TorchDispatchMode):
-    """Counts the host-bound operations dispatched inside it, and `Tensor.tolist` (a host read that
-    dispatches no operator on the CPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.flagged = Counter()
-        self._tolist = torch.Tensor.tolist
-
-    def __enter__(self):
-        recorder, tolist = self, self._tolist
-
-        def counted_tolist(t, *args, **kwargs):
-            recorder.flagged["tolist"] += 1
-            return tolist(t, *args, **kwargs)
-        torch.Tensor.tolist = counted_tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = func.overloadpacket
-        if op in HOST_BOUND:
-            self.flagged[str(op)] += 1
-        elif op in (aten.index, aten.index_put, aten.index_put_) and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-            self.flagged["boolean mask indexing"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @interpreter_only
