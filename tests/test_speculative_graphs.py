@@ -176,9 +176,9 @@ def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order
 
 def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
     """tiny-v4 (its trained MTP block drafts tokens the model may sample) continuing filler text:
-    unseeded sampled requests (top-k 2, four tokens, k = 1) verify through the fixed-shape step, with
-    drafts from the eager drafter (after prefill) and from the step's own MTP pass (after a
-    rejection); the joint frequency of the four tokens over 372 requests matches the main model's
+    unseeded sampled requests (top-k 2, four tokens, k = 1) verify through the fixed-shape step and the
+    eager path taking turns, with drafts from the eager drafter and from the step's own MTP pass; the
+    joint frequency of the four tokens over 372 requests matches the main model's
     probabilities computed without speculation (chi-square), drafts are accepted and rejected; greedy
     requests in the same steps give plain decoding's tokens."""
     from hybridkv.tasks.generators import Pools
@@ -199,13 +199,31 @@ def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
     llm = make(MODEL, speculative="mtp", num_speculative_tokens=1, kv_format="native", max_num_seqs=64,
                num_blocks=256, max_num_batched_tokens=16384)
     _paged(llm, True)
+    eligible, calls = llm.engine._spec_graph_eligible, [0]
+
+    def every_other(chunks):      # graph and eager steps take turns: drafts pass between them both ways
+        calls[0] += 1
+        return calls[0] % 2 == 1 and eligible(chunks)
+    llm.engine._spec_graph_eligible = every_other
+    graphs, step, checked = llm.engine.spec_graphs, llm.engine.spec_graphs.step, [0]
+
+    def checked_step(tokens, caches, positions, mtp_starts, params=None):
+        # each sampled request's draft distribution is where the graph's acceptance reads it
+        by_cache = {id(r.cache): r for r in llm.engine.requests.values()}
+        for c in caches:
+            seq = by_cache[id(c)]
+            if seq.params.temperature > 0:
+                assert torch.equal(graphs.draft_probs[c.slot, :1], torch.stack(seq.draft.probs[:1]))
+                checked[0] += 1
+        return step(tokens, caches, positions, mtp_starts, params)
+    graphs.step = checked_step
     outs = []
     for _ in range(6):     # 64 requests a round: the largest graph batch
         got = llm.generate([other] * 2 + [prompt] * 62, [greedy] * 2 + [sp] * 62)
         assert all(o.output_ids == want for o in got[:2])
         outs += [tuple(o.output_ids) for o in got[2:]]
     st = llm.engine.stats
-    assert st.spec_graph_steps > 0 and llm.engine.spec_graphs.draft_probs is not None
+    assert st.spec_graph_steps > 0 and checked[0] > 0
     assert st.spec_accepted_hist[0] > 20 and st.spec_accepted_hist[1] > 20
     plain.engine.record_logits = True
 
