@@ -76,12 +76,12 @@ def _oracle(refs: dict, plan, vocab: int, rollbacks: list):
             return step(tokens, caches, positions, mtp_starts, params)
 
         def graph_results(g, n):      # before the host emits: `emitted` tokens are still to come
-            tokens, logprobs, accepted, drafts = results(g, n)
+            tokens, logprobs, accepted, drafts, tops = results(g, n)
             fixed = []
             for seq, (p, _), a, d in zip(order, starts_at, accepted, drafts):
                 rollbacks.append((p, a + 1, g.k + 1))
                 fixed.append(fix(seq, d, a + 1))
-            return tokens, logprobs, accepted, fixed
+            return tokens, logprobs, accepted, fixed, tops
         eng.spec_graphs.step = graph_step
         eng.spec_graphs.results = graph_results
     return install
@@ -274,7 +274,7 @@ def test_sampled_acceptance_on_fixed_shapes_matches_the_eager_rule():
             out.append(int(draw_with_uniforms(p[k][None], u[k:k + 1])))
 
         class G:
-            sampled, batch = True, 1
+            sampled, batch, top = True, 1, 0
             params = torch.tensor([[1.0, 0.0, 1.0]])
             uniforms = u[None]
             out: dict = {}
@@ -299,7 +299,7 @@ def test_sampled_drafts_on_fixed_shapes_follow_the_mtp_distribution():
     temp[:10] = 0                                                 # greedy rows
 
     class G:
-        sampled, batch, k = True, rows, 1
+        sampled, batch, k, top = True, rows, 1, 0
         params = torch.stack([temp, torch.full((rows,), 4.0), torch.full((rows,), 0.95)], 1)
         uniforms = torch.rand(rows, 3)
     graphs = SpeculativeGraphs.__new__(SpeculativeGraphs)
@@ -316,3 +316,33 @@ def test_sampled_drafts_on_fixed_shapes_follow_the_mtp_distribution():
     expect = q * (rows - 10)
     chi2 = float(((counts - expect) ** 2 / expect)[q > 0].sum())
     assert chi2 < 16.3, (counts, expect)       # P(chi2 > 16.3) = 0.001 at 3 degrees of freedom
+
+
+def test_logprobs_through_the_fixed_shape_step_equal_plain_decoding(fixtures):
+    """Greedy requests asking 3 and 5 top log-probabilities beside one asking none, k = 2 oracle drafts
+    through the fixed-shape step: the same tokens, logprobs and top lists (ids, values within float
+    rounding) as plain decoding, most steps fixed-shape."""
+    d, k = fixtures / "v4-tiny", 2
+    prompts = prompts_of([300, 420, 500], seed=9)
+    kw = dict(kv_format="native", max_num_batched_tokens=4096)
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, logprobs=n) for n in (3, 5, None)]
+    plain = _paged_llm(d, False, **kw)
+    want = plain.generate(prompts, params)
+    refs = {f"r{i}": o.output_ids for i, o in enumerate(want)}
+    llm = _paged_llm(d, True, speculative="mtp", num_speculative_tokens=k, **kw)
+    _oracle(refs, lambda rid, start, k: random.Random(start).randint(0, k), llm.config.vocab_size, [])(llm.engine)
+    eng = llm.engine
+    seqs = [eng.add_request(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats.spec_graph_steps >= 3
+    for seq, ref in zip(seqs, want):
+        assert seq.output_ids == ref.output_ids
+        assert torch.allclose(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+        if ref.top_logprobs:
+            for got_top, ref_top in zip(seq.top_logprobs, ref.top_logprobs):
+                assert [i for i, _ in got_top] == [i for i, _ in ref_top]
+                assert torch.allclose(torch.tensor([v for _, v in got_top]), torch.tensor([v for _, v in ref_top]),
+                                      atol=1e-4)
+        else:
+            assert not any(seq.top_logprobs)

@@ -445,15 +445,15 @@ class EngineCore:
     def _spec_graph_eligible(self, chunks: list[Chunk]) -> bool:
         """Whether this step can replay `SpeculativeGraphs`: every request verifies k drafts, greedy or
         sampled without a seed (a seeded request draws from its own generator on the eager path, so that
-        its tokens do not depend on the requests beside it), no logprobs, past its prefix hit's frozen
-        blocks, and no kept snapshot boundary falls inside the verified positions n+1..n+k (the state
-        there is not kept)."""
+        its tokens do not depend on the requests beside it), past its prefix hit's frozen blocks, and
+        no kept snapshot boundary falls inside the verified positions n+1..n+k (the state there is not
+        kept)."""
         k, bt = self.ec.num_speculative_tokens, self.store.block_tokens
         snapshots = self.policy.snapshots and self.prefix.enabled
         for c in chunks:
             s = c.seq
             if (not c.draft or len(c.draft) != k or c.length != k + 1 or s.generator is not None
-                    or s.params.logprobs or c.start < s.cache.frozen_until or s.mtp_start is None):
+                    or c.start < s.cache.frozen_until or s.mtp_start is None):
                 return False
             if snapshots and (c.start + k) // bt > c.start // bt:
                 return False
@@ -464,22 +464,24 @@ class EngineCore:
         rollback and the next drafts in one replay; then the host emits the kept tokens."""
         k = self.ec.num_speculative_tokens
         graphs = self.spec_graphs
-        sampled = any(c.seq.params.temperature > 0 for c in chunks)
+        by_params = any(c.seq.params.temperature > 0 or c.seq.params.logprobs for c in chunks)
         for c in chunks:      # drafts the eager drafter drew: their distributions where the graph reads them
             if c.seq.params.temperature > 0 and not c.seq.draft.on_device:
                 graphs.put_draft_probs(c.seq.cache.slot, c.seq.draft.probs[:k])
         g = graphs.step([[c.seq.token_ids[c.start], *c.draft] for c in chunks], [c.seq.cache for c in chunks],
                         [c.start for c in chunks], [c.seq.mtp_start for c in chunks],
-                        [c.seq.params for c in chunks] if sampled else None)
-        tokens, logprobs, accepted_counts, drafts = graphs.results(g, len(chunks))
+                        [c.seq.params for c in chunks] if by_params else None)
+        tokens, logprobs, accepted_counts, drafts, tops = graphs.results(g, len(chunks))
         snapshots = self.policy.snapshots and self.prefix.enabled
         events: list[Event] = []
         for b, c in enumerate(chunks):
             seq = c.seq
             accepted = accepted_counts[b]
             reason = None
+            asked = seq.params.logprobs
             for i, t in enumerate(tokens[b][:accepted + 1]):
-                event, reason = self._add_token(seq, g.out["logits"][i, b], Sampled(t, logprobs[b][i], None))
+                top = tops[b][i][:asked] if asked else None
+                event, reason = self._add_token(seq, g.out["logits"][i, b], Sampled(t, logprobs[b][i], top))
                 events.append(event)
                 if reason:
                     break

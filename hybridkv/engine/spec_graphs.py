@@ -42,7 +42,7 @@ the slot `DecodeGraphs` would reserve: no compressed block completes there.
 
 Taken where every request of the step verifies k drafts, greedy or sampled without a seed (a seeded
 request draws from its own generator on the eager path, so that its tokens do not depend on the
-requests beside it), no logprobs asked, past its prefix
+requests beside it), past its prefix
 hit's frozen blocks with a complete window, and no block boundary whose window-state snapshot the
 prefix cache keeps falls inside the verified positions (the state there is not kept; a boundary at
 the last kept position is snapshotted after the step). Other steps run eagerly. With capture=False
@@ -62,6 +62,11 @@ from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, p
                                     windows_complete)
 from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
 from hybridkv.model.state import DecodeGroup, ForwardBatch
+
+
+# the most top log-probabilities a request may ask (`SamplingParams.validate`): a graph in which some
+# request asks keeps this many for every row, and each request reads its own number
+TOP_LOGPROBS = 20
 
 
 class _VerifyWaveKV(PagedDecodeKV):
@@ -116,6 +121,7 @@ class SpecGraph:
     cap: int
     inputs: torch.Tensor
     sampled: bool = False
+    top: int = 0                             # top log-probabilities kept per row (some request asks)
     params: torch.Tensor | None = None       # sampled: [Bp, 3] float32 temperature, top-k, top-p
     uniforms: torch.Tensor | None = None     # sampled: [Bp, 2k + 1], drawn anew before each replay
     graph: torch.cuda.CUDAGraph | None = None
@@ -146,16 +152,17 @@ class SpeculativeGraphs:
              mtp_starts: list[int], params: list | None = None) -> SpecGraph:
         """The speculative step of requests seqs[b] feeding tokens[b] (its last token and k drafts) at
         positions[b].., their MTP windows valid from mtp_starts[b], sampling under params[b]
-        (`SamplingParams`; None: all greedy; a sampled request's draft distributions must be in
-        `draft_probs`); read its results with `results`."""
+        (`SamplingParams`; None: all greedy, no logprobs; a sampled request's draft distributions must
+        be in `draft_probs`); read its results with `results`."""
         k = len(tokens[0]) - 1
         cap = context_bucket(max(positions) + k, self.store.block_tokens)
         sampled = params is not None and any(p.temperature > 0 for p in params)
-        key = (padded_batch(len(seqs)), k, cap, sampled)
+        top = TOP_LOGPROBS if params is not None and any(p.logprobs for p in params) else 0
+        key = (padded_batch(len(seqs)), k, cap, sampled, top)
         host = self._host_inputs(tokens, seqs, positions, mtp_starts, key[0], cap)
         g = self.graphs.get(key)
         if g is None:
-            g = self._build(host, k, cap, self._host_params(params, key[0]) if sampled else None)
+            g = self._build(host, k, cap, self._host_params(params, key[0]) if sampled else None, top)
             self.graphs[key] = g
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
@@ -174,15 +181,25 @@ class SpeculativeGraphs:
         return g
 
     @staticmethod
-    def results(g: SpecGraph, n: int) -> tuple[list[list[int]], list[list[float]], list[int], list[list[int]]]:
+    def results(g: SpecGraph, n: int) -> tuple[list[list[int]], list[list[float]], list[int], list[list[int]],
+                                                list[list[list[tuple[int, float]]]] | None]:
         """For each of the first n requests (one read): the k+1 tokens that follow its verified
         positions (the accepted drafts, then the main model's own token; entries past it unused),
-        their log-probabilities, how many drafts it accepted, and its k drafts for the next step."""
-        k1 = g.k + 1
-        both = torch.cat([g.out["tokens"][:n].double(), g.out["logprobs"][:n].double(),
-                          g.out["kept"][:n, None].double() - 1, g.out["drafts"][:n].double()], 1).cpu()
-        return (both[:, :k1].long().tolist(), both[:, k1:2 * k1].tolist(), both[:, 2 * k1].long().tolist(),
-                both[:, 2 * k1 + 1:].long().tolist())
+        their log-probabilities, how many drafts it accepted, its k drafts for the next step, and
+        where the graph keeps them each row's top log-probabilities as (id, logprob), best first."""
+        k1, parts = g.k + 1, [g.out["tokens"][:n], g.out["logprobs"][:n], g.out["kept"][:n, None] - 1,
+                              g.out["drafts"][:n]]
+        if g.top:
+            parts += [g.out["top_ids"][:n].flatten(1), g.out["top_logprobs"][:n].flatten(1)]
+        both = torch.cat([x.double() for x in parts], 1).cpu()
+        out = (both[:, :k1].long().tolist(), both[:, k1:2 * k1].tolist(), both[:, 2 * k1].long().tolist(),
+               both[:, 2 * k1 + 1:3 * k1].long().tolist())
+        if not g.top:
+            return (*out, None)
+        width = k1 * g.top
+        ids = both[:, 3 * k1:3 * k1 + width].long().view(n, k1, g.top).tolist()
+        values = both[:, 3 * k1 + width:].view(n, k1, g.top).tolist()
+        return (*out, [[list(zip(i_row, v_row)) for i_row, v_row in zip(i, v)] for i, v in zip(ids, values)])
 
     def put_draft_probs(self, slot: int, probs: list[torch.Tensor]) -> None:
         """A sampled request's draft distributions from the eager drafter, where the next graph reads them."""
@@ -218,9 +235,10 @@ class SpeculativeGraphs:
             out[b] = (p.temperature, p.top_k, p.top_p)
         return torch.from_numpy(out)
 
-    def _build(self, host: torch.Tensor, k: int, cap: int, params: torch.Tensor | None = None) -> SpecGraph:
+    def _build(self, host: torch.Tensor, k: int, cap: int, params: torch.Tensor | None = None,
+               top: int = 0) -> SpecGraph:
         dev = self.store.device
-        g = SpecGraph(k, host.shape[0], cap, host.to(dev))
+        g = SpecGraph(k, host.shape[0], cap, host.to(dev), top=min(top, self.model.config.vocab_size))
         if params is not None:
             g.sampled, g.params = True, params.to(dev)
             g.uniforms = torch.rand(g.batch, 2 * k + 1, device=dev)
@@ -284,6 +302,8 @@ class SpeculativeGraphs:
         g.out["kept"], g.out["tokens"] = kept, following
         logprobs = torch.log_softmax(logits, -1).transpose(0, 1)                   # [Bp, k+1, vocab]
         g.out["logprobs"] = logprobs.gather(-1, following.unsqueeze(-1)).squeeze(-1)
+        if g.top:
+            g.out["top_logprobs"], g.out["top_ids"] = torch.topk(logprobs, g.top, -1)
         return kept, following
 
     def _verify(self, g: SpecGraph, tokens, positions, slots, tables) -> torch.Tensor:
