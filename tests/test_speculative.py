@@ -307,7 +307,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     for _ in range(n):
         d1 = int(torch.multinomial(q[0], 1, generator=g))
         d2 = int(torch.multinomial(q[1], 1, generator=g))
-        out = spec.accept(logits, spec.Draft([d1, d2], q), params, g)
+        out = spec.accept(logits, spec.Draft([d1, d2], q), params, torch.rand(3, generator=g))
         first[out[0]] += 1
         if len(out) > 1:
             second[out[1]] += 1

@@ -69,11 +69,11 @@ def _oracle(refs: dict, plan, vocab: int, rollbacks: list):
         step, results = eng.spec_graphs.step, eng.spec_graphs.results
         order, starts_at = [], []
 
-        def graph_step(tokens, caches, positions, mtp_starts, params=None):
+        def graph_step(tokens, caches, positions, mtp_starts, *sampling):
             by_cache = {id(s.cache): s for s in eng.requests.values()}
             order[:] = [by_cache[id(c)] for c in caches]
             starts_at[:] = zip(positions, tokens)
-            return step(tokens, caches, positions, mtp_starts, params)
+            return step(tokens, caches, positions, mtp_starts, *sampling)
 
         def graph_results(g, n):      # before the host emits: `emitted` tokens are still to come
             tokens, logprobs, accepted, drafts, tops = results(g, n)
@@ -207,7 +207,7 @@ def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
     llm.engine._spec_graph_eligible = every_other
     graphs, step, checked = llm.engine.spec_graphs, llm.engine.spec_graphs.step, [0]
 
-    def checked_step(tokens, caches, positions, mtp_starts, params=None):
+    def checked_step(tokens, caches, positions, mtp_starts, *sampling):
         # each sampled request's draft distribution is where the graph's acceptance reads it
         by_cache = {id(r.cache): r for r in llm.engine.requests.values()}
         for c in caches:
@@ -215,7 +215,7 @@ def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
             if seq.params.temperature > 0:
                 assert torch.equal(graphs.draft_probs[c.slot, :1], torch.stack(seq.draft.probs[:1]))
                 checked[0] += 1
-        return step(tokens, caches, positions, mtp_starts, params)
+        return step(tokens, caches, positions, mtp_starts, *sampling)
     graphs.step = checked_step
     outs = []
     for _ in range(6):     # 64 requests a round: the largest graph batch
@@ -346,3 +346,31 @@ def test_logprobs_through_the_fixed_shape_step_equal_plain_decoding(fixtures):
                                       atol=1e-4)
         else:
             assert not any(seq.top_logprobs)
+
+
+def test_a_seeded_request_draws_the_same_tokens_through_the_graph_and_eagerly():
+    """tiny-v4 continuing filler text, seeded sampled requests (temperature 0.8, top-p 0.95, k = 2):
+    each alone on the eager path, and all together beside unseeded and greedy requests with the
+    fixed-shape step taking most steps, give the same tokens (their uniforms come from their own
+    generators in the same calls on both paths)."""
+    from hybridkv.tasks.generators import Pools
+    from hybridkv.tasks.tokenizer import TaskTokenizer
+
+    tok = TaskTokenizer.load(f"{MODEL}/tokenizer.json")
+    pools = Pools(tok, seed=0, n_sentences=256, n_needles=64)
+    rng = np.random.default_rng(4)
+    prompts = [[tok.bos_id, *pools.sentences.fill(rng, n)[0].astype(int).tolist()] for n in (150, 170, 200, 230)]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=s) for s in range(4)]
+    kw = dict(speculative="mtp", num_speculative_tokens=2, kv_format="native", max_num_batched_tokens=16384)
+    alone = []
+    for p, sp in zip(prompts, seeded):
+        eager = make(MODEL, **kw)
+        _paged(eager, False)
+        alone.append(eager.generate([p], sp)[0].output_ids)
+    llm = make(MODEL, **kw)
+    _paged(llm, True)
+    others = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=16)]
+    together = llm.generate(prompts + prompts[:2], seeded + others)
+    assert [o.output_ids for o in together[:4]] == alone
+    st = llm.engine.stats
+    assert st.spec_graph_steps >= 3 and st.spec_accepted_hist[0] > 0 and sum(st.spec_accepted_hist[1:]) > 0

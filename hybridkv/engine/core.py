@@ -30,7 +30,7 @@ from hybridkv.engine.scheduler import Chunk, Scheduler
 from hybridkv.engine.sequence import Sequence, Status
 from hybridkv.engine.spec_graphs import SpeculativeGraphs
 from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
-                                         check_supported, verify_waves)
+                                         check_supported, step_uniforms, verify_waves)
 from hybridkv.engine.tokenizer import Tokenizer, require
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.memory import PolicyContext, parse_policy
@@ -151,7 +151,7 @@ class EngineCore:
         self.schedule_check = None
         self.graphs = DecodeGraphs(model, self.store) if graphs and not self.speculative else None
         self.drafter = (MTPDrafter(model, MTPCache(self.config, self.store.max_slots, model.dtype, self.device),
-                                   self.device) if self.speculative else None)
+                                   self.device, self.ec.num_speculative_tokens) if self.speculative else None)
         self.spec_graphs = (SpeculativeGraphs(model, self.store, self.drafter.cache, self.store.new_seq().slot)
                             if graphs and self.speculative else None)
         if self.speculative:
@@ -405,10 +405,14 @@ class EngineCore:
             if seq.status is not Status.RUNNING:
                 continue
             reason = None
+            uniforms = None
             if c.draft:
                 rows = logits[seq.request_id]
                 probs = seq.draft.probs[:len(c.draft)] if seq.draft.probs is not None else None
-                tokens = accept(rows, Draft(c.draft, probs), seq.params, seq.generator)
+                if seq.params.temperature > 0:      # the acceptance's, then the next drafts'
+                    uniforms = step_uniforms(len(c.draft) + 1 + self.ec.num_speculative_tokens, seq.generator,
+                                             self.device)
+                tokens = accept(rows, Draft(c.draft, probs), seq.params, uniforms)
                 for i, t in enumerate(tokens):
                     event, reason = self._add_token(seq, rows[i], scored(rows[i], t, seq.params))
                     events.append(event)
@@ -435,7 +439,8 @@ class EngineCore:
             first = max(c.start, known[seq.request_id] - self.config.sliding_window)
             if first < seq.num_computed:
                 h = hidden[seq.request_id][first - c.start:seq.num_computed - c.start]
-                work.append(MTPWork(seq, first, h, self._draft_len(seq)))
+                drafts_u = uniforms[len(c.draft) + 1:] if uniforms is not None else None
+                work.append(MTPWork(seq, first, h, self._draft_len(seq), drafts_u))
         for rid, draft in self.drafter.run(work).items():
             self.requests[rid].draft = draft
         self.stats.steps += 1
@@ -443,16 +448,14 @@ class EngineCore:
         return events
 
     def _spec_graph_eligible(self, chunks: list[Chunk]) -> bool:
-        """Whether this step can replay `SpeculativeGraphs`: every request verifies k drafts, greedy or
-        sampled without a seed (a seeded request draws from its own generator on the eager path, so that
-        its tokens do not depend on the requests beside it), past its prefix hit's frozen blocks, and
-        no kept snapshot boundary falls inside the verified positions n+1..n+k (the state there is not
-        kept)."""
+        """Whether this step can replay `SpeculativeGraphs`: every request verifies k drafts past its
+        prefix hit's frozen blocks, and no kept snapshot boundary falls inside the verified positions
+        n+1..n+k (the state there is not kept)."""
         k, bt = self.ec.num_speculative_tokens, self.store.block_tokens
         snapshots = self.policy.snapshots and self.prefix.enabled
         for c in chunks:
             s = c.seq
-            if (not c.draft or len(c.draft) != k or c.length != k + 1 or s.generator is not None
+            if (not c.draft or len(c.draft) != k or c.length != k + 1
                     or c.start < s.cache.frozen_until or s.mtp_start is None):
                 return False
             if snapshots and (c.start + k) // bt > c.start // bt:
@@ -470,7 +473,8 @@ class EngineCore:
                 graphs.put_draft_probs(c.seq.cache.slot, c.seq.draft.probs[:k])
         g = graphs.step([[c.seq.token_ids[c.start], *c.draft] for c in chunks], [c.seq.cache for c in chunks],
                         [c.start for c in chunks], [c.seq.mtp_start for c in chunks],
-                        [c.seq.params for c in chunks] if by_params else None)
+                        [c.seq.params for c in chunks] if by_params else None,
+                        [c.seq.generator if c.seq.params.temperature > 0 else None for c in chunks])
         tokens, logprobs, accepted_counts, drafts, tops = graphs.results(g, len(chunks))
         snapshots = self.policy.snapshots and self.prefix.enabled
         events: list[Event] = []

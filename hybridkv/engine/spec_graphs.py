@@ -40,9 +40,9 @@ never read.
 Padding rows (the batch is padded to a power of two) decode token 0 at position 0 in every wave, in
 the slot `DecodeGraphs` would reserve: no compressed block completes there.
 
-Taken where every request of the step verifies k drafts, greedy or sampled without a seed (a seeded
-request draws from its own generator on the eager path, so that its tokens do not depend on the
-requests beside it), past its prefix
+Taken where every request of the step verifies k drafts (greedy or sampled; a seeded request's
+uniforms come from its own generator in the same call as on the eager path, so its tokens do not
+depend on which path its steps take), past its prefix
 hit's frozen blocks with a complete window, and no block boundary whose window-state snapshot the
 prefix cache keeps falls inside the verified positions (the state there is not kept; a boundary at
 the last kept position is snapshotted after the step). Other steps run eagerly. With capture=False
@@ -61,6 +61,7 @@ from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, window_l
 from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, padded_batch, warm_up_and_capture,
                                     windows_complete)
 from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
+from hybridkv.engine.speculative import step_uniforms
 from hybridkv.model.state import DecodeGroup, ForwardBatch
 
 
@@ -149,11 +150,13 @@ class SpeculativeGraphs:
         return windows_complete(self.store, self.max_batch, seqs, positions)
 
     def step(self, tokens: list[list[int]], seqs: list[SeqCache], positions: list[int],
-             mtp_starts: list[int], params: list | None = None) -> SpecGraph:
+             mtp_starts: list[int], params: list | None = None,
+             generators: list[torch.Generator | None] | None = None) -> SpecGraph:
         """The speculative step of requests seqs[b] feeding tokens[b] (its last token and k drafts) at
         positions[b].., their MTP windows valid from mtp_starts[b], sampling under params[b]
         (`SamplingParams`; None: all greedy, no logprobs; a sampled request's draft distributions must
-        be in `draft_probs`); read its results with `results`."""
+        be in `draft_probs`), a seeded one drawing its uniforms from generators[b] as the eager path
+        would (`speculative.step_uniforms`); read its results with `results`."""
         k = len(tokens[0]) - 1
         cap = context_bucket(max(positions) + k, self.store.block_tokens)
         sampled = params is not None and any(p.temperature > 0 for p in params)
@@ -173,6 +176,9 @@ class SpeculativeGraphs:
                 _copy_in(g.params, self._host_params(params, key[0]))
         if sampled:
             g.uniforms.uniform_()       # outside the graph: the device's default generator, anew each step
+            for b, gen in enumerate(generators or ()):
+                if gen is not None:     # a seeded request: its own 2k + 1, as on the eager path
+                    g.uniforms[b] = step_uniforms(2 * k + 1, gen, g.uniforms.device)
         if g.graph is None:
             self._forward(g)
         else:

@@ -55,9 +55,10 @@ top two logits tie within that (BENCHMARKS.md has the case measured); the rollba
 to the bit.
 
 Not combined with: V4.1 (no MTP), offloading memory policies. On CUDA, a step in which every
-request verifies k drafts, greedy or sampled without a seed, replays one CUDA graph instead
-(engine/spec_graphs.py: the same waves, the acceptance on the device, a rollback from state copies);
-other speculative steps, and every step on the CPU, run as described here.
+request verifies k drafts replays one CUDA graph instead (engine/spec_graphs.py: the same waves, the
+acceptance on the device, a rollback from state copies); other speculative steps, and every step on
+the CPU, run as described here. A sampled request's step draws its uniforms in one call
+(`step_uniforms`) on either path, so a seeded request's tokens do not depend on the path.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, PagedLayerKV, PagedSeqKV, SeqCache
-from hybridkv.engine.sampling import SamplingParams, filtered_probs
+from hybridkv.engine.sampling import SamplingParams, draw_with_uniforms, filtered_probs
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import ForwardBatch
 
@@ -273,10 +274,21 @@ class Draft:
     on_device: bool = False
 
 
-def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
+def step_uniforms(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """The uniforms a sampled request's speculative step draws, in one call on its generator (or the
+    device's default one): len(draft) + 1 for the acceptance (`accept`), then k for the next drafts
+    (`MTPDrafter`). The speculative graph (engine/spec_graphs.py) draws the same 2k + 1 for a seeded
+    request, so that its tokens are the same whichever path its steps take."""
+    return torch.rand(n, generator=generator, device=device if generator is None else generator.device)
+
+
+def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, uniforms: torch.Tensor | None) -> list[int]:
     """The tokens a verify step emits, from the main model's logits [len(draft) + 1, vocab]: the
     accepted drafts, then the main model's own token (greedy: its argmax; sampled: rejection
-    sampling, a token from the residual max(p − q, 0) at the first rejection, else from p)."""
+    sampling, a token from the residual max(p − q, 0) at the first rejection, else from p). A sampled
+    request's `uniforms` [≥ len(draft) + 1]: uniforms[i] tests draft i (accepted when u·q(d) < p(d),
+    with probability min(1, p/q)), uniforms[len(draft)] draws the token by inverting the cumulative
+    weights, as the speculative graph does."""
     if params.temperature == 0:
         targets = logits.argmax(-1).tolist()        # the first maximum of each row, as `sample` takes
         out = []
@@ -285,37 +297,44 @@ def accept(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator
                 return out + [t]
             out.append(d)
         return out + [targets[len(draft.tokens)]]
+    n = len(draft.tokens)
+    uniforms = uniforms.to(logits.device)
+    last = uniforms[n:n + 1]
     out = []
     for i, d in enumerate(draft.tokens):
         p = filtered_probs(logits[i], params)
-        q = draft.probs[i]
-        u = float(torch.rand((), generator=generator, device=None if generator is None else generator.device))
-        if u * float(q[d]) < float(p[d]):      # accept with probability min(1, p/q)
+        q = draft.probs[i].to(p.device)
+        if bool(uniforms[i] * q[d] < p[d]):         # float32, as the graph compares
             out.append(d)
             continue
         residual = (p - q).clamp(min=0)
         if float(residual.sum()) <= 0:
             residual = p
-        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-    p = filtered_probs(logits[len(draft.tokens)], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator))]
+        return out + [int(draw_with_uniforms(residual[None], last))]
+    return out + [int(draw_with_uniforms(filtered_probs(logits[n], params)[None], last))]
 
 
 # ----- drafting -----
 @dataclass
 class MTPWork:
     """One request's positions for the MTP pass after a step: streams h [n, hc, dim] of positions
-    [start, start + n), and whether to draft from the last one (with up to `k` tokens)."""
+    [start, start + n), and whether to draft from the last one (with up to `k` tokens); a sampled
+    request's uniforms for its drafts, drawn with its verify step's (`step_uniforms`; None: the
+    drafter draws them)."""
 
     seq: object
     start: int
     h: torch.Tensor
     k: int
+    uniforms: torch.Tensor | None = None
 
 
 class MTPDrafter:
-    def __init__(self, model, cache: MTPCache, device):
+    def __init__(self, model, cache: MTPCache, device, num_speculative_tokens: int):
+        """num_speculative_tokens: the engine's k; a sampled request draws k uniforms for its drafts
+        whatever its draft length, as the speculative graph does."""
         self.model, self.cache, self.device = model, cache, device
+        self.k = num_speculative_tokens
 
     @torch.inference_mode()
     def run(self, work: list[MTPWork]) -> dict[str, Draft]:
@@ -344,9 +363,12 @@ class MTPDrafter:
         drafts = {}
         greedy = logits.argmax(-1).tolist()
         for row, i in enumerate(drafting):
-            seq = work[i].seq
+            w = work[i]
+            seq = w.seq
+            if seq.params.temperature > 0 and w.uniforms is None:
+                w.uniforms = step_uniforms(self.k, seq.generator, self.device)
             drafts[seq.request_id] = Draft([], [] if seq.params.temperature > 0 else None)
-            self._take(drafts[seq.request_id], logits[row], seq, greedy[row])
+            self._take(drafts[seq.request_id], logits[row], w, greedy[row])
         chain = [work[i] for i in drafting]
         k_max = max(w.k for w in chain)
         if k_max > 1:
@@ -374,19 +396,21 @@ class MTPDrafter:
             logits = self.model.mtp_logits(out)
             greedy = logits.argmax(-1).tolist()
             for row, r in enumerate(live):
-                seq = chain[r].seq
-                self._take(drafts[seq.request_id], logits[row], seq, greedy[row])
+                self._take(drafts[chain[r].seq.request_id], logits[row], chain[r], greedy[row])
             streams = streams.clone()
             streams[idx] = out
         for slot, first, rows in saved:
             self.cache.put_rows(slot, first, rows)
 
     @staticmethod
-    def _take(draft: Draft, logits: torch.Tensor, seq, argmax: int) -> None:
-        p = seq.params
+    def _take(draft: Draft, logits: torch.Tensor, work: MTPWork, argmax: int) -> None:
+        """The request's next draft token: the argmax, or for a sampled request a draw from the
+        filtered MTP distribution at its next uniform (kept for the acceptance)."""
+        p = work.seq.params
         if p.temperature == 0:
             draft.tokens.append(argmax)
             return
         q = filtered_probs(logits, p)
-        draft.tokens.append(int(torch.multinomial(q, 1, generator=seq.generator)))
+        u = work.uniforms[len(draft.tokens):len(draft.tokens) + 1].to(q.device)
+        draft.tokens.append(int(draw_with_uniforms(q[None], u)))
         draft.probs.append(q)
