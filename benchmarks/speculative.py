@@ -3,6 +3,7 @@
     python benchmarks/speculative.py [--model models/tiny-v4] [--ks 1,2,3] [--batches 1,8]
                                      [--context 1024] [--cpu-time] [--mtp-stats 8] [--json OUT]
                                      [--verify auto|waves|segments|both] [--replay-ms]
+                                     [--temperature T --top-p P]
 
 Workloads, greedy: "needle" = pass-key and single-needle prompts (`hybridkv.tasks`), decoding their
 answers (the model stops at its EOS); "free text" = a haystack of filler sentences without a
@@ -24,6 +25,9 @@ same token (what greedy acceptance needs), on answer tokens and on the rest.
 `--replay-ms` (CUDA) adds the device time of one step replayed from each setting's CUDA graph at each
 batch size: plain decoding's step against the whole speculative step.
 
+`--temperature T [--top-p P]` samples (unseeded) instead: the speculative rows accept by rejection
+sampling (on CUDA inside the speculative step's graph), outputs are not compared.
+
 `--cpu-time` times with this process's CPU time (set OMP_NUM_THREADS=1 so that it equals the work),
 which other jobs on a shared machine do not inflate.
 """
@@ -36,6 +40,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -203,6 +208,10 @@ def main() -> int:
     ap.add_argument("--verify", choices=("auto", "waves", "segments", "both"), default="auto",
                     help="how verify rows run (the engine's speculative_verify): auto (the default), as decode rows "
                          "wave by wave, as one segment per request, or waves and segments side by side")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample (unseeded) at this temperature instead of decoding greedily: acceptance by "
+                         "rejection sampling; outputs are then not compared")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus")
     ap.add_argument("--deterministic", action="store_true",
                     help="batch-invariant execution (hybridkv.ops.backend.deterministic): on a GPU in bf16, the "
                          "setting under which a verify forward of k+1 tokens rounds as k+1 one-token steps do")
@@ -236,24 +245,28 @@ def main() -> int:
           f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'graphed':>9} {'same':>5} "
           f"{'logit gap max/median':>21}")
     sets = workloads(tok, a.context, max(batches), a.free_tokens)
+    sampled = a.temperature > 0
+    if sampled:
+        sets = {name: (prompts, replace(params, temperature=a.temperature, top_p=a.top_p))
+                for name, (prompts, params) in sets.items()}
     for batch in batches:
         for name, (prompts, params) in sets.items():
             measured = measure([engines[k, mode] for k, mode in runs], prompts[:max(batch, a.prompts)], params,
                                batch, a.repeats)
             base = measured[0]                  # k = 0
             for (k, mode), r in zip(runs, measured):
-                same = r["outputs"] == base["outputs"]
+                same = None if sampled else r["outputs"] == base["outputs"]
                 speedup = r["tokens_per_s"] / base["tokens_per_s"]
                 al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
                 ar = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
-                gap = logit_gap(r, base)
+                gap = None if sampled else logit_gap(r, base)
                 gaps = "-" if gap is None else f"{gap[0]:.1e}/{gap[1]:.1e}"
                 print(f"{name:<10} {batch:>5} {k:>2} {mode:>8} {r['tokens_per_s']:>12.1f} {speedup:>7.2f}x {al:>10} "
                       f"{ar:>11} {r['decode_tokens']:>6} {r['graphed_steps']:>4}/{r['steps']:<4} "
-                      f"{'yes' if same else 'NO':>5} {gaps:>21}", flush=True)
-                if not r["repeats_agree"]:
+                      f"{'-' if same is None else 'yes' if same else 'NO':>5} {gaps:>21}", flush=True)
+                if not r["repeats_agree"] and not sampled:
                     print("    repeats of a group gave different outputs", flush=True)
-                if not same:
+                if same is False:
                     print(f"    outputs differ: {first_difference(r, base)}", flush=True)
                 results.append({"workload": name, "batch": batch, "k": k, "verify": mode, "speedup": speedup,
                                 "same_outputs": same, "logit_gap_max_median": gap,
@@ -266,6 +279,7 @@ def main() -> int:
                 for name, v in ms.items() if v is not None) or "no CUDA graph replayed"), flush=True)
             results.append({"batch": batch, "replay_ms": ms})
     out = {"model": a.model, "context": a.context, "date": str(date.today()), "deterministic": a.deterministic,
+           "temperature": a.temperature, "top_p": a.top_p,
            "threads": torch.get_num_threads(),
            "clock": "cpu" if a.cpu_time else "wall", "machine": platform.platform(), "rows": results,
            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
