@@ -244,7 +244,7 @@ def main() -> int:
     print(f"{'workload':<10} {'batch':>5} {'k':>2} {'verify':>8} {'decode tok/s':>12} {'speedup':>8} "
           f"{'accept len':>10} {'accept rate':>11} {'tokens':>6} {'graphed':>9} {'same':>5} "
           f"{'logit gap max/median':>21}")
-    sets = workloads(tok, a.context, max(batches), a.free_tokens)
+    sets = workloads(tok, a.context, max(*batches, a.prompts), a.free_tokens)
     sampled = a.temperature > 0
     if sampled:
         sets = {name: (prompts, replace(params, temperature=a.temperature, top_p=a.top_p))
