@@ -44,7 +44,8 @@ def test_greedy_speculative_equals_plain_decoding_in_deterministic_mode():
 
 def test_seeded_sampled_speculation_runs_on_the_gpu_and_repeats():
     """Rejection sampling with a seeded request draws from a generator on the GPU (a CPU generator
-    is refused by torch's CUDA sampling): it runs, and the same seed repeats its tokens."""
+    is refused by torch's CUDA sampling): it runs, its steps replay the speculative graph, and the
+    same seed repeats its tokens."""
     tok = TaskTokenizer.load(MODEL / "tokenizer.json")
     pools = Pools(tok, seed=0, n_sentences=256, n_needles=64)
     prompts = [make_sample("passkey", i, pools, 400).prompt for i in range(2)]
@@ -54,7 +55,7 @@ def test_seeded_sampled_speculation_runs_on_the_gpu_and_repeats():
         llm = LLM(str(MODEL), speculative="mtp", num_speculative_tokens=2, device="cuda", dtype=torch.bfloat16,
                   num_blocks=64, max_num_seqs=2)
         outs.append(_outputs(llm, prompts, params))
-        assert llm.engine.stats.spec_drafts > 0
+        assert llm.engine.stats.spec_drafts > 0 and llm.engine.spec_graphs.replays > 0
     assert outs[0] == outs[1] and all(len(o) == 16 for o in outs[0])
 
 
