@@ -178,7 +178,7 @@ def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
     """tiny-v4 (its trained MTP block drafts tokens the model may sample) continuing filler text:
     unseeded sampled requests (top-k 2, four tokens, k = 1) verify through the fixed-shape step and the
     eager path taking turns, with drafts from the eager drafter and from the step's own MTP pass; the
-    joint frequency of the four tokens over 372 requests matches the main model's
+    joint frequency of the four tokens over 248 requests matches the main model's
     probabilities computed without speculation (chi-square), drafts are accepted and rejected; greedy
     requests in the same steps give plain decoding's tokens."""
     from hybridkv.tasks.generators import Pools
@@ -218,13 +218,13 @@ def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
         return step(tokens, caches, positions, mtp_starts, *sampling)
     graphs.step = checked_step
     outs = []
-    for _ in range(6):     # 64 requests a round: the largest graph batch
+    for _ in range(4):     # 64 requests a round: the largest graph batch
         got = llm.generate([other] * 2 + [prompt] * 62, [greedy] * 2 + [sp] * 62)
         assert all(o.output_ids == want for o in got[:2])
         outs += [tuple(o.output_ids) for o in got[2:]]
     st = llm.engine.stats
     assert st.spec_graph_steps > 0 and checked[0] > 0
-    assert st.spec_accepted_hist[0] > 20 and st.spec_accepted_hist[1] > 20
+    assert st.spec_accepted_hist[0] > 8 and st.spec_accepted_hist[1] > 100
     plain.engine.record_logits = True
 
     def next_probs(prefix):
