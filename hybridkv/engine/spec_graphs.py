@@ -33,20 +33,20 @@ requests, each verifying k drafts, is one replay and one read of the host:
 
 The host then reads each request's tokens, log-probabilities, accepted count and next drafts at once,
 emits the kept tokens and does the bookkeeping (blocks of rejected positions back to the pool, the
-prefix cache registering blocks up to the kept positions). Where it emits fewer tokens than the device kept (an
-EOS, a stop string, max_tokens), the request ends with them, so what the device kept past them is
-never read.
+prefix cache registering blocks up to the kept positions). Where it emits fewer tokens than the
+device kept (an EOS, a stop string, max_tokens), the request ends with them, so what the device kept
+past them is never read.
 
 Padding rows (the batch is padded to a power of two) decode token 0 at position 0 in every wave, in
 the slot `DecodeGraphs` would reserve: no compressed block completes there.
 
 Taken where every request of the step verifies k drafts (greedy or sampled; a seeded request's
 uniforms come from its own generator in the same call as on the eager path, so its tokens do not
-depend on which path its steps take), past its prefix
-hit's frozen blocks with a complete window, and no block boundary whose window-state snapshot the
-prefix cache keeps falls inside the verified positions (the state there is not kept; a boundary at
-the last kept position is snapshotted after the step). Other steps run eagerly. With capture=False
-the same fixed-shape forward runs eagerly: what the CPU tests check against plain decoding.
+depend on which path its steps take), past its prefix hit's frozen blocks with a complete window,
+and no block boundary whose window-state snapshot the prefix cache keeps falls inside the verified
+positions (the state there is not kept; a boundary at the last kept position is snapshotted after
+the step). Other steps run eagerly. With capture=False the same fixed-shape forward runs eagerly:
+what the CPU tests check against plain decoding.
 """
 
 from __future__ import annotations
@@ -213,6 +213,7 @@ class SpeculativeGraphs:
         buf[slot, :len(probs)] = torch.stack(probs).to(buf.device)
 
     def _draft_buffer(self, k: int) -> torch.Tensor:
+        # k is the engine's: the buffer, once graphs read it in place, is never made anew
         if self.draft_probs is None or self.draft_probs.shape[1] < k:
             self.draft_probs = torch.zeros(self.mtp.ring.shape[0], k, self.model.config.vocab_size,
                                            dtype=torch.float32, device=self.store.device)
