@@ -160,7 +160,7 @@ class Transformer(nn.Module):
         """The head weight's float32 transpose [dim, vocab], kept while the weight is unchanged, for
         inference on the CPU (else None): MKL reads a [vocab, dim] weight for one or two rows at a
         third of the speed it reads [dim, vocab] (tiny-v4's 4 MiB head from DRAM: 0.51 against 0.19 ms
-        a row on a 2-core AMD EPYC), a tenth of a CPU decode step. Rows round as another GEMM does."""
+        a row on a 2-core AMD EPYC). Rows round as another GEMM does."""
         w = self.head.weight
         if x.is_cuda or w.is_cuda or torch.is_grad_enabled() or not w.is_floating_point():
             return None
