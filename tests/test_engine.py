@@ -106,16 +106,62 @@ def test_prefix_hit_equals_cold_run(tiny_dir, policy):
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("caching, policy, segments", [
-    (True, "full", [(0, 128), (128, 128)]),          # a state snapshot at every block boundary
-    (True, "zero", [(0, 256)]),                      # no snapshots: the chunk whole
-    (False, "full", [(0, 256)]),                     # prefix caching off: nothing is captured
+@pytest.mark.parametrize("model, caching, policy, segments", [
+    ("v41-tiny", True, "full", [(0, 128), (128, 128)]),   # V4.1: cut at every snapshot (CED plans from the cuts)
+    ("v41-tiny", True, "zero", [(0, 256)]),               # no snapshots: the chunk whole
+    ("v41-tiny", False, "full", [(0, 256)]),              # prefix caching off: nothing is captured
+    ("v4-tiny", True, "full", [(0, 256)]),                # V4: whole; its layers keep the boundary states
 ])
-def test_chunks_are_cut_only_where_snapshots_are_taken(fixtures, caching, policy, segments):
-    llm = make(fixtures / "v4-tiny", enable_prefix_caching=caching, window_policy=policy)
+def test_chunks_are_cut_only_where_v41_takes_snapshots(fixtures, model, caching, policy, segments):
+    llm = make(fixtures / model, enable_prefix_caching=caching, window_policy=policy)
     llm.engine.add_request(prompts_of([600])[0], SamplingParams(max_tokens=1))
     (chunk,) = llm.engine.scheduler.schedule()
     assert chunk.segments == segments
+
+
+def _cut_at_blocks(scheduler, start, n):
+    """The scheduler's chunks as they were cut before V4 chunks ran whole: at every block boundary."""
+    bt = scheduler.store.block_tokens
+    bounds = [start, *range((start // bt + 1) * bt, start + n, bt), start + n]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["reference", "paged"])
+@pytest.mark.parametrize("budget", [200, 1024])
+@pytest.mark.parametrize("policy", ["full", "checkpoint(256)"])
+def test_whole_chunk_snapshots_equal_those_of_chunks_cut_at_blocks(fixtures, monkeypatch, paged, budget, policy):
+    """A V4 chunk runs whole and its layers rebuild the window ring and compressor states at the
+    block boundaries inside it from its rows: every snapshot equals, to the bit, what the layers held
+    when the chunk was cut there, on the reference path and on the paged path (fp8 entries, fp4
+    keys; its plain-torch definitions on the CPU), for chunks that start inside a block (budget 200:
+    pending compressor rows and a partly written ring from the chunk before) and chunks that hold
+    several boundaries; and the logits are the same."""
+    from hybridkv.engine.scheduler import Scheduler
+
+    def run(cut: bool):
+        if cut:
+            monkeypatch.setattr(Scheduler, "_segments", _cut_at_blocks)
+        kw = dict(kv_format="fp8") if paged else {}
+        llm = make(fixtures / ("v4-tiny-fp8" if paged else "v4-tiny"), window_policy=policy,
+                   max_num_batched_tokens=budget, **kw)
+        if paged:
+            llm.engine.store.kernel_formats = ("fp8", "fp4")
+        chunks = record_chunks(llm.engine)
+        seq = run_and_logits(llm, prompts_of([700], seed=4)[0], max_tokens=3)
+        monkeypatch.undo()
+        return seq, dict(llm.engine.prefix.snapshots._items), chunks
+
+    whole, snaps, chunks = run(False)
+    cut, cut_snaps, _ = run(True)
+    assert len(chunks[whole.request_id]) == (4 if budget == 200 else 1) + 2    # prefill chunks, then decodes
+    assert len(snaps) == (5 if policy == "full" else 3)      # full: 128..640; checkpoint: 256, 512, the last
+    assert list(snaps) == list(cut_snaps)
+    for key, (snap, size) in snaps.items():
+        assert size == cut_snaps[key][1]
+        for got, want in zip(snap, cut_snaps[key][0]):
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert whole.output_ids == cut.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(whole.step_logits, cut.step_logits))
 
 
 def test_checkpoint_keeps_fewer_snapshots(tiny_dir):

@@ -479,8 +479,9 @@ class PagedKVStore:
         return len(self._free_slots)
 
     def view(self, seq: SeqCache, on_layer_done=None) -> "PagedSeqKV":
-        """The model-facing view of one request; `on_layer_done(layer_id, end_pos)` is called when a
-        layer has processed the request up to end_pos."""
+        """The model-facing view of one request; `on_layer_done(layer_id, end_pos[, state])` is called
+        when a layer has processed the request up to end_pos (with the layer's state there for the
+        points of `PagedSeqKV.snapshot_at` inside a segment)."""
         return PagedSeqKV(self, seq, on_layer_done)
 
     # ----- window/compressor state snapshots (for prefix hits at block boundaries) -----
@@ -558,10 +559,69 @@ class _PagedCompressorState(CompressorState):
 
 
 class PagedLayerKV:
+    """One layer of one request's view. `on_done(layer_id, end_pos[, state])` is told when the layer
+    has processed the request up to end_pos; for the positions in `snapshot_points` that fall inside
+    a segment (block boundaries a chunk runs through whole) it also gets the window ring and
+    compressor states as they stand there, in `PagedKVStore.capture_state`'s form, rebuilt from the
+    segment's rows before they overwrite the ring and advance the states: what the layer would hold
+    had the chunk been cut at that point."""
+
     def __init__(self, store: PagedKVStore, seq: SeqCache, layer_id: int, on_done=None):
         self.store, self.seq, self.layer_id, self.on_done = store, seq, layer_id, on_done
         self.ratio = store.config.layer_ratio(layer_id)
         self.window = store.config.sliding_window
+        self.snapshot_points: tuple[int, ...] = ()
+        self._inner: dict[int, dict] = {}     # point -> {"window": ring, kind: (kv, score)}
+
+    def _points_in(self, start_pos: int, n: int) -> list[int]:
+        if self.on_done is None:
+            return []
+        return [b for b in self.snapshot_points if start_pos < b < start_pos + n]
+
+    def _keep_inner_rings(self, start_pos: int, stored: torch.Tensor, points: list[int]) -> None:
+        """The ring at each point: slot s holds the last position p < point with p % window == s,
+        from these rows where p is one of them, else what the ring holds now."""
+        ring = self.store.ring[self.layer_id][self.seq.slot]
+        dev = ring.device
+        at = torch.tensor(points, device=dev).unsqueeze(1)
+        last = at - 1 - (at - 1 - torch.arange(self.window, device=dev)) % self.window      # [m, window]
+        rings = torch.where((last >= start_pos).unsqueeze(-1), stored[(last - start_pos).clamp(min=0)], ring)
+        for b, r in zip(points, rings.unbind(0)):
+            self._inner.setdefault(b, {})["window"] = r.clone()
+
+    def note_compressor_rows(self, kind: str, start_pos: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Before a compressor takes the rows of positions [start_pos, start_pos + len(kv)): keep its
+        state at each snapshot point among them (what `Compressor.update` leaves after the rows before
+        the point: the pending rows of the point's block and, overlapping, the last completed block)."""
+        points = self._points_in(start_pos, kv.shape[0])
+        if not points:
+            return
+        st = self.compressor_state(kind)
+        r = self.ratio
+        cur = r if st.overlap else 0
+        q0 = start_pos // r * r
+        # the rows of positions [q0 - cur, end): the state's overlap and pending rows, then these
+        stream_kv = torch.cat([st.kv[:cur + start_pos - q0], kv.float()])
+        stream_score = torch.cat([st.score[:cur + start_pos - q0], score.float()])
+        base = q0 - cur
+        for b in points:
+            q = b // r * r
+            s_kv, s_score = torch.zeros_like(st.kv), torch.full_like(st.score, float("-inf"))
+            if cur:
+                s_kv[:r], s_score[:r] = stream_kv[q - r - base:q - base], stream_score[q - r - base:q - base]
+            s_kv[cur:cur + b - q] = stream_kv[q - base:b - base]
+            s_score[cur:cur + b - q] = stream_score[q - base:b - base]
+            self._inner.setdefault(b, {})[kind] = (s_kv, s_score)
+
+    def _inner_state(self, point: int) -> list[torch.Tensor]:
+        parts = self._inner.pop(point)
+        out = [parts["window"]]
+        for kind in self.store.states[self.layer_id]:
+            if kind not in parts:
+                raise RuntimeError(f"layer {self.layer_id}'s {kind!r} compressor ran through the snapshot point "
+                                   f"{point} without noting its rows")
+            out += list(parts[kind])
+        return out
 
     def window_rows(self, start_pos: int) -> torch.Tensor:
         first = max(self.seq.window_start, start_pos - self.window, 0)
@@ -572,6 +632,11 @@ class PagedLayerKV:
         """The last `window` of these rows (positions from start_pos on) into the ring; `stored`: the
         rows are already in stored form."""
         n = rows.shape[0]
+        points = self._points_in(start_pos, n)
+        if points:
+            rows = rows if stored else self.store.codec["window"].encode(rows)
+            stored = True
+            self._keep_inner_rings(start_pos, rows, points)
         keep = min(n, self.window)
         pos = torch.arange(start_pos + n - keep, start_pos + n, device=self.store.device)
         tail = rows[n - keep:]
@@ -630,9 +695,13 @@ class PagedLayerKV:
         return codec.decode(rows)
 
     def done(self, end_pos: int) -> None:
-        """The layer has processed this request up to end_pos (a snapshot point, maybe)."""
-        if self.on_done is not None:
-            self.on_done(self.layer_id, end_pos)
+        """The layer has processed this request up to end_pos (a snapshot point, maybe): the snapshot
+        points it ran through first, in order, each with its state."""
+        if self.on_done is None:
+            return
+        for b in sorted(p for p in self._inner if p < end_pos):
+            self.on_done(self.layer_id, b, self._inner_state(b))
+        self.on_done(self.layer_id, end_pos)
 
 
 class PagedSeqKV:
@@ -665,6 +734,13 @@ class PagedSeqKV:
 
     def layer(self, layer_id: int) -> PagedLayerKV:
         return self._layers[layer_id]
+
+    def snapshot_at(self, points) -> None:
+        """Positions inside this forward's segments at which `on_layer_done` wants each layer's state
+        (block boundaries that a chunk runs through whole)."""
+        points = tuple(points)
+        for layer in self._layers:
+            layer.snapshot_points = points
 
 
 @dataclass

@@ -586,9 +586,12 @@ class EngineCore:
                 logit_rows.extend(range(row - c.length, row))
                 owners.append((seq.request_id, c.length))
                 continue
-            unread = self._unread_boundaries(c) if ced else set()
+            unread = self._unread_boundaries(c) if snapshots else set()
             hook = self._snapshot_hook(seq, unread) if snapshots else None
             view = checkpoints[id(c)].view(hook) if c.draft else self.store.view(seq.cache, hook)
+            if hook is not None:       # V4 runs a chunk whole: its layers keep the states at its boundaries
+                view.snapshot_at(b for b in self._inner_boundaries(c)
+                                 if b > seq.cache.frozen_until and b not in unread)
             if self.memory.needs_attention_mass and c.wants_logits and seq.first_token_time is None:
                 # the chunk that ends the prompt: record which entries its final queries attend to
                 view.capture = seq.capture = AttentionCapture(self.ec.oracle_query_tokens, c.start + c.length)
@@ -681,25 +684,29 @@ class EngineCore:
         self.stats.graph_steps += 1
         return {c.seq.request_id: logits[i] for i, c in enumerate(decodes)}
 
+    def _inner_boundaries(self, c: Chunk) -> list[int]:
+        """The block boundaries strictly inside the chunk (V4.1's scheduler cuts its chunks there)."""
+        bt = self.store.block_tokens
+        return list(range((c.start // bt + 1) * bt, c.start + c.length, bt))
+
     def _unread_boundaries(self, c: Chunk) -> set[int]:
-        """The chunk's inner segment ends whose state no later step reads: no snapshot is kept there
-        (`full` keeps one at every block; `checkpoint(N)` at multiples of N and at the request's last
-        boundary; `zero` none, and then the chunk is one segment). CED skips the decoder there."""
-        ends = {start + n for start, n in c.segments[:-1]}
+        """The chunk's inner block boundaries whose state no later step reads: no snapshot is kept
+        there (`full` keeps one at every block; `checkpoint(N)` at multiples of N and at the request's
+        last boundary; `zero` none). CED skips the decoder there."""
         if self.policy.kind == "full":
             return set()
         last = c.seq.num_tokens // self.store.block_tokens * self.store.block_tokens
-        return {e for e in ends if e != last and not self.policy.publishes(e)}
+        return {e for e in self._inner_boundaries(c) if e != last and not self.policy.publishes(e)}
 
     def _snapshot_hook(self, seq: Sequence, unread: set[int] = frozenset()):
         bt = self.store.block_tokens
         n_layers = self.store.num_layers
 
-        def on_layer_done(layer_id: int, end_pos: int) -> None:
+        def on_layer_done(layer_id: int, end_pos: int, state: list[torch.Tensor] | None = None) -> None:
             if end_pos % bt or end_pos <= seq.cache.frozen_until or end_pos in unread:
                 return
             per_layer = seq.pending_snapshots.setdefault(end_pos, {})
-            per_layer[layer_id] = self.prefix.capture(seq.cache.slot, layer_id)
+            per_layer[layer_id] = state if state is not None else self.prefix.capture(seq.cache.slot, layer_id)
             if len(per_layer) == n_layers:
                 seq.pending_snapshots.pop(end_pos)
                 seq.new_snapshots.append((end_pos, [per_layer[i] for i in range(n_layers)]))

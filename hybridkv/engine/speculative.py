@@ -13,11 +13,11 @@ mHC, norms) runs once over the flat batch, and each layer's attention runs them 
 one after another, wave j holding the j-th row of every verifying request. Each row thus goes
 through exactly the attention a plain decode step runs (window ring, compressor update, indexer
 top-k over the entries that exist at its position), and the verify rows of several requests share
-one batched pass per wave. Otherwise a request's rows run as one segment of k+1 tokens (cut at block
-boundaries like any chunk). `EngineConfig.speculative_verify` chooses: waves, segments, or auto
-(waves on CUDA; on the CPU waves where two or more requests verify in the step, since one request's
-rows cost less there as one segment: BENCHMARKS.md). Segments also where batched decode is off or a
-prefix hit's frozen blocks reach the first verify position.
+one batched pass per wave. Otherwise a request's rows run as one segment of k+1 tokens (whole, like
+any V4 chunk: a block boundary inside it is snapshotted from its rows). `EngineConfig.speculative_verify`
+chooses: waves, segments, or auto (waves on CUDA; on the CPU waves where two or more requests verify
+in the step, since one request's rows cost less there as one segment: BENCHMARKS.md). Segments also
+where batched decode is off or a prefix hit's frozen blocks reach the first verify position.
 
 Drafting (`MTPDrafter`): the MTP block at position t reads the main model's last stream h_t and the
 embedding of token t+1 and predicts token t+2. After each step it runs over the positions the step

@@ -574,9 +574,12 @@ class Attention(nn.Module):
             parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
         frozen = layer_kv.seq.frozen_until // self.ratio if kargs is not None else 0
         record = getattr(layer_kv, "record_compressor_rows", None)   # a store that may roll tokens back
+        note = getattr(layer_kv, "note_compressor_rows", None)       # a store that snapshots inside segments
         for kind, compressor, kv_rows, score_rows in parts:
             if record is not None:
                 record(kind, start_pos, kv_rows, score_rows)
+            if note is not None:
+                note(kind, start_pos, kv_rows, score_rows)
             write = self._paged_writer(kargs, kind, compressor, frozen)
             first, new = compressor.update(layer_kv.compressor_state(kind), kv_rows, score_rows, start_pos,
                                            self.inv_freq, write)
@@ -623,6 +626,9 @@ class Attention(nn.Module):
         """A V4.1 Full layer: feed one segment's compressor rows, store the entries they complete
         (global KV and indexer keys)."""
         state = None if self.compressor.stateless else layer_kv.compressor_state("kv")
+        note = getattr(layer_kv, "note_compressor_rows", None)
+        if state is not None and note is not None:
+            note("kv", start_pos, comp_kv, comp_score)
         first, latent = self.compressor.update(state, comp_kv, comp_score, start_pos, self.inv_freq)
         if latent.shape[0]:
             starts = torch.arange(first, first + latent.shape[0], device=latent.device) * self.ratio
