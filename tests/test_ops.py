@@ -233,3 +233,14 @@ def test_v41_selection_in_row_slices_equals_the_whole(monkeypatch, layer):
     assert (whole[1] is None) == (not ind.is_candidate_source)
     if whole[1] is not None:
         assert torch.equal(whole[1], sliced[1])
+
+
+def test_indexer_topk_in_row_slices_equals_all_rows_at_once():
+    """The reference top-k scores a long chunk's rows in slices ([rows, heads, entries] products kept
+    small); each row's selection is the one all rows at once give (here 4 heads × 4096 entries: 64
+    rows a slice, 200 rows, causal visibility)."""
+    from hybridkv.ops.indexer_topk import indexer_topk
+    g = torch.Generator().manual_seed(0)
+    q, w, keys = torch.randn(200, 4, 16, generator=g), torch.rand(200, 4, generator=g), torch.randn(4096, 16, generator=g)
+    visible = torch.arange(200) * 20 + 1
+    assert torch.equal(indexer_topk(q, w, keys, visible, 64), causal_topk(index_scores(q, w, keys), visible, 64))

@@ -19,7 +19,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     if use_triton(q):
         from hybridkv.ops.indexer_topk import triton as kernels
         return kernels.indexer_topk(q, weights, keys, visible, topk).long()
-    return reference.causal_topk(reference.index_scores(q, weights, keys), visible, topk)
+    return reference.topk_in_row_slices(q, weights, keys, visible, topk)
 
 
 def paged_scores(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, ratio: int = 4, fmt: str = "bf16",

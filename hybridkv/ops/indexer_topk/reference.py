@@ -25,6 +25,19 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     return (s * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
+def topk_in_row_slices(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                       topk: int) -> torch.Tensor:
+    """`causal_topk(index_scores(...))` over slices of the rows whose [rows, H, N] float32 products
+    stay small: every step is row-wise, and a prefill chunk of 8192 rows over 32K entries would
+    otherwise hold 4 GiB at once (on the CPU, slices that stay in cache are also the faster)."""
+    budget = 1 << 20 if q.device.type == "cpu" else 1 << 27
+    step = max(1, budget // max(1, q.shape[1] * keys.shape[0]))
+    if q.shape[0] <= step:
+        return causal_topk(index_scores(q, weights, keys), visible, topk)
+    return torch.cat([causal_topk(index_scores(q[a:a + step], weights[a:a + step], keys), visible[a:a + step], topk)
+                      for a in range(0, q.shape[0], step)])
+
+
 def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """scores [T, N] with entries j >= visible[t] set to −inf."""
     cols = torch.arange(scores.shape[-1], device=scores.device)

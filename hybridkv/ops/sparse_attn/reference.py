@@ -13,8 +13,11 @@ import torch
 from hybridkv.ops.kv_formats import unpack_main_fp8, unpack_v41_global, unpack_v41_window
 from hybridkv.ops.paged import entry_rows
 
-# Queries per gather tile: bounds the [tile, K, D] gathered copy of the KV rows.
-_TILE_ELEMS = 1 << 25
+# Queries per gather tile: bounds the [tile, K, D] gathered copy of the KV rows. On the CPU a tile
+# that stays in cache (4 MiB) is the faster one: a 16K-token prefill of tiny-v4 on one thread took
+# 19.1 s with 128 MiB tiles and 14.0 s with these; elsewhere fewer, larger tiles mean fewer launches.
+def _tile_elements(device: torch.device) -> int:
+    return 1 << 20 if device.type == "cpu" else 1 << 25
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -31,7 +34,7 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Te
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, H, D], kv [N, D], idx [T, K] (int, −1 = none), sink [H] -> o [T, H, D] (float32)."""
     t, k = idx.shape
-    tile = max(1, _TILE_ELEMS // max(1, k * kv.shape[-1]))
+    tile = max(1, _tile_elements(kv.device) // max(1, k * kv.shape[-1]))
     if t <= tile:
         return _attend(q, kv, idx, sink, scale)
     return torch.cat([_attend(q[i:i + tile], kv, idx[i:i + tile], sink, scale) for i in range(0, t, tile)])
