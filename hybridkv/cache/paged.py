@@ -600,18 +600,21 @@ class PagedLayerKV:
         r = self.ratio
         cur = r if st.overlap else 0
         q0 = start_pos // r * r
-        # the rows of positions [q0 - cur, end): the state's overlap and pending rows, then these
+        # the rows of positions [q0 - cur, end): the state's overlap and pending rows, then these;
+        # state row i at point b holds position q - cur + i (q: b's block start) while i < cur + b - q
         stream_kv = torch.cat([st.kv[:cur + start_pos - q0], kv.float()])
         stream_score = torch.cat([st.score[:cur + start_pos - q0], score.float()])
-        base = q0 - cur
-        for b in points:
-            q = b // r * r
-            s_kv, s_score = torch.zeros_like(st.kv), torch.full_like(st.score, float("-inf"))
-            if cur:
-                s_kv[:r], s_score[:r] = stream_kv[q - r - base:q - base], stream_score[q - r - base:q - base]
-            s_kv[cur:cur + b - q] = stream_kv[q - base:b - base]
-            s_score[cur:cur + b - q] = stream_score[q - base:b - base]
-            self._inner.setdefault(b, {})[kind] = (s_kv, s_score)
+        dev = stream_kv.device
+        at = torch.tensor(points, device=dev).unsqueeze(1)
+        q = torch.div(at, r, rounding_mode="floor") * r
+        i = torch.arange(cur + r, device=dev)
+        row = q - q0 + i                                       # [m, cur + r] rows of the stream
+        held = (i < cur + at - q).unsqueeze(-1)
+        row = row.clamp(max=stream_kv.shape[0] - 1)
+        s_kv = torch.where(held, stream_kv[row], 0.0)
+        s_score = torch.where(held, stream_score[row], float("-inf"))
+        for b, a, c in zip(points, s_kv.unbind(0), s_score.unbind(0)):
+            self._inner.setdefault(b, {})[kind] = (a.clone(), c.clone())
 
     def _inner_state(self, point: int) -> list[torch.Tensor]:
         parts = self._inner.pop(point)
