@@ -374,3 +374,32 @@ def test_a_seeded_request_draws_the_same_tokens_through_the_graph_and_eagerly():
     assert [o.output_ids for o in together[:4]] == alone
     st = llm.engine.stats
     assert st.spec_graph_steps >= 3 and st.spec_accepted_hist[0] > 0 and sum(st.spec_accepted_hist[1:]) > 0
+
+
+def test_memory_report_counts_the_mtp_window_and_the_draft_distributions():
+    """/metrics' device tier shows what speculation holds by request slot: the MTP layer's window
+    ring from the start, and the draft distributions once a sampled request verified in the
+    fixed-shape step (slots × k × vocab float32); a plain engine shows neither."""
+    from hybridkv.server.memory import memory_snapshot
+
+    prompt = prompts_of([200], seed=8)[0]
+    plain = make(MODEL, kv_format="native")
+    assert not {"MTP window", "draft distributions"} & set(memory_snapshot(plain.engine)["tiers"]["device"])
+    llm = make(MODEL, speculative="mtp", num_speculative_tokens=2, kv_format="native")
+    _paged(llm, True)
+    eng = llm.engine
+    cfg, slots = eng.config, eng.store.max_slots
+    ring = cfg.sliding_window * cfg.head_dim * 4
+    device = memory_snapshot(eng)["tiers"]["device"]
+    assert device["MTP window"] == {"active": 1 * ring, "cached": 0, "capacity": slots * ring}  # the graphs' pad slot
+    assert "draft distributions" not in device
+    seq = eng.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
+    while eng.stats.spec_graph_steps == 0:
+        eng.step()
+    device = memory_snapshot(eng)["tiers"]["device"]
+    per_slot = 2 * cfg.vocab_size * 4
+    assert device["MTP window"]["active"] == 2 * ring
+    assert device["draft distributions"] == {"active": 2 * per_slot, "cached": 0, "capacity": slots * per_slot}
+    while eng.has_unfinished():
+        eng.step()
+    assert len(seq.output_ids) == 12

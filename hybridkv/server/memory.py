@@ -7,6 +7,10 @@ Bytes are reported per tier and per kind, in three states:
 - `capacity`: what the tier has allocated for the kind (window-state snapshots are allocated on
   demand, up to the engine's `snapshot_bytes` budget, reported as `snapshot_budget`).
 
+With MTP speculation the device tier also holds the MTP layer's window ring ("MTP window") and, once
+a sampled request has verified in a speculative graph, the draft distributions its acceptance reads
+("draft distributions"), both by request slot.
+
 The device tier is read from the engine's paged store. The prefix-cache tiers below it (host
 DRAM, disk, Redis) are reported as `engine.tier_usage()` gives them, under `lower_tiers`: per tier,
 bytes and entries held, capacity, hits, misses, evictions, expirations (None where unknown).
@@ -38,6 +42,24 @@ def device_tier(engine: EngineCore) -> dict[str, dict[str, int]]:
             out[kind] = {"active": used_slots * per_slot[kind], "cached": 0, "capacity": capacity[kind]}
     snaps = engine.prefix.snapshots
     out[SNAPSHOT_KIND] = {"active": 0, "cached": snaps.nbytes, "capacity": snaps.nbytes}   # allocated on demand
+    out.update(speculative_state(engine, used_slots))
+    return out
+
+
+def speculative_state(engine: EngineCore, used_slots: int) -> dict[str, dict[str, int]]:
+    """Device memory of MTP speculation by slot: the MTP layer's window ring, and the draft
+    distributions that sampled requests' acceptance reads in the speculative graph (allocated when
+    the first sampled graph is built: slots × k × vocab float32)."""
+    out = {}
+    drafter = getattr(engine, "drafter", None)
+    if drafter is None:
+        return out
+    tensors = {"MTP window": drafter.cache.ring}
+    graphs = getattr(engine, "spec_graphs", None)
+    if graphs is not None and graphs.draft_probs is not None:
+        tensors["draft distributions"] = graphs.draft_probs
+    for kind, t in tensors.items():
+        out[kind] = {"active": used_slots * t[0].nbytes, "cached": 0, "capacity": t.nbytes}
     return out
 
 
