@@ -244,3 +244,30 @@ def test_indexer_topk_in_row_slices_equals_all_rows_at_once():
     q, w, keys = torch.randn(200, 4, 16, generator=g), torch.rand(200, 4, generator=g), torch.randn(4096, 16, generator=g)
     visible = torch.arange(200) * 20 + 1
     assert torch.equal(indexer_topk(q, w, keys, visible, 64), causal_topk(index_scores(q, w, keys), visible, 64))
+
+
+def test_paged_indexer_topk_in_row_slices_equals_each_request_at_once():
+    """The paged reference top-k scores a request's rows in slices too: two requests (a 300-row
+    prefill segment at position 3800 whose rows take two slices, and one decode row) over 4096-entry
+    block tables in shuffled blocks, one block host-only, give what scoring each request's rows at
+    once over its visible keys gives."""
+    from hybridkv.ops.indexer_topk.reference import indexer_topk_paged
+    from hybridkv.ops.paged import PagedBatch
+    g = torch.Generator().manual_seed(1)
+    ratio, bt, per = 4, 128, 32
+    tables = [torch.randperm(160, generator=g)[:128].tolist(), torch.randperm(160, generator=g)[:40].tolist()]
+    batch = PagedBatch.build([(0, 3800, 300, tables[0]), (1, 5000, 1, tables[1])], bt)
+    pool = torch.randn(160, per, 16, generator=g)
+    q, w = torch.randn(301, 4, 16, generator=g), torch.rand(301, 4, generator=g)
+    resident = torch.zeros(2, 128, dtype=torch.int32)
+    resident[0, 5] = -1
+    got = indexer_topk_paged(q, w, batch, pool, 64, ratio, resident=resident)
+    for r, rows in ((0, slice(0, 300)), (1, slice(300, 301))):
+        visible = (batch.positions[rows].long() + 1) // ratio
+        n = int(visible.max())
+        keys = pool[torch.tensor(tables[r])].reshape(-1, 16)[:n]
+        scores = index_scores(q[rows], w[rows], keys)
+        if r == 0:
+            scores[:, 5 * per:6 * per] = float("-inf")
+        want = causal_topk(scores, visible, 64)
+        assert torch.equal(got[rows, :want.shape[1]], want)

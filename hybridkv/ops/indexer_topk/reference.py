@@ -25,13 +25,18 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     return (s * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
+def _score_elements(q: torch.Tensor) -> int:
+    """Float32 [rows, heads, entries] products a selection holds at once: on the CPU what stays in
+    cache (4 MiB), elsewhere 512 MiB."""
+    return 1 << 20 if q.device.type == "cpu" else 1 << 27
+
+
 def topk_in_row_slices(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                        topk: int) -> torch.Tensor:
     """`causal_topk(index_scores(...))` over slices of the rows whose [rows, H, N] float32 products
     stay small: every step is row-wise, and a prefill chunk of 8192 rows over 32K entries would
     otherwise hold 4 GiB at once (on the CPU, slices that stay in cache are also the faster)."""
-    budget = 1 << 20 if q.device.type == "cpu" else 1 << 27
-    step = max(1, budget // max(1, q.shape[1] * keys.shape[0]))
+    step = max(1, _score_elements(q) // max(1, q.shape[1] * keys.shape[0]))
     if q.shape[0] <= step:
         return causal_topk(index_scores(q, weights, keys), visible, topk)
     return torch.cat([causal_topk(index_scores(q[a:a + step], weights[a:a + step], keys), visible[a:a + step], topk)
@@ -81,12 +86,16 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
         n = int(vis[toks].max())
         cols = torch.arange(n, device=q.device)
         rows = entry_rows(batch, torch.full_like(cols, r), cols, batch.block_tokens // ratio)
-        scores = index_scores(q[toks], weights[toks], keys_all[rows])
-        if resident is not None:
-            per = batch.block_tokens // ratio
-            scores = scores.masked_fill(resident[r].long()[cols // per] < 0, float("-inf"))
-        sel = causal_topk(scores, vis[toks], topk)
-        out[toks, : sel.shape[1]] = sel
+        keys = keys_all[rows]
+        host_only = None if resident is None else resident[r].long()[cols // (batch.block_tokens // ratio)] < 0
+        step = max(1, _score_elements(q) // max(1, q.shape[1] * n))
+        for a in range(0, toks.numel(), step):     # row slices, as `topk_in_row_slices`
+            t = toks[a:a + step]
+            scores = index_scores(q[t], weights[t], keys)
+            if host_only is not None:
+                scores = scores.masked_fill(host_only, float("-inf"))
+            sel = causal_topk(scores, vis[t], topk)
+            out[t, : sel.shape[1]] = sel
     return out
 
 
