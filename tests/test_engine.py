@@ -106,62 +106,97 @@ def test_prefix_hit_equals_cold_run(tiny_dir, policy):
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("model, caching, policy, segments", [
-    ("v41-tiny", True, "full", [(0, 128), (128, 128)]),   # V4.1: cut at every snapshot (CED plans from the cuts)
-    ("v41-tiny", True, "zero", [(0, 256)]),               # no snapshots: the chunk whole
-    ("v41-tiny", False, "full", [(0, 256)]),              # prefix caching off: nothing is captured
-    ("v4-tiny", True, "full", [(0, 256)]),                # V4: whole; its layers keep the boundary states
-])
-def test_chunks_are_cut_only_where_v41_takes_snapshots(fixtures, model, caching, policy, segments):
-    llm = make(fixtures / model, enable_prefix_caching=caching, window_policy=policy)
+@pytest.mark.parametrize("caching, policy", [(True, "full"), (True, "zero"), (False, "full")])
+def test_chunks_run_whole_whatever_snapshots_are_taken(tiny_dir, caching, policy):
+    llm = make(tiny_dir, enable_prefix_caching=caching, window_policy=policy)
     llm.engine.add_request(prompts_of([600])[0], SamplingParams(max_tokens=1))
     (chunk,) = llm.engine.scheduler.schedule()
-    assert chunk.segments == segments
+    assert chunk.segments == [(0, 256)]
 
 
 def _cut_at_blocks(scheduler, start, n):
-    """The scheduler's chunks as they were cut before V4 chunks ran whole: at every block boundary."""
+    """The scheduler's chunks as they were cut before chunks ran whole: at every block boundary."""
     bt = scheduler.store.block_tokens
     bounds = [start, *range((start // bt + 1) * bt, start + n, bt), start + n]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["reference", "paged"])
-@pytest.mark.parametrize("budget", [200, 1024])
-@pytest.mark.parametrize("policy", ["full", "checkpoint(256)"])
-def test_whole_chunk_snapshots_equal_those_of_chunks_cut_at_blocks(fixtures, monkeypatch, paged, budget, policy):
-    """A V4 chunk runs whole and its layers rebuild the window ring and compressor states at the
-    block boundaries inside it from its rows: every snapshot equals, to the bit, what the layers held
-    when the chunk was cut there, on the reference path and on the paged path (fp8 entries, fp4
-    keys; its plain-torch definitions on the CPU), for chunks that start inside a block (budget 200:
-    pending compressor rows and a partly written ring from the chunk before) and chunks that hold
-    several boundaries; and the logits are the same."""
+def _whole_and_cut(monkeypatch, model_dir, policy, budget, prompt_len, paged=False):
+    """The same prompt through an engine whose chunks run whole and one whose chunks are cut at
+    every block boundary: (request, snapshots by key, engine) of each, and the whole run's chunks."""
     from hybridkv.engine.scheduler import Scheduler
 
     def run(cut: bool):
         if cut:
             monkeypatch.setattr(Scheduler, "_segments", _cut_at_blocks)
         kw = dict(kv_format="fp8") if paged else {}
-        llm = make(fixtures / ("v4-tiny-fp8" if paged else "v4-tiny"), window_policy=policy,
-                   max_num_batched_tokens=budget, **kw)
+        llm = make(model_dir, window_policy=policy, max_num_batched_tokens=budget, num_blocks=64, **kw)
         if paged:
             llm.engine.store.kernel_formats = ("fp8", "fp4")
         chunks = record_chunks(llm.engine)
-        seq = run_and_logits(llm, prompts_of([700], seed=4)[0], max_tokens=3)
+        seq = run_and_logits(llm, prompts_of([prompt_len], seed=4)[0], max_tokens=3)
         monkeypatch.undo()
-        return seq, dict(llm.engine.prefix.snapshots._items), chunks
+        return seq, dict(llm.engine.prefix.snapshots._items), llm.engine, chunks
 
-    whole, snaps, chunks = run(False)
-    cut, cut_snaps, _ = run(True)
-    assert len(chunks[whole.request_id]) == (4 if budget == 200 else 1) + 2    # prefill chunks, then decodes
-    assert len(snaps) == (5 if policy == "full" else 3)      # full: 128..640; checkpoint: 256, 512, the last
-    assert list(snaps) == list(cut_snaps)
+    return run(False), run(True)[:3]
+
+
+def _assert_same_snapshots_and_logits(whole, cut) -> None:
+    (seq, snaps, _, _), (cut_seq, cut_snaps, _) = whole, cut
+    assert snaps and list(snaps) == list(cut_snaps)
     for key, (snap, size) in snaps.items():
         assert size == cut_snaps[key][1]
         for got, want in zip(snap, cut_snaps[key][0]):
             assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert whole.output_ids == cut.output_ids
-    assert all(torch.equal(a, b) for a, b in zip(whole.step_logits, cut.step_logits))
+    assert seq.output_ids == cut_seq.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(seq.step_logits, cut_seq.step_logits))
+
+
+@pytest.mark.parametrize("model", ["v4-tiny", "v4-tiny-fp8", "v41-tiny"], ids=["v4-reference", "v4-paged", "v41"])
+@pytest.mark.parametrize("budget", [200, 1024])
+@pytest.mark.parametrize("policy", ["full", "checkpoint(256)"])
+def test_whole_chunk_snapshots_equal_those_of_chunks_cut_at_blocks(fixtures, monkeypatch, model, budget, policy):
+    """A chunk runs whole and its layers rebuild the window ring and compressor states at the block
+    boundaries inside it from its rows: every snapshot equals, to the bit, what the layers held when
+    the chunk was cut there, on V4's reference path, on its paged path (fp8 entries, fp4 keys; the
+    plain-torch definitions on the CPU) and on V4.1, for chunks that start inside a block (budget
+    200: pending compressor rows and a partly written ring from the chunk before) and chunks that
+    hold several boundaries; and the logits are the same."""
+    whole, cut = _whole_and_cut(monkeypatch, fixtures / model, policy, budget, 700, paged=model == "v4-tiny-fp8")
+    chunks = whole[3][whole[0].request_id]
+    assert len(chunks) == (4 if budget == 200 else 1) + 2    # prefill chunks, then decodes
+    assert len(whole[1]) == (5 if policy == "full" else 3)   # full: 128..640; checkpoint: 256, 512, the last
+    _assert_same_snapshots_and_logits(whole, cut)
+
+
+def test_ced_skips_as_many_decoder_rows_as_with_chunks_cut_at_blocks(fixtures, monkeypatch):
+    """V4.1's CED prefill skips the decoder where no state is read. A 2,000-token chunk under
+    `checkpoint(1024)` holds snapshot points at 1024 (published) and 1920 (the request's last
+    boundary): the engine cuts it at 1024, where the cut lets the decoder skip the rows up to a
+    reach before 1920, and runs through 1920, within a reach of the chunk's end (the layers keep
+    the state there); the decoder skips [0, 1023 − reach) and [1024, 1919 − reach), as many rows as
+    when the chunk is cut at every block boundary, with the same snapshots and logits."""
+    from hybridkv.model.ced import reach
+    whole, cut = _whole_and_cut(monkeypatch, fixtures / "v41-tiny", "checkpoint(1024)", 4096, 2000)
+    r = reach(whole[2].config)
+    assert 1919 - r > 1024 and 1999 - r < 1920
+    assert whole[2].stats.ced_skipped_rows == cut[2].stats.ced_skipped_rows == (1023 - r) + (1919 - r - 1024)
+    assert len(whole[1]) == 2
+    _assert_same_snapshots_and_logits(whole, cut)
+
+
+def test_split_segments_and_the_cuts_that_let_ced_skip_rows(fixtures):
+    from hybridkv.engine.scheduler import split_segments
+    from hybridkv.model.ced import cuts_that_skip, reach
+    from hybridkv.presets import load_config
+    assert split_segments([(100, 300)], [128, 400, 256]) == [(100, 28), (128, 128), (256, 144)]
+    assert split_segments([(0, 128), (128, 128)], [128]) == [(0, 128), (128, 128)]
+    cfg = load_config(fixtures / "v41-tiny")
+    r = reach(cfg)
+    assert cuts_that_skip(cfg, [128, 256, 384], 512) == []                  # `full`: points a block apart
+    assert cuts_that_skip(cfg, [1024, 1920], 2000) == [1024]
+    assert cuts_that_skip(cfg, [1024], 1024 + r + 2) == [1024]
+    assert cuts_that_skip(cfg, [1024], 1024 + r + 1) == []
 
 
 def test_checkpoint_keeps_fewer_snapshots(tiny_dir):

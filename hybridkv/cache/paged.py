@@ -713,6 +713,7 @@ class PagedSeqKV:
     def __init__(self, store: PagedKVStore, seq: SeqCache, on_layer_done=None):
         self.store, self.seq = store, seq
         self.capture = None   # an AttentionCapture when the engine wants attention mass recorded
+        self.snapshot_points: tuple[int, ...] = ()
         self._layers = [PagedLayerKV(store, seq, i, on_layer_done) for i in range(store.num_layers)]
         self._kernel_args: dict[tuple[int, int], KernelArgs] = {}
 
@@ -741,9 +742,9 @@ class PagedSeqKV:
     def snapshot_at(self, points) -> None:
         """Positions inside this forward's segments at which `on_layer_done` wants each layer's state
         (block boundaries that a chunk runs through whole)."""
-        points = tuple(points)
+        self.snapshot_points = tuple(points)
         for layer in self._layers:
-            layer.snapshot_points = points
+            layer.snapshot_points = self.snapshot_points
 
 
 @dataclass

@@ -26,7 +26,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenize import release
 from hybridkv.engine.graphs import DecodeGraphs
 from hybridkv.engine.sampling import Drawn, Sampled, SamplingParams, draw_rows, sample, scored
-from hybridkv.engine.scheduler import Chunk, Scheduler
+from hybridkv.engine.scheduler import Chunk, Scheduler, split_segments
 from hybridkv.engine.sequence import Sequence, Status
 from hybridkv.engine.spec_graphs import SpeculativeGraphs
 from hybridkv.engine.speculative import (Draft, MTPCache, MTPDrafter, MTPWork, VerifyCheckpoint, accept,
@@ -35,6 +35,7 @@ from hybridkv.engine.tokenizer import Tokenizer, require
 from hybridkv.errors import ConfigError, RequestError
 from hybridkv.memory import PolicyContext, parse_policy
 from hybridkv.model import ForwardBatch, Transformer
+from hybridkv.model.ced import cuts_that_skip
 from hybridkv.model.ced import skipped_flops as ced_skipped_flops
 from hybridkv.model.state import AttentionCapture
 from hybridkv.ops.paged import PagedBatch
@@ -589,15 +590,18 @@ class EngineCore:
             unread = self._unread_boundaries(c) if snapshots else set()
             hook = self._snapshot_hook(seq, unread) if snapshots else None
             view = checkpoints[id(c)].view(hook) if c.draft else self.store.view(seq.cache, hook)
-            if hook is not None:       # V4 runs a chunk whole: its layers keep the states at its boundaries
-                view.snapshot_at(b for b in self._inner_boundaries(c)
-                                 if b > seq.cache.frozen_until and b not in unread)
+            points = ([b for b in self._inner_boundaries(c) if b > seq.cache.frozen_until and b not in unread]
+                      if hook is not None else [])
+            view.snapshot_at(points)   # a chunk runs whole: its layers keep the states at these boundaries
+            pieces = c.segments
+            if ced and points:         # except where a cut lets CED's decoder skip rows (ced.py)
+                pieces = split_segments(pieces, cuts_that_skip(self.config, points, c.start + c.length))
             if self.memory.needs_attention_mass and c.wants_logits and seq.first_token_time is None:
                 # the chunk that ends the prompt: record which entries its final queries attend to
                 view.capture = seq.capture = AttentionCapture(self.ec.oracle_query_tokens, c.start + c.length)
             spans[seq.request_id] = (row, c.length)
             tokens = c.input_ids()
-            for start, n in c.segments:
+            for start, n in pieces:
                 items.append((view, start, n, start + n not in unread))
                 ids.extend(tokens[start - c.start:start - c.start + n])
                 row += n
@@ -685,7 +689,7 @@ class EngineCore:
         return {c.seq.request_id: logits[i] for i, c in enumerate(decodes)}
 
     def _inner_boundaries(self, c: Chunk) -> list[int]:
-        """The block boundaries strictly inside the chunk (V4.1's scheduler cuts its chunks there)."""
+        """The block boundaries strictly inside the chunk."""
         bt = self.store.block_tokens
         return list(range((c.start // bt + 1) * bt, c.start + c.length, bt))
 

@@ -3,10 +3,10 @@
 Each step has a token budget. Decoding requests go first (one token each, plus their draft tokens
 under speculative decoding: a verify chunk), then requests still in
 prefill get chunks, then waiting requests are admitted (after a prefix-cache lookup) while slots,
-blocks and budget remain. A V4.1 chunk is cut into segments at the block boundaries where the
-window policy takes state snapshots (a V4 chunk runs whole and its layers keep those states). When
-a running request needs a block and none is free, the most recently admitted request is
-preempted: its blocks are freed and it will be recomputed.
+blocks and budget remain. A chunk runs whole; where the window policy takes state snapshots at
+block boundaries inside it, the layers keep those states from its rows. When a running request
+needs a block and none is free, the most recently admitted request is preempted: its blocks are
+freed and it will be recomputed.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ class Chunk:
         if self.draft:
             return self.seq.token_ids[self.start:self.start + 1] + self.draft
         return self.seq.token_ids[self.start:self.start + self.length]
+
+
+def split_segments(segments: list[tuple[int, int]], cuts: list[int]) -> list[tuple[int, int]]:
+    """(start_pos, length) pieces cut further at the positions in `cuts` that fall inside them."""
+    out = []
+    for start, n in segments:
+        bounds = [start, *(p for p in cuts if start < p < start + n), start + n]
+        out += [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+    return out
 
 
 class Scheduler:
@@ -93,15 +102,9 @@ class Scheduler:
 
     # ----- chunks -----
     def _segments(self, start: int, n: int) -> list[tuple[int, int]]:
-        # V4's layers keep the state at the block boundaries inside a chunk from its rows
-        # (`PagedSeqKV.snapshot_at`); V4.1's CED prefill plans its decoder rows back from segment ends
-        # whose state is read, so there a chunk is cut where snapshots are taken
-        if not (self.prefix.enabled and self.prefix.policy.snapshots and self.store.config.family == "v4.1"):
-            return [(start, n)]
-        bt = self.store.block_tokens
-        cuts = list(range((start // bt + 1) * bt, start + n, bt))
-        bounds = [start, *cuts, start + n]
-        return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+        # one piece: the layers keep the state at the block boundaries inside a chunk from its rows
+        # (`PagedSeqKV.snapshot_at`), where the window policy takes snapshots
+        return [(start, n)]
 
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         start = seq.num_computed

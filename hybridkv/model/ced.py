@@ -5,7 +5,9 @@ source layer's compressor projects from its input, the encoder's last output. Ev
 decoder layer keeps per token is its sliding window. So a forward need only run the decoder over
 the rows whose outputs are returned (`ForwardBatch.outputs`) and those whose window state a later
 step reads: the window before the end of a segment whose state is read (`Segment.state_read`: the
-next chunk, a prefix-cache snapshot). The source layer's compressor still runs over every row.
+next chunk, a prefix-cache snapshot) and before each snapshot point inside a segment. The source
+layer's compressor still runs over every row. The engine cuts a chunk at a snapshot point only
+where that lets the decoder skip rows (`cuts_that_skip`).
 
 The dependency cone. The window row of decoder layer d at position p comes from layer d−1's output
 at p, which attends over layer d−1's window rows [p − W + 1, p]. A range that starts at r without
@@ -56,10 +58,24 @@ class CedPlan:
         return self.full.num_tokens - int(self.rows.numel())
 
 
+def reach(config: ModelConfig) -> int:
+    """How far before a row whose decoder state must be exact the decoder's rows start: D(W − 1)."""
+    return (config.num_hidden_layers - decoder_start(config)) * (config.sliding_window - 1)
+
+
+def cuts_that_skip(config: ModelConfig, points: list[int], end: int) -> list[int]:
+    """Of the snapshot points inside a chunk that ends at position `end` (sorted), those at which
+    cutting it into segments lets the decoder skip rows: where the next point (or the chunk's end)
+    lies more than a reach past it. At the others the chunk runs on whole (its layers keep the
+    state there from its rows) and the decoder runs through."""
+    r = reach(config)
+    nxt = [*points[1:], end]
+    return [p for p, n in zip(points, nxt) if n - 1 - r > p]
+
+
 def _ranges(config: ModelConfig, batch: ForwardBatch, outputs: list[int]) -> list[tuple[int, int, bool]]:
     """(first row, end row, reads the ring) of each decoder range, in row order."""
-    d = config.num_hidden_layers - decoder_start(config)
-    reach = d * (config.sliding_window - 1)
+    reach_back = reach(config)
     out_rows = sorted(outputs)
     ranges: list[tuple[int, int, bool]] = []
     i, n = 0, len(batch.segments)
@@ -73,11 +89,15 @@ def _ranges(config: ModelConfig, batch: ForwardBatch, outputs: list[int]) -> lis
         # (anchor row, end of its segment): a range is exact from its anchor on and ends where its
         # segment does, so every decoder segment is a suffix of a segment of the forward
         anchors = [(seg.start + seg.length - 1, seg.start + seg.length) for seg in group if seg.state_read]
+        # snapshot points inside a segment (where a cut would not let the decoder skip rows, the
+        # chunk runs whole through them): their state is read too
+        anchors += [(seg.start + p - seg.start_pos - 1, seg.start + seg.length) for seg in group
+                    for p in getattr(seg.kv, "snapshot_points", ()) if seg.start_pos < p < seg.end_pos]
         anchors += [(r, seg.start + seg.length) for seg in group for r in out_rows
                     if seg.start <= r < seg.start + seg.length]
         spans: list[list[int]] = []
         for a, end in sorted(set(anchors)):
-            lo = max(first_row, a - reach)
+            lo = max(first_row, a - reach_back)
             if spans and lo <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], end)
             else:
