@@ -32,15 +32,19 @@ def _score_elements(q: torch.Tensor) -> int:
 
 
 def topk_in_row_slices(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                       topk: int) -> torch.Tensor:
+                       topk: int, excluded: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_topk(index_scores(...))` over slices of the rows whose [rows, H, N] float32 products
     stay small: every step is row-wise, and a prefill chunk of 8192 rows over 32K entries would
-    otherwise hold 4 GiB at once (on the CPU, slices that stay in cache are also the faster)."""
+    otherwise hold 4 GiB at once (on the CPU, slices that stay in cache are also the faster).
+    `excluded` [N] (bool): entries that score −inf."""
     step = max(1, _score_elements(q) // max(1, q.shape[1] * keys.shape[0]))
-    if q.shape[0] <= step:
-        return causal_topk(index_scores(q, weights, keys), visible, topk)
-    return torch.cat([causal_topk(index_scores(q[a:a + step], weights[a:a + step], keys), visible[a:a + step], topk)
-                      for a in range(0, q.shape[0], step)])
+    parts = []
+    for a in range(0, max(1, q.shape[0]), step):
+        scores = index_scores(q[a:a + step], weights[a:a + step], keys)
+        if excluded is not None:
+            scores = scores.masked_fill(excluded, float("-inf"))
+        parts.append(causal_topk(scores, visible[a:a + step], topk))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -86,16 +90,9 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
         n = int(vis[toks].max())
         cols = torch.arange(n, device=q.device)
         rows = entry_rows(batch, torch.full_like(cols, r), cols, batch.block_tokens // ratio)
-        keys = keys_all[rows]
         host_only = None if resident is None else resident[r].long()[cols // (batch.block_tokens // ratio)] < 0
-        step = max(1, _score_elements(q) // max(1, q.shape[1] * n))
-        for a in range(0, toks.numel(), step):     # row slices, as `topk_in_row_slices`
-            t = toks[a:a + step]
-            scores = index_scores(q[t], weights[t], keys)
-            if host_only is not None:
-                scores = scores.masked_fill(host_only, float("-inf"))
-            sel = causal_topk(scores, vis[t], topk)
-            out[t, : sel.shape[1]] = sel
+        sel = topk_in_row_slices(q[toks], weights[toks], keys_all[rows], vis[toks], topk, host_only)
+        out[toks, : sel.shape[1]] = sel
     return out
 
 

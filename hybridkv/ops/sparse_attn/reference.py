@@ -14,8 +14,8 @@ from hybridkv.ops.kv_formats import unpack_main_fp8, unpack_v41_global, unpack_v
 from hybridkv.ops.paged import entry_rows
 
 # Queries per gather tile: bounds the [tile, K, D] gathered copy of the KV rows. On the CPU a tile
-# that stays in cache (4 MiB) is the faster one: a 16K-token prefill of tiny-v4 on one thread took
-# 19.1 s with 128 MiB tiles and 14.0 s with these; elsewhere fewer, larger tiles mean fewer launches.
+# that stays in cache (4 MiB) is the faster one (docs/training-log.md, 2026-12-06); elsewhere
+# fewer, larger tiles mean fewer launches.
 def _tile_elements(device: torch.device) -> int:
     return 1 << 20 if device.type == "cpu" else 1 << 25
 
