@@ -129,3 +129,37 @@ def test_stopping_the_server_writes_the_queued_records_and_closes_the_tiers(tmp_
     assert not server.driver.alive and server.engine.tiers._closed
     records = [p for p in (tmp_path / "kv").rglob("*") if p.is_file() and not p.name.endswith(".tmp")]
     assert len(records) >= 3, records          # the prompt's two full blocks and its window state at least
+
+
+def snapshot_counts(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("hybridkv:prefix_snapshots_total"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split('event="')[1].split('"')[0]] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("dram_bytes", [0, 1 << 30])
+def test_snapshots_taken_for_the_tiers_alone_or_not_at_all_are_counted(dram_bytes):
+    """With room on the device for one window-state snapshot, a 364-token prompt run as one chunk
+    passes two block boundaries: the newer (256) is kept on the device, the older (128) goes to the
+    DRAM tier alone or, without tiers, is not taken; /metrics and /stats count each."""
+    from serverkit import LiveServer
+
+    server = LiveServer(num_blocks=8, max_num_seqs=1, max_num_batched_tokens=1024,
+                        tiers=TierConfig(dram_bytes=dram_bytes))
+    try:
+        size = server.engine.snapshot_nbytes
+        server.engine.prefix.snapshots.capacity = size + size // 2
+        complete(server, ids(3 * BLOCK - 20, seed=4))
+        server.wait_idle()
+        below, skipped = (1, 0) if dram_bytes else (0, 1)
+        assert snapshot_counts(server) == {"stored": 1, "evicted": 0, "below": below, "skipped": skipped}
+        stats = server.stats()["memory"]["snapshots"]
+        assert (stats["below"], stats["skipped"], stats["bytes_each"]) == (below, skipped, size)
+        if dram_bytes:
+            wait_for(lambda: server.stats()["memory"]["lower_tiers"]["dram"]["entries"] >= 4,
+                     "two blocks and two states in DRAM")
+    finally:
+        server.close()

@@ -110,6 +110,53 @@ def test_lower_tier_hit_restores_exactly_a_device_hit(tmp_path, fixtures, base_e
     llm.engine.store.pool.check()
 
 
+def test_a_chunk_takes_only_the_snapshots_some_store_has_room_for(tiny_dir, base_extra):
+    """A 700-token prompt in one chunk passes the boundaries 128 … 640. With a device budget of two
+    snapshots and a tier writer with room for three (after the chunk's five blocks), the newest two
+    (512, 640) are kept on the device and written through, the oldest (128) goes to the tiers alone
+    and 256 and 384 are not taken. Each snapshot taken equals, to the bit, the one an engine with
+    room for all takes; the outputs are the same; a prompt that shares only the first 200 tokens
+    hits at 128 from the tier, as it does from the other engine's device store."""
+    base, _ = base_extra
+    other = base[:200] + prompts_of([150], seed=5)[0]
+    ample = make(tiny_dir, max_num_batched_tokens=1024, tiers={"dram_bytes": 0})
+    want = run(ample, base)
+    eng = ample.engine
+    size = eng.snapshot_nbytes
+    assert [s for _, s in eng.prefix.snapshots._items.values()] == [size] * 5
+    want_snaps = {k: snap for k, (snap, _) in eng.prefix.snapshots._items.items()}
+    want_other = run(ample, other)
+
+    block = sum(eng.store.block_bytes().values()) + 4 * eng.store.block_tokens
+    llm = make(tiny_dir, max_num_batched_tokens=1024, snapshot_bytes=2 * size + size // 2,
+               tiers={"dram_bytes": 1 << 30, "max_pending_bytes": 5 * block + 3 * size + size // 2})
+    got = run(llm, base)
+    llm.engine.tiers.flush()
+    hashes = got.block_hashes
+    assert got.output_ids == want.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(got.step_logits, want.step_logits))
+    prefix = llm.engine.prefix
+    assert list(prefix.snapshots._items) == [hashes[3], hashes[4]]
+    assert (prefix.snapshots_below, prefix.snapshots_skipped) == (1, 2)
+    dram = llm.engine.tiers.tier("dram")
+    in_tier = [b for b in range(5) if dram.contains(hashes[b], "state")]
+    assert in_tier == [0, 3, 4]
+    for b in in_tier:
+        rec = dram.get(hashes[b], "state")
+        flat = [t for layer in want_snaps[hashes[b]] for t in layer]
+        assert len(rec.tensors) == len(flat)
+        for i, (layer, ts) in enumerate((n, ts) for n, ts in enumerate(want_snaps[hashes[b]])):
+            for j, t in enumerate(ts):
+                assert torch.equal(rec.tensors[f"{layer}.{j}"], t), (b, layer, j)
+    assert llm.engine.cache_stats()["writer"]["dropped"] == 0
+
+    hit = run(llm, other)
+    assert hit.num_cached_tokens == want_other.num_cached_tokens == 128
+    assert hit.output_ids == want_other.output_ids
+    assert all(torch.equal(a, b) for a, b in zip(hit.step_logits, want_other.step_logits))
+    llm.engine.store.pool.check()
+
+
 def test_what_is_stored_follows_the_policy_and_write_policy(tmp_path, tiny_dir, base_extra):
     base, _ = base_extra
     stored = {}

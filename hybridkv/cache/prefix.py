@@ -153,6 +153,8 @@ class PrefixCache:
         self.device_state_hits = 0    # snapshots found on the device
         self.promoted = 0             # blocks brought onto the device from a lower tier
         self.registered = 0           # blocks published by requests
+        self.snapshots_below = 0      # snapshots only the lower tiers were given (`publish_below`)
+        self.snapshots_skipped = 0    # boundaries whose snapshot no store had room for (never taken)
 
     def match(self, root: bytes, tokens: list[int]) -> PrefixHit:
         """The longest usable cached prefix (at least `compute_tail` tokens are left to compute). Blocks
@@ -281,6 +283,24 @@ class PrefixCache:
     def capture(self, slot: int, layer_id: int) -> list[torch.Tensor]:
         return self.store.capture_state(slot, layer_id)
 
+    def state_room(self, blocks: int = 0) -> int:
+        """Bytes of snapshots the lower tiers would take now, after the records of `blocks` blocks
+        about to be written: what their writer queues rather than drops, where states are written
+        through (0 otherwise)."""
+        if not (self.enabled and self.policy.snapshots and self.write_through):
+            return 0
+        block = sum(self.store.block_bytes().values()) + 4 * self.block_tokens   # entries + token ids
+        return max(0, self.tiers.room("state") - (blocks * block if self.tiers.holds("block") else 0))
+
+    def publish_below(self, key: bytes, snapshot: Snapshot, ready=None) -> None:
+        """A snapshot for the lower tiers alone (the device's budget went to newer ones). `ready`: the
+        CUDA event its host copies were recorded before."""
+        if self.enabled and self.write_through and not self.tiers.known_locally(key, "state"):
+            rec = state_record(key, snapshot)
+            rec.ready = ready
+            self.tiers.put(rec)
+            self.snapshots_below += 1
+
     def publish(self, key: bytes, snapshot: Snapshot) -> None:
         if self.enabled:
             known = key in self.snapshots          # published before (checkpoint: again at request end)
@@ -319,7 +339,9 @@ class PrefixCache:
                           "loaded_bytes": self.promoted * per_block, "evictions": pool.evictions,
                           "evicted_bytes": pool.evictions * per_block, "entries": len(pool.cached),
                           "bytes": len(pool.cached) * per_block + self.snapshots.nbytes,
-                          "snapshots": len(self.snapshots), "snapshot_bytes": self.snapshots.nbytes}}
+                          "snapshots": len(self.snapshots), "snapshot_bytes": self.snapshots.nbytes,
+                          "snapshots_stored": self.snapshots.stored, "snapshots_evicted": self.snapshots.evicted,
+                          "snapshots_below": self.snapshots_below, "snapshots_skipped": self.snapshots_skipped}}
         if self.tiers is not None:
             out.update(self.tiers.stats())
         return out

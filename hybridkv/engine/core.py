@@ -138,6 +138,7 @@ class EngineCore:
                       if self.ec.enable_prefix_caching else None)
         self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching,
                                   self.tiers, self.memory.query_rows if self.memory.needs_query else 1)
+        self.snapshot_nbytes = sum(self.store.slot_bytes().values())   # one snapshot: every layer's state
         self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
         self.model_identity = model_identity
         self.max_model_len = self.ec.max_model_len or self.config.max_position_embeddings
@@ -546,6 +547,7 @@ class EngineCore:
         while len(table) > need:
             self.store.pool.release(table.pop())
         seq.new_snapshots = [(b, snap) for b, snap in seq.new_snapshots if b <= seq.num_computed]
+        seq.snapshots_below = [item for item in seq.snapshots_below if item[0] <= seq.num_computed]
         seq.pending_snapshots = {b: v for b, v in seq.pending_snapshots.items() if b <= seq.num_computed}
 
     def _forward(self, chunks: list[Chunk], checkpoints: dict | None = None,
@@ -565,6 +567,7 @@ class EngineCore:
         wave_ids = {id(c) for c in waved}
         verifies: list[tuple] = []
         row = 0
+        room = None     # snapshot bytes this forward may still take (_snapshot_room)
         ced = self.v41 and self.ec.ced_prefill and hidden is None
         decode_rows: list[int] = []
         for c in chunks:
@@ -587,8 +590,13 @@ class EngineCore:
                 logit_rows.extend(range(row - c.length, row))
                 owners.append((seq.request_id, c.length))
                 continue
-            unread = self._unread_boundaries(c) if snapshots else set()
-            hook = self._snapshot_hook(seq, unread) if snapshots else None
+            unread, below = self._unread_boundaries(c) if snapshots else set(), set()
+            if snapshots:
+                if room is None:
+                    room = self._snapshot_budget(chunks)
+                skipped, below = self._snapshot_room(c, unread, room)
+                unread |= skipped
+            hook = self._snapshot_hook(seq, unread, below) if snapshots else None
             view = checkpoints[id(c)].view(hook) if c.draft else self.store.view(seq.cache, hook)
             points = ([b for b in self._inner_boundaries(c) if b > seq.cache.frozen_until and b not in unread]
                       if hook is not None else [])
@@ -702,7 +710,42 @@ class EngineCore:
         last = c.seq.num_tokens // self.store.block_tokens * self.store.block_tokens
         return {e for e in self._inner_boundaries(c) if e != last and not self.policy.publishes(e)}
 
-    def _snapshot_hook(self, seq: Sequence, unread: set[int] = frozenset()):
+    def _snapshot_budget(self, chunks: list[Chunk]) -> list[int]:
+        """Snapshot bytes a forward over these chunks may take: [on the device (the snapshot store's
+        budget), for the lower tiers (what their writer would queue after the blocks it completes)]."""
+        bt = self.store.block_tokens
+        blocks = sum((c.start + c.length) // bt - c.start // bt for c in chunks)
+        return [self.prefix.snapshots.capacity, self.prefix.state_room(blocks)]
+
+    def _snapshot_room(self, c: Chunk, unread: set[int], room: list[int]) -> tuple[set[int], set[int]]:
+        """Of the chunk's block boundaries (inside it or at its end) whose state a later step may read:
+        (those that get no snapshot, those whose snapshot goes to the lower tiers alone). The newest
+        that fit what is left of the device's budget are kept there (and written through); older
+        ones, as many as the tiers' writer would queue, are copied to host memory as each layer
+        hands its state over, for the tiers alone; the rest are not taken. `room` ([device bytes,
+        tier bytes] this forward may still take) shrinks by what they take. Why: a chunk holds its
+        states until its last layer has run, and the store would keep only the newest of them (a
+        16K-token chunk of V4-Flash has 128 boundaries of 14.7 MiB each)."""
+        bt, size = self.store.block_tokens, self.snapshot_nbytes
+        end = c.start + c.length
+        read = [b for b in range((c.start // bt + 1) * bt, end + 1, bt)
+                if b > c.seq.cache.frozen_until and b not in unread]
+        if not read or size == 0:
+            return set(), set()
+        kept = min(len(read), room[0] // size)
+        room[0] -= kept * size
+        room[1] = max(0, room[1] - kept * size)        # the kept ones are written through as well
+        older = read[:len(read) - kept]
+        below = min(len(older), room[1] // size)
+        room[1] -= below * size
+        skipped = set(older[below:])
+        self.prefix.snapshots_skipped += len(skipped)
+        return skipped, set(older[:below])
+
+    def _snapshot_hook(self, seq: Sequence, unread: set[int] = frozenset(), below: set[int] = frozenset()):
+        """`on_layer_done` of one request: collects each layer's state at the block boundaries a
+        snapshot is taken at; once every layer has passed one, the snapshot is the request's to publish.
+        Boundaries in `below` are copied to host memory as each layer hands them over."""
         bt = self.store.block_tokens
         n_layers = self.store.num_layers
 
@@ -710,15 +753,36 @@ class EngineCore:
             if end_pos % bt or end_pos <= seq.cache.frozen_until or end_pos in unread:
                 return
             per_layer = seq.pending_snapshots.setdefault(end_pos, {})
-            per_layer[layer_id] = state if state is not None else self.prefix.capture(seq.cache.slot, layer_id)
+            state = state if state is not None else self.prefix.capture(seq.cache.slot, layer_id)
+            per_layer[layer_id] = self._host_copy(state) if end_pos in below else state
             if len(per_layer) == n_layers:
                 seq.pending_snapshots.pop(end_pos)
-                seq.new_snapshots.append((end_pos, [per_layer[i] for i in range(n_layers)]))
+                snap = [per_layer[i] for i in range(n_layers)]
+                if end_pos in below:
+                    ready = torch.cuda.Event() if self.device.type == "cuda" else None
+                    if ready is not None:
+                        ready.record()
+                    seq.snapshots_below.append((end_pos, snap, ready))
+                else:
+                    seq.new_snapshots.append((end_pos, snap))
         return on_layer_done
+
+    def _host_copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device tensors copied into pinned host memory, asynchronously (the caller records an event
+        after the last copy); host tensors as they are."""
+        if self.device.type != "cuda":
+            return tensors
+        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
 
     def _publish_snapshots(self, seq: Sequence) -> None:
         """Publish the boundaries the policy keeps; remember the latest one (checkpoint policy
-        publishes it when the request ends)."""
+        publishes it when the request ends). Snapshots taken for the lower tiers alone go there (the
+        writer waits for their copies)."""
+        bt = self.store.block_tokens
+        for boundary, snap, ready in seq.snapshots_below:
+            if self.policy.publishes(boundary):
+                self.prefix.publish_below(seq.block_hashes[boundary // bt - 1], snap, ready)
+        seq.snapshots_below = []
         for boundary, snap in seq.new_snapshots:
             if self.policy.publishes(boundary):
                 self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)

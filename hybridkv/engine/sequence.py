@@ -52,6 +52,7 @@ class Sequence:
     device_kv_bytes: dict[str, int] | None = None  # device KV this request held when it finished, by kind
     new_snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)
     rolling_snapshot: tuple[int, Snapshot] | None = None
+    snapshots_below: list[tuple[int, Snapshot, object]] = field(default_factory=list)   # for the lower tiers alone
     draft: object | None = None                    # speculative: the next step's draft (speculative.Draft)
     mtp_start: int | None = None                   # speculative: first position of the MTP window computed
     spec_steps: int = 0                            # speculative verify steps, draft tokens, accepted drafts
@@ -85,6 +86,7 @@ class Sequence:
         self.block_hashes = []
         self.pending_snapshots = {}
         self.new_snapshots = []
+        self.snapshots_below = []
         self.rolling_snapshot = None
         self.draft = None
         self.mtp_start = None

@@ -72,6 +72,14 @@ def memory_policy_usage(engine: EngineCore) -> dict:
             "pages_evicted": st.pages_evicted, "pages_written_back": st.pages_written_back}
 
 
+def snapshot_counts(engine: EngineCore) -> dict:
+    """Window-state snapshots at block boundaries so far: kept in the device store, evicted from it,
+    given to the lower tiers alone, and not taken for want of room in any store; and one's bytes."""
+    prefix = engine.prefix
+    return {"stored": prefix.snapshots.stored, "evicted": prefix.snapshots.evicted, "below": prefix.snapshots_below,
+            "skipped": prefix.snapshots_skipped, "bytes_each": engine.snapshot_nbytes}
+
+
 def memory_snapshot(engine: EngineCore) -> dict:
     pool, sched = engine.store.pool, engine.scheduler
     return {
@@ -85,6 +93,7 @@ def memory_snapshot(engine: EngineCore) -> dict:
         "preemptions": sched.num_preemptions,
         "slots": {"total": engine.store.max_slots, "free": engine.store.num_free_slots},
         "snapshot_budget": engine.prefix.snapshots.capacity,
+        "snapshots": snapshot_counts(engine),
         "window_policy": str(engine.policy),
         "memory_policy": memory_policy_usage(engine),
         "kv_format": engine.store.fmt,

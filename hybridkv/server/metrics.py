@@ -90,6 +90,16 @@ class _SnapshotCollector:
         blocks.add_metric([name, "free"], b["total"] - b["active"])
         yield blocks
         yield from tier_families(name, snap.get("lower_tiers", {}))
+        snaps = snap.get("snapshots")
+        if snaps:
+            taken = CounterMetricFamily("hybridkv:prefix_snapshots",
+                                        "Window-state snapshots at block boundaries: kept in the device store "
+                                        "(stored), dropped from it for space (evicted), given to the lower tiers "
+                                        "alone (below), not taken for want of room in any store (skipped).",
+                                        labels=["model_name", "event"])
+            for event in ("stored", "evicted", "below", "skipped"):
+                taken.add_metric([name, event], snaps[event])
+            yield taken
         mp = snap.get("memory_policy")
         if mp and mp["offloads"]:
             pages = CounterMetricFamily("hybridkv:memory_policy_pages",

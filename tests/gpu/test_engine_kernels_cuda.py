@@ -134,3 +134,46 @@ def test_v41_decode_reads_the_packed_layout(monkeypatch):
         print(f"float32 logits by step, relative difference: {', '.join(f'{x:.1e}' for x in rel.tolist())}"
               f"{'' if n == len(same) else f' (tokens part at step {n - 1})'}")
         assert rel.max() < 2e-2
+
+
+def test_snapshots_for_the_lower_tiers_alone_are_copied_to_host_memory():
+    """With room on the device for two snapshots and in the tier writer for three, a 700-token chunk's
+    oldest snapshot (128) goes to the DRAM tier alone, through pinned host copies the writer waits
+    for: it equals the snapshot an engine with room for all keeps on the device, and a prompt that
+    shares the first 200 tokens hits there with the same outputs."""
+    from engine_helpers import prompts_of
+
+    base = prompts_of([700], seed=21)[0]
+    other = base[:200] + prompts_of([150], seed=5)[0]
+
+    def engine(**kw):
+        llm = LLM(FP8_FIXTURE, device="cuda", dtype=torch.bfloat16, kv_format="fp8", num_blocks=64,
+                  max_num_seqs=1, max_num_batched_tokens=1024, **kw)
+        llm.engine.record_logits = True
+        return llm
+
+    def run(llm, prompt):
+        seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return seq
+
+    ample = engine(tiers={"dram_bytes": 0})
+    run(ample, base)
+    size = ample.engine.snapshot_nbytes
+    want = {k: snap for k, (snap, _) in ample.engine.prefix.snapshots._items.items()}
+    want_other = run(ample, other)
+    block = sum(ample.engine.store.block_bytes().values()) + 4 * ample.engine.store.block_tokens
+    llm = engine(snapshot_bytes=2 * size + size // 2,
+                 tiers={"dram_bytes": 1 << 30, "max_pending_bytes": 5 * block + 3 * size + size // 2})
+    seq = run(llm, base)
+    llm.engine.tiers.flush()
+    assert (llm.engine.prefix.snapshots_below, llm.engine.prefix.snapshots_skipped) == (1, 2)
+    key = seq.block_hashes[0]
+    rec = llm.engine.tiers.tier("dram").get(key, "state")
+    for layer, ts in enumerate(want[key]):
+        for j, t in enumerate(ts):
+            assert torch.equal(rec.tensors[f"{layer}.{j}"], t.cpu()), (layer, j)
+    hit = run(llm, other)
+    assert hit.num_cached_tokens == want_other.num_cached_tokens == 128
+    assert hit.output_ids == want_other.output_ids

@@ -44,6 +44,9 @@ class Record:
     key: bytes                                 # the prefix chain hash of the block (ending there)
     tensors: dict[str, torch.Tensor]
     created: float = 0.0
+    # a CUDA event the tensors' copies were recorded before (host tensors filled asynchronously): the
+    # writer waits on it before it reads them
+    ready: object | None = field(default=None, repr=False, compare=False)
     _encoded: bytes | None = field(default=None, repr=False, compare=False)
 
     @property

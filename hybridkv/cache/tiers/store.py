@@ -48,6 +48,8 @@ class _Writer:
                     return
                 rec, targets, size = item
                 try:
+                    if rec.ready is not None:
+                        rec.ready.synchronize()
                     host = to_host(rec, self.pin)
                     for tier in targets:
                         if tier.holds(host.kind):
@@ -74,6 +76,10 @@ class _Writer:
                 self.thread.start()
         self.q.put((rec, targets, size))
         return True
+
+    def room(self) -> int:
+        with self.lock:
+            return max(0, self.max_pending - self.pending)
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -183,6 +189,11 @@ class TieredStore:
             self._writer.submit(rec, self.tiers)
             if self.lockstep:
                 self._writer.flush()
+
+    def room(self, kind: str) -> int:
+        """Bytes of records of this kind that `put` would queue now rather than drop (0 where no tier
+        holds the kind)."""
+        return self._writer.room() if not self._closed and self.holds(kind) else 0
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued writes are done (False if the timeout came first)."""
