@@ -100,7 +100,10 @@ def weight_bytes(model) -> dict[str, int]:
         blocks -= sum(b.numel() * b.element_size() for n, b in layer.named_buffers() if n.endswith("tid2eid"))
     head = _tensor_bytes(model.head) + _tensor_bytes(model.norm)
     head += sum(p.numel() * p.element_size() for n, p in model.named_parameters(recurse=False))
-    return {"non_expert": blocks + head, "expert": _tensor_bytes(model.layers[0].ffn.experts[0])}
+    mtp = sum(_tensor_bytes(m) - sum(_tensor_bytes(e) for e in m.ffn.experts) for m in model.mtp) \
+        if getattr(model, "mtp", None) else 0
+    return {"non_expert": blocks + head, "expert": _tensor_bytes(model.layers[0].ffn.experts[0]),
+            "head": _tensor_bytes(model.head), "mtp_non_expert": mtp}
 
 
 def kv_read_bytes(config, context: int, topk: int) -> int:
@@ -135,11 +138,13 @@ def linear_flops_per_token(model) -> int:
 
 
 class ExpertCounter:
-    """Distinct routed experts selected per layer while attached (hooks on the gates)."""
+    """Distinct routed experts selected per layer while attached (hooks on the gates of `layers`,
+    default the model's layers)."""
 
-    def __init__(self, model):
-        self.per_layer: list[set[int]] = [set() for _ in model.layers]
-        self.handles = [layer.ffn.gate.register_forward_hook(self._hook(i)) for i, layer in enumerate(model.layers)]
+    def __init__(self, model, layers=None):
+        layers = list(model.layers if layers is None else layers)
+        self.per_layer: list[set[int]] = [set() for _ in layers]
+        self.handles = [layer.ffn.gate.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
 
     def _hook(self, i):
         def hook(_mod, _inp, out):
@@ -308,8 +313,24 @@ def worker(a) -> None:
                    wall_ms=1e3 * wall, tok_s=per_step / wall, tokens_per_step=per_step, device_ms=dev,
                    replay_ms=replay, pdl=pdl_on, wall_over_device=1e3 * wall / dev if dev else None, top=top,
                    families={k: v / a.steps for k, v in fams.items()})
-        if spec:     # a random MTP block's steps: what they cost, not the bytes a plain step must read
+        if spec:     # a random MTP block's steps: what they cost, and the least bytes they must read
             row["graph_steps"] = eng.stats.spec_graph_steps
+            graphs, eng.spec_graphs = eng.spec_graphs, None    # one eager step with hooks on the gates
+            timed_steps(eng, 1, a.device)
+            main, mtp = ExpertCounter(model), ExpertCounter(model, model.mtp)
+            timed_steps(eng, 1, a.device)
+            main.close()
+            mtp.close()
+            eng.spec_graphs = graphs
+            k = a.num_speculative_tokens
+            # the verify rows read the model, its head and the experts they select, each their KV; the
+            # MTP block reads itself, its experts and the head once per draft
+            must = (wb["non_expert"] + main.total * wb["expert"] + wb["mtp_non_expert"] + mtp.total * wb["expert"]
+                    + k * wb["head"] + (k + 1) * b * kv_read_bytes(cfg, ctx, cfg.index_topk))
+            bytes_ms = must / a.bandwidth * 1e3
+            row.update(must_read_bytes=must, experts_selected=main.total + mtp.total, bytes_ms=bytes_ms,
+                       ratio=dev / bytes_ms if dev is not None else None,
+                       replay_ratio=replay / bytes_ms if replay is not None else None)
         else:
             graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
             timed_steps(eng, 1, a.device)                    # (after settling a step async scheduling queued)
@@ -502,13 +523,21 @@ def report(rows: list[dict], a) -> None:
                  if r["kind"] == "decode" and r["path"] == "packed"}
         print(f"\nMTP speculation, k = {a.num_speculative_tokens} (the random MTP block's drafts are rejected: "
               f"what a step costs, not what it gains):\n")
-        print("| batch | context | tokens/step | tok/s | wall ms | device ms | replay ms | replay ÷ packed replay |")
-        print("|---|---|---|---|---|---|---|---|")
+        plain_bytes = {(r["batch"], r["context"]): r.get("must_read_bytes") for r in rows
+                       if r["kind"] == "decode" and r["path"] == "packed"}
+        print("| batch | context | tokens/step | tok/s | wall ms | device ms | replay ms | replay ÷ packed replay | "
+              "must read | replay/bytes | must read ÷ packed's |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in spec:
             base = plain.get((r["batch"], r["context"]))
             ratio = r["replay_ms"] / base if base and r.get("replay_ms") else None
+            pb = plain_bytes.get((r["batch"], r["context"]))
             print(f"| {r['batch']} | {r['context']:,} | {r['tokens_per_step']:.2f} | {r['tok_s']:.1f} | "
-                  f"{r['wall_ms']:.2f} | {fmt(r['device_ms'])} | {fmt(r.get('replay_ms'))} | {fmt(ratio)} |")
+                  f"{r['wall_ms']:.2f} | {fmt(r['device_ms'])} | {fmt(r.get('replay_ms'))} | {fmt(ratio)} | "
+                  f"{fmt_bytes(r.get('must_read_bytes'))} | {fmt(r.get('replay_ratio'))} | "
+                  f"{fmt(r['must_read_bytes'] / pb if pb and r.get('must_read_bytes') else None)} |")
+        print("\nA step that accepts L tokens on average decodes L ÷ (replay ÷ packed replay) times as fast as "
+              "plain decoding; at the byte limit, at most L ÷ (must read ÷ packed's).")
     print("\nDevice ms of one decode step by operator family:\n")
     for r in rows:
         if r["kind"] == "decode" and r.get("families"):
