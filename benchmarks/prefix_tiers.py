@@ -10,8 +10,8 @@ next turn of an agent) is served as
 - a Redis hit (engine C: Redis only).
 A hit at H recomputes the tokens after H (and, under `zero`, replays the 128 before H). TTFT is
 the engine's own (request arrival to first token), median of --repeats. "no cache" is a cold run
-with prefix caching off (on CUDA after a 4,096-token warm-up prefill that compiles the kernels;
-nothing else is warmed up). Bytes/token = bytes each tier stored for the prompt / prompt tokens.
+with prefix caching off (on CUDA after an untimed run of the same prompt, which compiles the kernels
+for every chunk shape; each tier's hits after one untimed hit). Bytes/token = bytes each tier stored for the prompt / prompt tokens.
 
     python benchmarks/prefix_tiers.py [--model DIR] [--tokens 16k] [--policies full,checkpoint(4096),zero]
         [--device cpu] [--kv-format native] [--dtype float32] [--redis-url URL | --no-redis] [--json OUT]
@@ -109,6 +109,9 @@ def bench_policy(a, policy: str, prompt: list[int], turn: list[int], disk_dir: P
 
     def repeat(llm, before):
         times, cached = [], set()
+        if a.device.startswith("cuda"):   # an untimed hit first: a hit's shapes (zero: the replay) compile
+            before()
+            ttft(llm, turn)
         for _ in range(a.repeats):
             before()
             t, c = ttft(llm, turn)
@@ -155,8 +158,8 @@ def main() -> int:
         del probe
         nocache = LLM(a.model, device=a.device, dtype=getattr(torch, a.dtype), num_blocks=len(turn) // 128 + 8,
                       max_num_seqs=1, max_model_len=len(turn) + 64, kv_format=a.kv_format, enable_prefix_caching=False)
-        if a.device.startswith("cuda"):   # compile the kernels for the chunk shapes before anything is timed
-            ttft(nocache, turn[:4096])
+        if a.device.startswith("cuda"):   # compile the kernels for every chunk shape before anything is timed
+            ttft(nocache, turn)
         cold_nocache, _ = ttft(nocache, turn)
         say(f"no prefix cache: TTFT {cold_nocache:.3f} s ({len(turn)} tokens)")
         del nocache
