@@ -131,8 +131,7 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(kv_a), freqs)
         if self.v41:
             kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
-        elif not (batch.decode is not None and batch.decode.whole and self._window_fused(batch.decode.kv)):
-            # (a decode-only batch whose window rows the fused store round-trips itself skips this)
+        elif not self._window_rows_fused(batch):
             kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
                             kv[..., -self.rope_dim:]], -1)
         ced = batch.ced
@@ -257,6 +256,14 @@ class Attention(nn.Module):
                 self.stacked_projections = group
                 return True
         return False
+
+    def _window_rows_fused(self, batch: ForwardBatch) -> bool:
+        """Whether every row of the batch is a decode row whose window entry the fused store
+        round-trips itself (`_window_fused`): a decode-only batch, or one of verify waves only."""
+        if batch.decode is not None:
+            return batch.decode.whole and self._window_fused(batch.decode.kv)
+        return (bool(batch.waves) and not batch.segments
+                and all(self._window_fused(w.kv) for w in batch.waves))
 
     def _window_fused(self, dkv: DecodeKV) -> bool:
         """Whether a decode group's window rows go through `write_window_fp8` (round trip, pack and
