@@ -154,8 +154,10 @@ class PagedKVStore:
         self.codec = {k: _Codec(kv_format, k, config, dtype) for k in ("kv", "index", "window")}
         W = config.sliding_window
         win = self.codec["window"]
-        self.ring = [torch.zeros(max_slots, W, win.width, dtype=win.storage_dtype, device=self.device)
-                     for _ in range(self.num_layers)]
+        # every layer's window ring in one tensor [layers, slots, W, width] (`ring[i]` is layer i's view):
+        # speculative decoding saves and puts back a request's ring rows of all layers in one gather
+        self.rings = torch.zeros(self.num_layers, max_slots, W, win.width, dtype=win.storage_dtype, device=self.device)
+        self.ring = list(self.rings.unbind(0))
         self.offload = resident_pages is not None
         self.host = torch.device("cpu")
         self.page_pool = PagePool(resident_pages) if self.offload else None

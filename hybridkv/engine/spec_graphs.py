@@ -316,7 +316,7 @@ class SpeculativeGraphs:
     def _verify(self, g: SpecGraph, tokens, positions, slots, tables) -> torch.Tensor:
         store, k1, bp = self.store, g.k + 1, g.batch
         ring_at = positions % store.config.sliding_window                      # [Bp, k+1]
-        g.saved["ring"] = [store.ring[i][slots.unsqueeze(1), ring_at] for i in range(store.num_layers)]
+        g.saved["ring"] = store.rings[:, slots.unsqueeze(1), ring_at]            # [layers, Bp, k+1, E]
         snapshots: dict = {}
         waves = []
         for j in range(k1):
@@ -335,11 +335,9 @@ class SpeculativeGraphs:
         store, k1 = self.store, g.k + 1
         ring_at = positions % store.config.sliding_window
         keep = torch.arange(k1, device=kept.device).unsqueeze(0) < kept.unsqueeze(1)       # [Bp, k+1]
-        for i in range(store.num_layers):
-            ring = store.ring[i]
-            now = ring[slots.unsqueeze(1), ring_at]
-            mask = keep.view(*keep.shape, *([1] * (now.dim() - 2)))
-            ring[slots.unsqueeze(1), ring_at] = torch.where(mask, now, g.saved["ring"][i])
+        now = store.rings[:, slots.unsqueeze(1), ring_at]
+        mask = keep.view(1, *keep.shape, *([1] * (now.dim() - 3)))
+        store.rings[:, slots.unsqueeze(1), ring_at] = torch.where(mask, now, g.saved["ring"])
         rows, pick = torch.arange(g.batch, device=kept.device), kept - 1
         for (i, kind), snaps in g.saved["states"].items():
             st_kv, st_score = store.states[i][kind]

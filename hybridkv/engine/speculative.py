@@ -194,7 +194,7 @@ class VerifyCheckpoint:
     cache: SeqCache
     start: int
     length: int
-    ring: list[torch.Tensor] = field(default_factory=list)                 # per layer [length, E]
+    ring: torch.Tensor | None = None                                       # [layers, length, E]
     states: dict = field(default_factory=dict)                             # (layer, kind) -> (kv, score)
     entries: dict = field(default_factory=dict)                            # (layer, kind) -> (ids, stored rows)
     rows: dict = field(default_factory=dict)                               # filled during the forward
@@ -204,7 +204,7 @@ class VerifyCheckpoint:
         cp = cls(store, cache, start, length)
         W = store.config.sliding_window
         slots = torch.arange(start, start + length, device=store.device) % W
-        cp.ring = [store.ring[i][cache.slot][slots].clone() for i in range(store.num_layers)]
+        cp.ring = store.rings[:, cache.slot, slots]           # (advanced indexing: a copy)
         for i in range(store.num_layers):
             for kind, (kv, score) in store.states[i].items():
                 cp.states[(i, kind)] = (kv[cache.slot].clone(), score[cache.slot].clone())
@@ -237,8 +237,7 @@ class VerifyCheckpoint:
         store, slot, q = self.store, self.cache.slot, self.start + m - 1      # q: the last kept position
         W = store.config.sliding_window
         rejected = torch.arange(q + 1, self.start + self.length, device=store.device)
-        for i in range(store.num_layers):
-            store.ring[i][slot][rejected % W] = self.ring[i][m:]
+        store.rings[:, slot, rejected % W] = self.ring[:, m:]
         for (i, kind), (ids, saved) in self.entries.items():
             r = store.config.layer_ratio(i)
             undo = [n for n, j in enumerate(ids) if (j + 1) * r - 1 > q]
