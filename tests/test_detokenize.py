@@ -72,3 +72,18 @@ def test_output_text_decodes_everything_for_other_decoders():
     tok, out = Plain(), OutputText()
     assert [out.decode(tok, list(range(n))) for n in (1, 2, 3)] == ["0", "01", "012"]
     assert tok.calls == [1, 2, 3] and out.anchor == 0
+
+
+def test_partial_stop_is_the_longest_suffix_that_begins_a_stop_string():
+    """Against its definition (every suffix shorter than the stop string tried), on random short
+    strings over a small alphabet, where suffixes and prefixes overlap often."""
+    import random
+
+    def definition(text, stops):
+        return max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+                   default=0)
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
+        assert partial_stop(text, stops) == definition(text, stops), (text, stops)

@@ -251,12 +251,31 @@ def test_preemption_completes_workload_larger_than_pool(tiny_dir):
     assert_idle(small)
 
 
+def test_a_request_longer_than_the_pool_stops_there_and_those_behind_it_run(tiny_dir):
+    """The context length is bounded by the KV pool (4 blocks: 512 tokens): a request that would
+    outgrow it alone ends with "length" at 512 tokens instead of preempting itself step after step,
+    and the request queued behind it is served."""
+    llm = make(tiny_dir, num_blocks=4, max_num_seqs=1)
+    assert llm.engine.max_model_len == 512
+    eng = llm.engine
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    seqs = [eng.add_request(p, params) for p in prompts_of([400, 30], seed=9)]
+    for _ in range(1000):           # (a step bound: the bug this guards against never ends)
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert [s.finish_reason for s in seqs] == ["length", "length"]
+    assert len(seqs[0].output_ids) == 512 - 400 and len(seqs[1].output_ids) == 300
+    assert eng.scheduler.num_preemptions == 0
+    assert_idle(llm)
+
+
 def test_rejections_leave_others_running(tiny_dir):
     llm = make(tiny_dir, num_blocks=4)                      # 512 positions
     good = prompts_of([50], seed=8)[0]
     outs = llm.generate([good, [5] * 700, [600] * 3, good], SamplingParams(max_tokens=3))
     assert [o.finish_reason for o in outs] == ["length", "error", "error", "length"]
-    assert "KV pool holds 512" in outs[1].error
+    assert "the KV pool's 512 tokens" in outs[1].error
     assert "must be in [0, 512)" in outs[2].error
     too_long = make(tiny_dir, num_blocks=64)
     out = too_long.generate([[7] * 4100], SamplingParams(max_tokens=2))[0]

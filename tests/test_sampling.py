@@ -106,3 +106,37 @@ def test_draws_by_uniforms_invert_the_cumulative_weights():
     assert draw_with_uniforms(w, torch.tensor([1 - 2 ** -24] * 3)).tolist() == [3, 4, 0]
     assert draw_with_uniforms(w, torch.tensor([0.2499, 0.5, 0.5])).tolist() == [1, 4, 0]
     assert draw_with_uniforms(w, torch.tensor([0.25, 0.5, 0.5])).tolist() == [3, 4, 0]
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p = 1e-320 is valid (in (0, 1]) but 0 in float32: both filters keep the most likely token
+    alone (before, every token was cut and the softmax gave NaN, which failed the whole step)."""
+    from hybridkv.engine.sampling import filtered_probs_fixed
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(temperature=1.0, top_p=1e-320)] * 3
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), 40).float()
+    assert torch.equal(filtered_probs_rows(logits, params), one_hot)
+    ones = torch.ones(3)
+    assert torch.equal(filtered_probs_fixed(logits, ones, 0 * ones, torch.full((3,), 1e-320)), one_hot)
+
+
+def test_a_temperature_too_small_for_float32_samples_greedily():
+    """A temperature below 1e-5 becomes 0 when validated (as in vLLM): the draw is the argmax, with
+    or without a seed; a negative or NaN temperature is refused."""
+    import pytest
+
+    from hybridkv.errors import RequestError
+
+    logits = torch.randn(2, 30)
+    for t in (1e-320, 1e-40, 9e-6):
+        params = [SamplingParams(temperature=t), SamplingParams(temperature=t, seed=4)]
+        for p in params:
+            p.validate()
+            assert p.temperature == 0.0
+        gens = [None, torch.Generator().manual_seed(4)]
+        assert [s.token_id for s in draw_rows(logits, params, gens).host()] == logits.argmax(-1).tolist()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(RequestError, match="temperature"):
+            SamplingParams(temperature=bad).validate()

@@ -1,6 +1,7 @@
 """Bad input, each answered 4xx with an OpenAI error object that names the problem, the server
 healthy afterwards; the bearer key; the queue limit (429 + Retry-After)."""
 
+import json
 import time
 
 import httpx
@@ -70,6 +71,11 @@ CASES = [
      "chat_template_kwargs.thinking", "true/false"),
     ("stop-too-many", "/v1/chat/completions", chat(stop=[f"s{i}" for i in range(20)]), None, 400, "stop",
      "at most 16"),
+    ("stop-too-long", "/v1/chat/completions", chat(stop=["x" * 1025]), None, 400, "stop", "at most 1024 characters"),
+    ("top-k-huge", "/v1/chat/completions", chat(top_k=10 ** 400), None, 400, None, "top_k must be between 0 and"),
+    ("model-lone-surrogate", "/v1/chat/completions", json.dumps(chat(model="\ud800")).encode(), None, 404, "model",
+     "does not exist"),
+    ("tokenize-over-limit", "/tokenize", {"prompt": "x" * 60_000}, None, 400, "prompt", "characters"),
     ("context-overflow", "/v1/chat/completions", {"messages": OK_MSG, "max_tokens": 510}, None, 400, "max_tokens",
      "exceeds the context length 512"),
     ("unknown-model", "/v1/chat/completions", chat(model="gpt-9"), None, 404, "model", "does not exist"),
@@ -138,6 +144,22 @@ def test_queue_full_answers_429_then_recovers(strict):
             cm.__exit__(None, None, None)
     strict.wait_idle()
     assert "rejected" in httpx.get(strict.url + "/metrics", headers=h).text
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=1e-320), dict(temperature=1e-40, seed=3),
+                                    dict(temperature=1.0, top_p=1e-320)])
+def test_temperatures_and_top_p_too_small_for_float32_are_served(strict, fields):
+    """A temperature below 1e-5 samples greedily (dividing by it would overflow float32 logits) and a
+    top_p that rounds to 0 keeps the most likely token: each answers 200, and no step fails (a failed
+    step would have failed every request it held; `test_healthy_after_the_matrix` counts them)."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(strict.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, **fields}, headers=h,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    greedy = httpx.post(strict.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
+                        headers=h,
+                        timeout=60)
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
 def test_healthy_after_the_matrix(strict):

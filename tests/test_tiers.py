@@ -81,6 +81,34 @@ def test_damaged_entries_are_rejected(damage):
         decode(data, ID, "block", key(2))
 
 
+def forged(header, payload: bytes = b"") -> bytearray:
+    """An entry whose digest holds over a header that is not what `encode` writes: what anyone who
+    can write the directory or the Redis keys can plant (the digest is not keyed)."""
+    import json
+    import struct
+
+    from hybridkv.cache.tiers.record import MAGIC
+    h = json.dumps(header).encode()
+    body = struct.pack("<I", len(h)) + h + payload
+    return bytearray(MAGIC + hashlib.sha256(body).digest() + body)
+
+
+GOOD_HEAD = {"version": 1, "kind": "block", "key": key(5).hex(), "identity": ID, "created": 0.0, "payload": 0,
+             "tensors": []}
+
+
+@pytest.mark.parametrize("header", [[], "text", 7, dict(GOOD_HEAD, payload="x"), dict(GOOD_HEAD, payload=None),
+                                    dict(GOOD_HEAD, created="yesterday"), dict(GOOD_HEAD, tensors=5),
+                                    dict(GOOD_HEAD, tensors=[{"name": "a", "dtype": "float32", "shape": [-1],
+                                                              "offset": 0, "nbytes": 0}]),
+                                    dict(GOOD_HEAD, tensors=[{"name": "a", "dtype": "int64", "shape": [1]}])],
+                         ids=["list", "string", "number", "payload-text", "payload-null", "created-text",
+                              "tensors-number", "negative-shape", "unknown-dtype"])
+def test_entries_with_an_intact_digest_but_a_malformed_header_are_rejected(header):
+    with pytest.raises(CacheEntryError):
+        decode(forged(header), ID, "block", key(5))
+
+
 def test_foreign_and_misplaced_entries_are_rejected():
     data = bytearray(encode(rec(3), ID))
     with pytest.raises(CacheEntryError, match="identity"):
@@ -187,8 +215,10 @@ def test_disk_size_limit_evicts_lru(tmp_path):
     assert [restarted.contains(key(i), "block") for i in range(4)] == [True, False, False, True]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "garbage", "forged-header", "oversized"])
 def test_disk_bad_entries_are_removed_and_others_kept(tmp_path, damage, caplog):
+    """A bad entry is a miss and is removed; the others load. "oversized": a file larger than the
+    tier's capacity, never read into memory."""
     d = disk(tmp_path)
     for i in range(3):
         d.put(rec(i))
@@ -201,9 +231,16 @@ def test_disk_bad_entries_are_removed_and_others_kept(tmp_path, damage, caplog):
         path.write_bytes(path.read_bytes()[:100])
     elif damage == "foreign":                            # a valid entry of another model under our name
         path.write_bytes(encode(rec(1), "another-model"))
+    elif damage == "forged-header":
+        path.write_bytes(bytes(forged([])))
+    elif damage == "oversized":             # grown after a tier of 1 MiB opened the directory
+        fresh = disk(tmp_path, capacity=1 << 20)
+        with open(path, "r+b") as f:
+            f.truncate(2 << 20)
     else:
         path.write_bytes(os.urandom(5000))
-    fresh = disk(tmp_path)
+    if damage != "oversized":
+        fresh = disk(tmp_path)
     with caplog.at_level(logging.WARNING, logger="hybridkv.cache.tiers"):
         assert fresh.get(key(1), "block") is None
     assert fresh.stats.bad == 1 and not path.exists() and "removed" in caplog.text

@@ -244,3 +244,17 @@ def test_full_disk_keeps_serving(tmp_path, tiny_dir, base_extra, cold):
     assert out["cached"] == [0, 640] and out["stats"]["disk"]["stored"] == 0
     assert_matches_cold(out["ids"][1], out["logits"][1], cold)
     assert not list((tmp_path / "kv").rglob("*.kv")) and not list((tmp_path / "kv").rglob("*.tmp"))
+
+
+def test_engines_that_compute_other_kv_never_share_lower_tier_entries(fixtures):
+    """An indexer ablation or a memory policy that hides entries from attention changes the KV an
+    engine computes: its records carry another identity (a foreign record is never loaded). At the
+    defaults the identity is the layout's alone, so the entries written before stay readable."""
+    from hybridkv.cache.tiers.convert import layout_identity
+
+    d = fixtures / "v4-tiny"
+    engines = [make(d, **kw).engine for kw in ({}, {"indexer": "random"}, {"indexer": "random", "indexer_seed": 1},
+                                               {"memory_policy": "recency-1024"})]
+    ids = [e.tiers.identity for e in engines]
+    assert len(set(ids)) == 4
+    assert ids[0] == layout_identity(engines[0].store, engines[0].model_identity)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,8 @@ from hybridkv.model.ced import skipped_flops as ced_skipped_flops
 from hybridkv.model.state import AttentionCapture
 from hybridkv.ops.paged import PagedBatch
 
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class Event:
@@ -134,14 +137,24 @@ class EngineCore:
                                   model.dtype, self.device,
                                   (self.ec.resident_pages or self.ec.num_blocks) if self.memory.offloads else None)
         self.policy = WindowPolicy.parse(self.ec.window_policy, self.store.block_tokens)
-        self.tiers = (TieredStore.build(self.ec.tiers, layout_identity(self.store, model_identity), self.device)
+        self.tiers = (TieredStore.build(self.ec.tiers, layout_identity(self.store, model_identity, self._kv_settings()),
+                                        self.device)
                       if self.ec.enable_prefix_caching else None)
         self.prefix = PrefixCache(self.store, self.policy, self.ec.snapshot_bytes, self.ec.enable_prefix_caching,
                                   self.tiers, self.memory.query_rows if self.memory.needs_query else 1)
         self.snapshot_nbytes = sum(self.store.slot_bytes().values())   # one snapshot: every layer's state
         self.scheduler = Scheduler(self.store, self.prefix, self.ec.max_num_seqs, self.ec.max_num_batched_tokens)
         self.model_identity = model_identity
-        self.max_model_len = self.ec.max_model_len or self.config.max_position_embeddings
+        # a request must fit the KV pool alone (else it would preempt itself, step after step)
+        asked = self.ec.max_model_len or self.config.max_position_embeddings
+        pool_tokens = self.store.pool.num_blocks * self.store.block_tokens
+        self.max_model_len = min(asked, pool_tokens)
+        self._length_bound = (f"the KV pool's {pool_tokens} tokens ({self.store.pool.num_blocks} blocks)"
+                              if pool_tokens < asked else
+                              f"max_model_len {asked}" if self.ec.max_model_len else f"max_position_embeddings {asked}")
+        if pool_tokens < asked:
+            log.warning("max_model_len is %d, the KV pool's tokens (%d asked): raise num_blocks for longer requests",
+                        pool_tokens, asked)
         self.requests: dict[str, Sequence] = {}      # the live ones: a request leaves when it finishes
         # Set to {} to keep finished sequences for inspection (tests, debugging); off by default,
         # since it grows with every request.
@@ -189,13 +202,8 @@ class EngineCore:
             raise RequestError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
         max_len = self.max_model_len
         if len(ids) >= max_len:
-            what = (f"max_position_embeddings {max_len}" if max_len == self.config.max_position_embeddings
-                    else f"max_model_len {max_len}")
-            raise RequestError(f"the prompt has {len(ids)} tokens; this engine takes at most {max_len - 1} ({what})")
-        pool_tokens = self.store.pool.num_blocks * self.store.block_tokens
-        if len(ids) + 1 > pool_tokens:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the KV pool holds {pool_tokens}; "
-                               f"start the engine with more blocks")
+            raise RequestError(f"the prompt has {len(ids)} tokens; this engine takes at most {max_len - 1} "
+                               f"({self._length_bound})")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -282,6 +290,16 @@ class EngineCore:
         self._queued = None
 
     # ----- the step -----
+    def _kv_settings(self) -> dict:
+        """The settings, away from their defaults, that change the KV this engine computes: engines
+        that differ in them never share lower-tier entries (`layout_identity`)."""
+        out = {}
+        if self.ec.indexer != "native":
+            out.update(indexer=self.ec.indexer, indexer_seed=self.ec.indexer_seed)
+        if str(self.memory) != "full":
+            out["memory_policy"] = str(self.memory)
+        return out
+
     def step(self) -> list[Event]:
         if self._queued is not None:
             events = self._settle_queued()

@@ -20,13 +20,17 @@ from dataclasses import dataclass
 
 
 def partial_stop(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that could start one of the stop strings."""
+    """Length of the longest suffix of text that could start one of the stop strings. Only the
+    places in the text's last len(s) − 1 characters that hold s's first character are tried."""
     best = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
+        tail = text[len(text) - min(len(s) - 1, len(text)):]
+        i = tail.find(s[0]) if s else -1
+        while 0 <= i < len(tail) - best:
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(s[0], i + 1)
     return best
 
 

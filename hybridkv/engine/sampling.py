@@ -14,6 +14,11 @@ from hybridkv.errors import RequestError
 from hybridkv.ops.sampling import greedy_rows
 
 
+GREEDY_BELOW = 1e-5        # a temperature below this samples greedily
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_CHARS = 1024      # each stop string is checked against the output's end at every token
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -28,16 +33,22 @@ class SamplingParams:
     cache_salt: str | None = None     # tenants with different salts never share prefixes
 
     def validate(self) -> None:
+        """Raise RequestError naming what is wrong. A temperature below `GREEDY_BELOW` becomes 0
+        (greedy), as in vLLM: dividing logits by it would overflow float32."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:        # (NaN too)
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise RequestError(f"top_k must be between 0 and {MAX_TOP_K}, got {self.top_k}")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:
             raise RequestError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {self.seed}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
 
@@ -76,6 +87,7 @@ def filtered_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> t
         # without a top-p cut keep everything (their running mass may round past 1)
         top_p = _per_row([p.top_p if p.top_p < 1.0 else float("inf") for p in params], logits.device)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[:, 0] = False          # the most likely token stays (a top_p that rounds to 0 in float32)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(scaled, -1)
@@ -96,7 +108,9 @@ def filtered_probs_fixed(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     sorted_logits = sorted_logits.masked_fill((k[:, None] > 0) & (sorted_logits < kth), float("-inf"))
     probs = torch.softmax(sorted_logits, -1)
     cut_p = torch.where(top_p < 1.0, top_p.float(), torch.full_like(top_p, float("inf"), dtype=torch.float32))
-    sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= cut_p[:, None], float("-inf"))
+    drop = (probs.cumsum(-1) - probs) >= cut_p[:, None]
+    drop[:, 0] = False              # the most likely token stays (a top_p that rounds to 0 in float32)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.softmax(torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits), -1)
 
 

@@ -60,7 +60,7 @@ async def read_request(request: Request, st: AppState, schema):
 
 async def prompt_ids(st: AppState, text: str, param: str) -> list[int]:
     """The token ids of a text prompt (special-token strings read as special tokens), checked."""
-    _check_prompt_bytes(st, len(text), param)
+    check_prompt_chars(st, len(text), param)
     ids = await run_in_threadpool(st.tokenizer.encode, text)
     check_prompt(st, ids, param)
     return ids
@@ -68,14 +68,16 @@ async def prompt_ids(st: AppState, text: str, param: str) -> list[int]:
 
 async def chat_prompt_ids(st: AppState, segments: list[tuple[str, bool]], param: str) -> list[int]:
     """The token ids of a chat prompt's segments (special tokens from the template only), checked."""
-    _check_prompt_bytes(st, sum(len(text) for text, _ in segments), param)
+    check_prompt_chars(st, sum(len(text) for text, _ in segments), param)
     ids = await run_in_threadpool(st.tokenizer.encode_segments, segments)
     check_prompt(st, ids, param)
     return ids
 
 
-def _check_prompt_bytes(st: AppState, n_chars: int, param: str) -> None:
-    # a character is at least one byte, so counting characters never refuses a prompt that fits
+def check_prompt_chars(st: AppState, n_chars: int, param: str) -> None:
+    """Refuse a text too long to be a prompt this server takes, before it is tokenized (which holds
+    the interpreter for seconds on megabytes). A character is at least one byte, so counting
+    characters never refuses a prompt that fits."""
     if n_chars > st.max_prompt_bytes:
         raise bad(f"the prompt has {n_chars} characters, more than the {st.max_prompt} tokens this server takes "
                   f"can hold", param)

@@ -8,6 +8,7 @@ with 429 and Retry-After, aborts when the client goes away, SSE) in `streaming`.
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import asynccontextmanager
 
@@ -30,8 +31,16 @@ __all__ = ["ServerConfig", "create_app"]
 log = logging.getLogger("hybridkv.server")
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes the request (a model name, a role) may hold
+    a lone surrogate, which has no UTF-8 form; escaped, it reaches the client as the request sent it."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return _ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
 
 
 def create_app(driver: EngineDriver, tokenizer: Tokenizer, config: ServerConfig, metrics: Metrics) -> FastAPI:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridkv.chat.dsml import writable_name
+from hybridkv.engine.sampling import MAX_STOP_CHARS
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|.*\[.*\])$", re.I)
@@ -112,6 +113,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 16 or any(not s for s in stops):
         raise bad("stop takes at most 16 non-empty strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"a stop string has at most {MAX_STOP_CHARS} characters", "stop")
     return req
 
 

@@ -12,15 +12,20 @@ from hybridkv.cache.tiers.record import Record, compact
 from hybridkv.errors import CacheEntryError
 
 
-def layout_identity(store, model_identity: str) -> str:
+def layout_identity(store, model_identity: str, computation: dict | None = None) -> str:
     """Model identity + everything that shapes the stored bytes (entry format, dtypes, block size,
-    window, layer ratios). Records of another identity are foreign and never loaded."""
+    window, layer ratios) + the engine settings that change what is computed into them
+    (`computation`: an indexer ablation, a memory policy that hides entries from attention; left
+    out where empty, so that the entries of engines at the defaults keep their identity). Records of
+    another identity are foreign and never loaded."""
     cfg = store.config
     # version 2: packed indexer keys in the block layout (codes first in each block)
     desc = {"version": 2, "model": model_identity, "format": store.fmt, "dtype": str(store.dtype),
             "block_tokens": store.block_tokens, "window": cfg.sliding_window,
             "ratios": [cfg.layer_ratio(i) for i in range(store.num_layers)],
             "codecs": {k: [c.width, str(c.storage_dtype)] for k, c in store.codec.items()}}
+    if computation:
+        desc["computation"] = computation
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -206,8 +206,11 @@ class DiskTier(Tier):
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                buf = bytearray(st.st_size)
-                f.readinto(buf)
+                if st.st_size > self.capacity:      # not an entry this tier wrote: never read into memory
+                    buf = None
+                else:
+                    buf = bytearray(st.st_size)
+                    f.readinto(buf)
         except FileNotFoundError:
             with self.lock:
                 self._forget(k)
@@ -227,6 +230,8 @@ class DiskTier(Tier):
             self.stats.misses += 1
             return None
         try:
+            if buf is None:
+                raise CacheEntryError(f"{st.st_size} bytes, more than the tier's capacity ({self.capacity})")
             rec = decode(buf, self.identity, kind, key)
         except CacheEntryError as e:
             self._remove_file(path, st.st_ino, k)

@@ -111,8 +111,19 @@ def decode(buf: bytes | bytearray | memoryview, identity: str, kind: str, key: b
         raise CacheEntryError("header runs past the end of the entry")
     try:
         head = json.loads(bytes(view[_HEAD:_HEAD + hlen]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CacheEntryError(f"unreadable header: {e}") from None
+    if not isinstance(head, dict):
+        raise CacheEntryError(f"the header is a JSON {type(head).__name__}, not an object")
+    try:
+        return _decode_body(buf, view, head, hlen, identity, kind, key)
+    except CacheEntryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an entry whose digest holds but whose header lies is corrupt
+        raise CacheEntryError(f"malformed header: {type(e).__name__}: {e}") from None
+
+
+def _decode_body(buf, view: memoryview, head: dict, hlen: int, identity: str, kind: str, key: bytes) -> Record:
     if head.get("version") != 1:
         raise CacheEntryError(f"entry format version {head.get('version')!r}, this build reads 1")
     if head.get("identity") != identity:
@@ -140,6 +151,6 @@ def decode(buf: bytes | bytearray | memoryview, identity: str, kind: str, key: b
             raw = torch.frombuffer(storage, dtype=torch.uint8, count=n, offset=base + off) if n else \
                 torch.empty(0, dtype=torch.uint8)
             tensors[m["name"]] = raw.view(dtype).reshape(shape)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as e:
         raise CacheEntryError(f"malformed tensor table: {e}") from None
     return Record(kind, key, tensors, float(head.get("created", 0.0)))

@@ -166,13 +166,18 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             if not tier.holds(kind):
                 continue
-            rec = tier.get(key, kind)
+            try:
+                rec = tier.get(key, kind)
+            except Exception:  # noqa: BLE001 - a tier that fails on one entry is a miss, not a failed step
+                tier.stats.errors += 1
+                log.exception("%s tier: reading a %s record failed; treated as a miss", tier.name, kind)
+                continue
             if rec is None:
                 continue
             if check is not None:
                 try:
                     check(rec)
-                except CacheEntryError as e:
+                except Exception as e:  # noqa: BLE001 - CacheEntryError, or a record that breaks the check
                     log.warning("%s tier: removed a %s record that does not fit: %s", tier.name, kind, e)
                     tier.discard(key, kind)
                     continue

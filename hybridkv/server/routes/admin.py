@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from hybridkv.server.admission import authorize, authorize_metrics, read_body
+from hybridkv.server.admission import authorize, authorize_metrics, check_prompt_chars, read_body
 from hybridkv.server.chat import plan_chat
 from hybridkv.server.protocol import ChatRequest, CompletionRequest, bad, parse_body
 from hybridkv.server.state import AppState, app_state
@@ -62,11 +62,13 @@ async def tokenize(request: Request, st: AppState = Depends(app_state)):
     if is_chat:
         plan = plan_chat(await run_in_threadpool(parse_body, raw, ChatRequest), st.config.default_thinking)
         prompt = plan.prompt
+        check_prompt_chars(st, sum(len(text) for text, _ in plan.segments), "messages")
         ids = await run_in_threadpool(st.tokenizer.encode_segments, plan.segments)
     else:
         req = await run_in_threadpool(parse_body, raw, CompletionRequest)
         if not isinstance(req.prompt, str):
             raise bad("prompt must be a string here", "prompt")
         prompt = req.prompt
+        check_prompt_chars(st, len(prompt), "prompt")
         ids = await run_in_threadpool(st.tokenizer.encode, prompt)
     return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "prompt": prompt}
