@@ -87,7 +87,7 @@ def filtered_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> t
         # without a top-p cut keep everything (their running mass may round past 1)
         top_p = _per_row([p.top_p if p.top_p < 1.0 else float("inf") for p in params], logits.device)
         drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[:, 0] = False          # the most likely token stays (a top_p that rounds to 0 in float32)
+        drop[:, 0].fill_(False)     # the most likely token stays (a top_p that rounds to 0 in float32)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(scaled, -1)
@@ -109,7 +109,7 @@ def filtered_probs_fixed(logits: torch.Tensor, temperature: torch.Tensor, top_k:
     probs = torch.softmax(sorted_logits, -1)
     cut_p = torch.where(top_p < 1.0, top_p.float(), torch.full_like(top_p, float("inf"), dtype=torch.float32))
     drop = (probs.cumsum(-1) - probs) >= cut_p[:, None]
-    drop[:, 0] = False              # the most likely token stays (a top_p that rounds to 0 in float32)
+    drop[:, 0].fill_(False)         # the most likely token stays (a top_p that rounds to 0 in float32)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.softmax(torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits), -1)
 

@@ -63,6 +63,7 @@ from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, p
 from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
 from hybridkv.engine.speculative import step_uniforms
 from hybridkv.model.state import DecodeGroup, ForwardBatch
+from hybridkv.ops.sampling import greedy_rows
 
 
 # the most top log-probabilities a request may ask (`SamplingParams.validate`): a graph in which some
@@ -281,7 +282,10 @@ class SpeculativeGraphs:
         row before; sampled rows accept draft i with probability min(1, p(d)/q(d)) and then draw from
         the residual max(p − q, 0) at the first rejection, else from p, with this step's uniforms."""
         k, bp = g.k, g.batch
-        argmax = logits.argmax(-1).t()                                            # [Bp, k+1], the first maximum
+        # each row's first maximum and its log-probability (two launches over many programs on the GPU;
+        # torch's argmax takes one block a row, tens of microseconds for a 129K vocabulary)
+        flat, greedy_lp = greedy_rows(logits.reshape((k + 1) * bp, -1))
+        argmax = flat.view(k + 1, bp).t()                                         # [Bp, k+1]
         drafts = tokens[:, 1:]
         agree = drafts == argmax[:, :-1]
         if g.sampled:
@@ -307,10 +311,13 @@ class SpeculativeGraphs:
         column = torch.arange(k + 1, device=kept.device).unsqueeze(0)
         following = torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own.unsqueeze(1))
         g.out["kept"], g.out["tokens"] = kept, following
-        logprobs = torch.log_softmax(logits, -1).transpose(0, 1)                   # [Bp, k+1, vocab]
-        g.out["logprobs"] = logprobs.gather(-1, following.unsqueeze(-1)).squeeze(-1)
-        if g.top:
-            g.out["top_logprobs"], g.out["top_ids"] = torch.topk(logprobs, g.top, -1)
+        if g.sampled or g.top:
+            logprobs = torch.log_softmax(logits, -1).transpose(0, 1)               # [Bp, k+1, vocab]
+            g.out["logprobs"] = logprobs.gather(-1, following.unsqueeze(-1)).squeeze(-1)
+            if g.top:
+                g.out["top_logprobs"], g.out["top_ids"] = torch.topk(logprobs, g.top, -1)
+        else:   # greedy: wherever a token is kept it is its row's argmax (an accepted draft equals it)
+            g.out["logprobs"] = greedy_lp.view(k + 1, bp).t()
         return kept, following
 
     def _verify(self, g: SpecGraph, tokens, positions, slots, tables) -> torch.Tensor:
@@ -350,7 +357,7 @@ class SpeculativeGraphs:
     def _pick(self, g: SpecGraph, logits: torch.Tensor, slots: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j+1 of every request from the MTP block's logits [Bp, vocab]: the argmax, or for a
         sampled request a draw from its filtered distribution, which is kept for the next step."""
-        greedy = logits.argmax(-1)
+        greedy = greedy_rows(logits)[0]
         if not g.sampled:
             return greedy
         temp, top_k, top_p = g.params.unbind(1)
