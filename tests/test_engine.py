@@ -270,6 +270,25 @@ def test_a_request_longer_than_the_pool_stops_there_and_those_behind_it_run(tiny
     assert_idle(llm)
 
 
+def test_a_request_whose_admission_fails_ends_alone(tiny_dir, monkeypatch):
+    """Admission raising for one request (here its prefix lookup; in the wild a broken cache tier)
+    ends that request with finish_reason "error" and the reason; it does not stay at the queue's
+    head failing every step, and the requests around it run."""
+    llm = make(tiny_dir)
+    prefix, match = llm.engine.prefix, llm.engine.prefix.match
+
+    def failing(root, tokens):
+        if tokens[0] == 7:
+            raise RuntimeError("the tier broke")
+        return match(root, tokens)
+    monkeypatch.setattr(prefix, "match", failing)
+    good = prompts_of([60, 60], seed=11)
+    outs = llm.generate([good[0], [7] * 40, good[1]], SamplingParams(max_tokens=3))
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "admitting the request (RuntimeError: the tier broke)" in outs[1].error
+    assert_idle(llm)
+
+
 def test_rejections_leave_others_running(tiny_dir):
     llm = make(tiny_dir, num_blocks=4)                      # 512 positions
     good = prompts_of([50], seed=8)[0]

@@ -93,6 +93,28 @@ def test_finished_requests_leave_the_request_table(server):
     assert server.engine.requests == {}
 
 
+def test_a_request_whose_admission_fails_is_answered_500_and_the_others_served(server, monkeypatch):
+    """The engine raising while it admits one request (its prefix lookup, standing in for a cache
+    tier that breaks) answers that request 500 with the reason; the request before it and after it
+    are served, and no engine step failed."""
+    eng = server.engine
+    match = eng.prefix.match
+
+    def failing(root, tokens):
+        if tokens[:3] == [7, 7, 7]:
+            raise RuntimeError("the tier broke")
+        return match(root, tokens)
+    monkeypatch.setattr(eng.prefix, "match", failing)
+    before = server.stats()["failed_steps"]
+    ok = post(server, "/v1/completions", {"prompt": [5, 6, 8, 9], "max_tokens": 2})
+    bad = post(server, "/v1/completions", {"prompt": [7, 7, 7, 9], "max_tokens": 2})
+    again = post(server, "/v1/completions", {"prompt": [5, 6, 8, 10], "max_tokens": 2})
+    assert ok.status_code == again.status_code == 200, (ok.text, again.text)
+    assert bad.status_code == 500 and "the tier broke" in bad.json()["error"]["message"], bad.text
+    server.wait_idle()
+    assert server.stats()["failed_steps"] == before and not eng.requests
+
+
 def test_head_health(server):
     r = httpx.head(server.url + "/health", timeout=10)
     assert r.status_code == 200 and r.content == b""

@@ -306,12 +306,13 @@ class EngineCore:
             if events is not None:
                 return events
         chunks = self.scheduler.schedule()
+        failed = self._end_unadmitted()
         if self.schedule_check is not None:
             self.schedule_check(chunks)
         if not chunks:
-            return []
+            return failed
         if self.speculative:
-            return self._speculative_step(chunks)
+            return failed + self._speculative_step(chunks)
         graph_steps = self.stats.graph_steps
         logits = self._forward(chunks)
         for c in chunks:        # offload mode on the paged kernels: completed blocks' pages to host memory
@@ -341,6 +342,16 @@ class EngineCore:
         self.stats.steps += 1
         self.stats.forward_tokens += sum(c.length for c in chunks)
         self._drop_dead_queue()
+        return failed + events
+
+    def _end_unadmitted(self) -> list[Event]:
+        """End the requests whose admission raised this step, each with its error."""
+        events = []
+        for seq, why in self.scheduler.unadmitted:
+            seq.error = why
+            self._finish(seq, "error")
+            events.append(Event(seq.request_id, None, finished=True, finish_reason="error"))
+        self.scheduler.unadmitted.clear()
         return events
 
     # ----- async scheduling: the next decode step queued before this one's tokens are read -----

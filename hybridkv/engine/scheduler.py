@@ -11,6 +11,7 @@ freed and it will be recomputed.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from hybridkv.cache.block_pool import OutOfBlocks
 from hybridkv.cache.paged import PagedKVStore
 from hybridkv.cache.prefix import PrefixCache
 from hybridkv.engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # requests whose admission raised (a failing cache tier, ...), with why: the engine ends them,
+        # alone; left at the queue's head they would fail every step after
+        self.unadmitted: list[tuple[Sequence, str]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -155,7 +161,15 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.store.num_free_slots:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            try:
+                admitted = self._admit(seq)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                log.exception("admitting request %s failed", seq.request_id)
+                self.waiting.popleft()
+                self._free(seq)
+                self.unadmitted.append((seq, f"internal error while admitting the request ({type(e).__name__}: {e})"))
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             self.running.append(seq)

@@ -273,7 +273,8 @@ class EngineDriver:
         seq, now = live.seq, time.perf_counter()
         out = Output(ev.text, [ev.token_id] if ev.token_id is not None else [], finished=ev.finished,
                      finish_reason=ev.finish_reason, prompt_tokens=len(seq.prompt_ids),
-                     cached_tokens=seq.num_cached_tokens, completion_tokens=len(seq.output_ids))
+                     cached_tokens=seq.num_cached_tokens, completion_tokens=len(seq.output_ids),
+                     error=seq.error if ev.finish_reason == "error" else None)
         if self.engine.speculative:
             out.speculative = (seq.spec_steps, seq.spec_draft_tokens, seq.spec_accepted_tokens)
         if ev.token_id is not None:
@@ -284,7 +285,7 @@ class EngineDriver:
                 out.token_texts = [tok.decode([ev.token_id]) if tok else str(ev.token_id)]
                 if seq.params.logprobs:
                     out.top_logprobs = [[(tok.decode([t]) if tok else str(t), lp) for t, lp in seq.top_logprobs[i]]]
-        if self.metrics is not None:
+        if self.metrics is not None and ev.token_id is not None:
             self.metrics.token(live, now)
         live.last_time = now
         if live.first_time is None:
