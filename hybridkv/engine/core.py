@@ -790,7 +790,7 @@ class EngineCore:
                 if end_pos in below:
                     ready = torch.cuda.Event() if self.device.type == "cuda" else None
                     if ready is not None:
-                        ready.record()
+                        ready.record(torch.cuda.current_stream(self.device))
                     seq.snapshots_below.append((end_pos, snap, ready))
                 else:
                     seq.new_snapshots.append((end_pos, snap))
