@@ -339,9 +339,7 @@ class PrefixCache:
                           "loaded_bytes": self.promoted * per_block, "evictions": pool.evictions,
                           "evicted_bytes": pool.evictions * per_block, "entries": len(pool.cached),
                           "bytes": len(pool.cached) * per_block + self.snapshots.nbytes,
-                          "snapshots": len(self.snapshots), "snapshot_bytes": self.snapshots.nbytes,
-                          "snapshots_stored": self.snapshots.stored, "snapshots_evicted": self.snapshots.evicted,
-                          "snapshots_below": self.snapshots_below, "snapshots_skipped": self.snapshots_skipped}}
+                          "snapshots": len(self.snapshots), "snapshot_bytes": self.snapshots.nbytes}}
         if self.tiers is not None:
             out.update(self.tiers.stats())
         return out

@@ -44,6 +44,7 @@ from hybridkv.ops.paged import PagedBatch
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Event:
     """Something a request produced in one step."""
@@ -755,9 +756,9 @@ class EngineCore:
         tier bytes] this forward may still take) shrinks by what they take. Why: a chunk holds its
         states until its last layer has run, and the store would keep only the newest of them (a
         16K-token chunk of V4-Flash has 128 boundaries of 14.7 MiB each)."""
-        bt, size = self.store.block_tokens, self.snapshot_nbytes
-        end = c.start + c.length
-        read = [b for b in range((c.start // bt + 1) * bt, end + 1, bt)
+        size, end = self.snapshot_nbytes, c.start + c.length
+        ends_block = end % self.store.block_tokens == 0
+        read = [b for b in self._inner_boundaries(c) + ([end] if ends_block else [])
                 if b > c.seq.cache.frozen_until and b not in unread]
         if not read or size == 0:
             return set(), set()
@@ -814,7 +815,7 @@ class EngineCore:
         seq.snapshots_below = []
         for boundary, snap in seq.new_snapshots:
             if self.policy.publishes(boundary):
-                self.prefix.publish(seq.block_hashes[boundary // self.store.block_tokens - 1], snap)
+                self.prefix.publish(seq.block_hashes[boundary // bt - 1], snap)
             seq.rolling_snapshot = (boundary, snap)
         seq.new_snapshots = []
 
