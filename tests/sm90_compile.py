@@ -138,3 +138,18 @@ attempt("batch_invariant bmm", lambda: batch_invariant.mm(torch.zeros(3, 70, 64)
                                                           torch.zeros(3, 64, 96).bfloat16()))
 attempt("rope (3, 64, 512) in place", lambda: rope_kernels.apply_rope(torch.zeros(3, 64, 512).bfloat16(), freqs,
                                                                       in_place=True))
+
+# V4.1's decode step: the FP4 round trip (indexer queries and keys, global KV) and its packings
+from hybridkv.ops.kv_formats import triton as pack_kernels  # noqa: E402
+from hybridkv.ops.quant import triton as quant_kernels  # noqa: E402
+
+for block, fmt in ((32, "ue8m0"), (16, "e4m3")):
+    attempt(f"fp4_round_trip block={block} {fmt}", lambda: quant_kernels.fp4_round_trip(
+        torch.zeros(b, 512).bfloat16(), block, fmt))
+attempt("pack_index_fp4 d=128", lambda: pack_kernels.pack_index_fp4(torch.zeros(b, 128).bfloat16(), 32))
+attempt("pack_v41_window d=512", lambda: pack_kernels.pack_v41_window(torch.zeros(b, 512).bfloat16(), 32))
+attempt("pack_v41_global d=512", lambda: pack_kernels.pack_v41_global(torch.zeros(b, 512).bfloat16(), 16))
+attempt("window_v41 d=512", lambda: window_kernels.write_window_v41(
+    torch.zeros(b, 512).bfloat16(), torch.zeros(4, 128, 528, dtype=torch.uint8), slots, positions, 32))
+attempt("gate_select v41 experts=384 temp", lambda: moe_kernels.gate_select(
+    torch.zeros(b, 384), torch.zeros(384), 6, 1.5, True, temp=1.7, norm_eps=1e-20))

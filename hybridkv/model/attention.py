@@ -45,7 +45,7 @@ from hybridkv.ops.rmsnorm import rms_norm_
 from hybridkv.ops.compress import compress_decode_ok, compress_decode_paged, compress_paged
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
-from hybridkv.ops.window import write_window_fp8
+from hybridkv.ops.window import write_window_fp8, write_window_v41
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
 # the CrossLayerShare key of a forward's decode group (segments use their index)
@@ -130,7 +130,8 @@ class Attention(nn.Module):
         q = apply_rope_(q, freqs)                  # (a fresh tensor: rotated where it lies)
         kv = apply_rope(self.kv_norm(kv_a), freqs)
         if self.v41:
-            kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
+            if not self._window_rows_fused(batch):
+                kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
         elif not self._window_rows_fused(batch):
             kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
                             kv[..., -self.rope_dim:]], -1)
@@ -175,8 +176,9 @@ class Attention(nn.Module):
         own = True                                # o is this forward's: rotated back in place below
         if batch.decode is not None:
             r = batch.decode.rows
-            if batch.decode.whole and not self.v41:   # a decode-only batch (CUDA graphs): no gathers
-                o = self._attend_decode(batch.decode.kv, q, kv, rows, fused)
+            if batch.decode.whole and not ahead:      # a decode-only batch (CUDA graphs): no gathers
+                o = (self._attend_decode_v41(batch.decode.kv, q, kv, rows, share) if self.v41
+                     else self._attend_decode(batch.decode.kv, q, kv, rows, fused))
                 own = o.dtype != x.dtype                  # (the cast below copies it)
             else:
                 drows = {k: v[r] for k, v in rows.items()}
@@ -266,8 +268,11 @@ class Attention(nn.Module):
                 and all(self._window_fused(w.kv) for w in batch.waves))
 
     def _window_fused(self, dkv: DecodeKV) -> bool:
-        """Whether a decode group's window rows go through `write_window_fp8` (round trip, pack and
-        ring store in one launch): the paged kernels' path over an fp8 store with power-of-two scales."""
+        """Whether a decode group's window rows go through `write_window_fp8` or `write_window_v41`
+        (round trip, pack and ring store in one launch): the paged kernels' path over an fp8 or v41
+        store with power-of-two scales."""
+        if self.v41:
+            return self.kv_pow2 and self._v41_kernel_args(dkv) is not None and hasattr(dkv, "slots")
         kargs = self._kernel_args(dkv)
         return kargs is not None and kargs.main_format == "fp8" and self.kv_pow2 and hasattr(dkv, "slots")
 
@@ -467,8 +472,12 @@ class Attention(nn.Module):
         source's pool. The selection was scored over the source's stored index keys by the paged
         kernels (`paged_scores`) and chosen by the indexer's own rules (`LatentIndexer.select_scored`)."""
         lid, src = self.layer_id, self.kv_source
-        stored = kargs.encode_window(kv)
-        dkv.write_window(lid, stored)        # ring row pos % W held pos − W, which no window reads any more
+        # ring row pos % W held pos − W, which no window reads any more
+        if self._window_fused(dkv):
+            stored = write_window_v41(kv, kargs.ring(lid), dkv.slots, dkv.positions)
+        else:
+            stored = kargs.encode_window(kv)
+            dkv.write_window(lid, stored)
         out = sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored, kargs.ring(lid),
                                 kargs.pool(src, "kv") if self.ratio else None, sel, self.ratio, "v41",
                                 self.head_dim, 0, self.window, max_pos=kargs.max_pos,

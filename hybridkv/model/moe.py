@@ -28,6 +28,9 @@ from hybridkv.ops import grouped_moe
 from hybridkv.ops.backend import is_deterministic
 
 
+V41_NORM_EPS = 1e-20    # V4.1's gate divides its top-k weights by their sum plus this
+
+
 class Gate(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -50,8 +53,13 @@ class Gate(nn.Module):
         """x [T, dim] -> routing weights [T, k] (float32), expert ids [T, k]."""
         # float32 products and sums; at decode sizes one split-K launch that reads x as it is
         scores = widened_linear(x, self.weight, torch.float32)
-        if grouped_moe.gate_kernel_ok(scores, self.v41, self.score_func):
+        if grouped_moe.gate_kernel_ok(scores, self.score_func):
             # one launch for the activation, the selection, the gather and the normalisation
+            if self.v41:
+                return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale,
+                                               self.norm_topk and self.topk > 1,
+                                               self.tid2eid if self.hash else None, input_ids if self.hash else None,
+                                               temp=self.temp, norm_eps=V41_NORM_EPS)
             return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale, self.norm_topk,
                                            self.tid2eid if self.hash else None, input_ids if self.hash else None)
         if self.v41:
@@ -69,7 +77,7 @@ class Gate(nn.Module):
         w = scores.gather(1, ids)
         if self.v41:
             if self.norm_topk and self.topk > 1:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+                w = w / (w.sum(-1, keepdim=True) + V41_NORM_EPS)
         elif self.score_func != "softmax" and self.norm_topk:
             w = w / w.sum(-1, keepdim=True)
         return w * self.route_scale, ids

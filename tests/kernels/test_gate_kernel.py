@@ -1,5 +1,7 @@
-"""V4's gate selection in one launch against `Gate.forward`'s torch operations (the scores from
+"""The gate selection (V4's, and V4.1's with its temperature) in one launch against `Gate.forward`'s torch operations (the scores from
 one GEMM in both), and the scores' split-K launch at decode sizes against the float32 GEMM."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,18 +13,21 @@ from hybridkv.presets import get_preset
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-@pytest.mark.parametrize("hash_layer", [False, True])
-def test_gate_select_matches_the_gate(device, monkeypatch, tokens, hash_layer):
-    cfg = get_preset("v4-flash")
+@pytest.mark.parametrize("preset,hash_layer", [("v4-flash", False), ("v4-flash", True), ("v4.1-flash", False)])
+def test_gate_select_matches_the_gate(device, monkeypatch, tokens, preset, hash_layer):
+    cfg = get_preset(preset)
+    experts = cfg.n_routed_experts
+    if preset == "v4.1-flash":
+        cfg = dataclasses.replace(cfg, gate_temp=1.7)      # V4.1's logits divided by a temperature
     gate = Gate(cfg, 0 if hash_layer else cfg.num_hash_layers)
-    assert gate.hash == hash_layer and gate.topk == 6 and gate.weight.shape[0] == 256
+    assert gate.hash == hash_layer and gate.topk == 6 and gate.weight.shape[0] == experts
     g = torch.Generator().manual_seed(tokens + 100 * hash_layer)
     with torch.no_grad():
         gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * 0.02)
         if hash_layer:
-            gate.tid2eid.copy_(torch.rand(cfg.vocab_size, 256, generator=g).argsort(-1)[:, :6].int())
+            gate.tid2eid.copy_(torch.rand(cfg.vocab_size, experts, generator=g).argsort(-1)[:, :6].int())
         else:
-            gate.bias.copy_(torch.randn(256, generator=g) * 0.1)
+            gate.bias.copy_(torch.randn(experts, generator=g) * 0.1)
     gate = gate.to(device)
     x = torch.randn(tokens, cfg.hidden_size, generator=g)
     x[0] *= 300                                    # logits past softplus' threshold (20) and far below 0

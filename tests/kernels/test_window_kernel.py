@@ -35,3 +35,32 @@ def test_window_rows_are_packed_and_stored_as_the_composition(device, dtype, d):
     again = kernels.write_window_fp8(torch.cat([fp8_round_trip(kv[:, :-rope], KV_FP8_BLOCK), kv[:, -rope:]],
                                                -1).to(device), *dev[1:], rope)
     assert torch.equal(again.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v41_window_rows_are_packed_and_stored_as_the_composition(device, dtype):
+    from hybridkv.ops.kv_formats import pack_v41_window, v41_window_bytes
+    from hybridkv.ops.window import triton as kernels
+    g = torch.Generator().manual_seed(41)
+    b, d, w = 5, 512, 16
+    kv = torch.randn(b, d, generator=g) * torch.logspace(-3, 2, b)[:, None]
+    kv[1, :32] = 0                                  # an all-zero block: the amax floor
+    kv[1, 32:64] = -0.0
+    kv[2, :32] = torch.linspace(-1, 1, 32) * 225.0 / 448.0 * 2.0 ** -3   # a round trip that halves its scale
+    kv[2, 5] = 225.0 * 2.0 ** -3
+    kv[3, 64:96] = torch.linspace(-1, 1, 32) * 1e-3
+    kv[3, 70] = 40.0                                # small negative values round to −0 (0x80)
+    kv = kv.to(dtype)
+    slots = torch.tensor([2, 0, 3, 1, 4])
+    positions = torch.tensor([17, 3, 40, 15, 0])
+    ring = torch.randint(0, 255, (5, w, v41_window_bytes(d)), generator=g, dtype=torch.uint8)
+    want_ring = ring.clone()
+    want = pack_v41_window(fp8_round_trip(kv, 32))
+    assert (want[:, :d] == 0x80).any()
+    want_ring[slots, positions % w] = want
+    dev = [t.to(device) for t in (kv, ring, slots, positions)]
+    got = kernels.write_window_v41(*dev, 32)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(dev[1].cpu(), want_ring)
+    again = kernels.write_window_v41(fp8_round_trip(kv, 32).to(device), *dev[1:], 32)   # the trip is idempotent
+    assert torch.equal(again.cpu(), want)

@@ -248,21 +248,23 @@ def routed_experts_widened(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     return combine_kernels.combine(out, sort.inverse, ids, plus, result_dtype)
 
 
-def gate_kernel_ok(scores: torch.Tensor, v41: bool, score_func: str) -> bool:
-    """Whether the gate's selection runs as one `gate_select` launch: V4's sqrt-softplus gate in a
-    forward without autograd, where the Triton kernels run."""
-    return (not v41 and score_func == "sqrtsoftplus" and use_triton(scores)
+def gate_kernel_ok(scores: torch.Tensor, score_func: str) -> bool:
+    """Whether the gate's selection runs as one `gate_select` launch: a sqrt-softplus gate (V4's and
+    V4.1's) in a forward without autograd, where the Triton kernels run."""
+    return (score_func == "sqrtsoftplus" and use_triton(scores)
             and not (torch.is_grad_enabled() and scores.requires_grad))
 
 
 def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float, norm: bool,
-                tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
-    """V4's gate after its logits, in one launch: sqrt(softplus(scores)) [T, E]; the top `topk` of
-    score + bias (or, on hash layers, tid2eid[input_ids]); their scores, normalised (`norm`), times
-    route_scale -> (weights [T, k] float32, ids [T, k] int64). The same selection as `Gate.forward`'s
-    torch operations (ties: the lower expert id first)."""
+                tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, temp: float = 1.0,
+                norm_eps: float = 0.0):
+    """The gate after its logits, in one launch: sqrt(softplus(scores / temp)) [T, E]; the top `topk`
+    of score + bias (or, on hash layers, tid2eid[input_ids]); their scores, normalised (`norm`: over
+    their sum + norm_eps), times route_scale -> (weights [T, k] float32, ids [T, k] int64). The same
+    selection as `Gate.forward`'s torch operations (ties: the lower expert id first); V4.1's gate is
+    V4's with its temperature and norm_eps = 1e-20."""
     from hybridkv.ops.grouped_moe import triton as kernels
-    return kernels.gate_select(scores, bias, topk, route_scale, norm, tid2eid, input_ids)
+    return kernels.gate_select(scores, bias, topk, route_scale, norm, tid2eid, input_ids, temp, norm_eps)
 
 
 def swiglu_kernel_ok(gate: torch.Tensor) -> bool:

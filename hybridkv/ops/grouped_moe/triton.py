@@ -126,17 +126,19 @@ def combine(out: torch.Tensor, inverse: torch.Tensor, ids: torch.Tensor, plus: t
 
 
 @triton.jit
-def gate_select_kernel(SCORES, BIAS, TID2EID, INPUT_IDS, W, IDS, E, route_scale, K: tl.constexpr,
+def gate_select_kernel(SCORES, BIAS, TID2EID, INPUT_IDS, W, IDS, E, route_scale, temp, norm_eps, K: tl.constexpr,
                        KP: tl.constexpr, BLOCK_E: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Token t: sqrt(softplus(logits)) of its E experts; the top K of (score + bias), or on hash
-    layers the K experts of its token id; their scores, normalised to sum 1 (NORM), times
-    route_scale."""
+                       TEMP: tl.constexpr, PDL: tl.constexpr):
+    """Token t: sqrt(softplus(logits / temp (TEMP))) of its E experts; the top K of (score + bias),
+    or on hash layers the K experts of its token id; their scores, normalised to sum 1 (NORM: divided
+    by their sum + norm_eps), times route_scale."""
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     x = tl.load(SCORES + t * E + e, mask=ok, other=0.0)
+    if TEMP:
+        x = tl.math.div_rn(x, temp)
     # softplus as torch computes it (threshold 20), log1p(y) as log(u)·y / (u − 1) with u = 1 + y
     y = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + y
@@ -159,13 +161,14 @@ def gate_select_kernel(SCORES, BIAS, TID2EID, INPUT_IDS, W, IDS, E, route_scale,
             w = tl.where(kk == j, tl.sum(tl.where(e == pick, s, 0.0), 0), w)
             sel = tl.where(e == pick, float("-inf"), sel)
     if NORM:
-        w = w / tl.sum(w, 0)
+        w = tl.math.div_rn(w, tl.sum(w, 0) + norm_eps)
     tl.store(W + t * K + kk, w * route_scale, mask=kok)
     tl.store(IDS + t * K + kk, ids, mask=kok)
 
 
 def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float, norm: bool,
-                tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
+                tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, temp: float = 1.0,
+                norm_eps: float = 0.0):
     """scores [T, E] float32 gate logits -> (weights [T, k] float32, expert ids [T, k] int64)."""
     t, e = scores.shape
     scores = scores.float().contiguous()
@@ -176,8 +179,9 @@ def gate_select(scores: torch.Tensor, bias: torch.Tensor | None, topk: int, rout
         gate_select_kernel[(t,)](scores, scores if bias is None else bias.float().contiguous(),
                                  tid2eid.contiguous() if hashed else scores,
                                  input_ids.contiguous() if hashed else scores, w, ids, e, float(route_scale),
-                                 K=topk, KP=triton.next_power_of_2(topk), BLOCK_E=triton.next_power_of_2(e),
-                                 HASH=hashed, NORM=norm, num_warps=4, **triton_args(scores))
+                                 float(temp), float(norm_eps), K=topk, KP=triton.next_power_of_2(topk),
+                                 BLOCK_E=triton.next_power_of_2(e), HASH=hashed, NORM=norm, TEMP=temp != 1.0,
+                                 num_warps=4, **triton_args(scores))
     return w, ids
 
 

@@ -1,7 +1,9 @@
 """One Triton kernel for the FP8 (e4m3) round trip with power-of-two block scales, the activation
-quantisation in front of every FP8 linear and the window KV's storage round trip. The plain-torch
-definition (`reference.fp8_round_trip`) takes a dozen launches per call; on a decode step, where
-every call is a few thousand elements, those launches were the host's largest cost.
+quantisation in front of every FP8 linear and the window KV's storage round trip; one for the FP4
+(E2M1) round trip with power-of-two or e4m3 block scales (V4.1's indexer queries and keys, its global
+KV). The plain-torch definitions (`reference.fp8_round_trip`, `reference.fp4_round_trip`) take a
+dozen launches per call; on a decode step, where every call is a few thousand elements, those
+launches were the host's largest cost.
 
 Bit-exact with the reference: the scale 2^ceil(log2(amax/448)) comes from the float32 bits
 (adding 0x7FFFFF to a normal float's bits and keeping the exponent rounds it up to a power of
@@ -17,9 +19,14 @@ import triton.language as tl
 
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
-from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
+from hybridkv.ops.quant.reference import FP4_AMAX_FLOOR, FP4_E4M3_AMAX_FLOOR, FP4_MAX, FP8_AMAX_FLOOR, FP8_MAX
 
 ROWS = 16   # quantisation blocks per program
+# the FP4 kernel reads these as constexprs (the GPU's compiler refuses plain globals)
+_FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
+_FP4_E4M3_FLOOR = tl.constexpr(FP4_E4M3_AMAX_FLOOR)
+_E2M1_MAX = tl.constexpr(FP4_MAX)
+_INV_E2M1_MAX = tl.constexpr(1.0 / FP4_MAX)
 
 
 @triton.jit
@@ -48,6 +55,13 @@ def _bf16_round(x):
     u = x.to(tl.uint32, bitcast=True)
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
     return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_saturate(t):
+    """t ≥ 0 converted to e4m3 as torch converts to float8_e4m3fn: to nearest, ties to even, values
+    past 448 saturated to 448."""
+    return _e4m3_round(tl.minimum(t, 448.0))
 
 
 @triton.jit
@@ -88,4 +102,39 @@ def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
     if n_blocks:
         fp8_round_trip_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
                                                                BLOCK=block, R=ROWS, num_warps=4, **triton_args(xc))
+    return y.view(x.shape)
+
+
+@triton.jit
+def fp4_round_trip_kernel(X, Y, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr, E4M3: tl.constexpr,
+                          PDL: tl.constexpr):
+    wait_then_release(PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_blocks)[:, None]
+    offs = rows.to(tl.int64)[:, None] * BLOCK + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    if E4M3:    # e4m3(amax / 6), and x / s correctly rounded (s is no power of two)
+        s = _e4m3_saturate(tl.math.div_rn(tl.maximum(amax, _FP4_E4M3_FLOOR), _E2M1_MAX))
+        q = tl.math.div_rn(x, s[:, None])
+    else:       # 2^ceil(log2(amax / 6)); x · (1/s) is exact
+        t = tl.maximum(amax, _FP4_FLOOR) * _INV_E2M1_MAX
+        s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        s = s_bits.to(tl.float32, bitcast=True)
+        q = x * (0x7F000000 - s_bits).to(tl.float32, bitcast=True)[:, None]
+    y = _e2m1_round(tl.minimum(tl.maximum(q, -_E2M1_MAX), _E2M1_MAX)) * s[:, None]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def fp4_round_trip(x: torch.Tensor, block: int, scale_fmt: str = "ue8m0") -> torch.Tensor:
+    """`reference.fp4_round_trip(x, block, scale_fmt)` in one launch (x's last dim a multiple of
+    block, block a power of two)."""
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    n_blocks = xc.numel() // block
+    if n_blocks:
+        fp4_round_trip_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, BLOCK=block, R=ROWS,
+                                                               E4M3=scale_fmt == "e4m3", num_warps=4,
+                                                               **triton_args(xc))
     return y.view(x.shape)

@@ -2,15 +2,16 @@
 (blocks of 64, power-of-two scales), packing into the 584-B main entry layout of
 `hybridkv.ops.kv_formats` and the store at ring row pos % W of the request's slot. Returns the
 packed rows too (the attention kernels read a token's own row from them). The reference is the
-composition the model runs elsewhere: `fp8_round_trip`, `pack_main_fp8`, an indexed store."""
+composition the model runs elsewhere: `fp8_round_trip`, `pack_main_fp8`, an indexed store.
+`write_window_v41` does the same for V4.1's window rows (FP8 in blocks of 32, `pack_v41_window`)."""
 
 from __future__ import annotations
 
 import torch
 
-from hybridkv.config import KV_FP8_BLOCK
+from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK
 from hybridkv.ops.backend import use_triton
-from hybridkv.ops.kv_formats import main_entry_bytes, pack_main_fp8
+from hybridkv.ops.kv_formats import main_entry_bytes, pack_main_fp8, pack_v41_window, v41_window_bytes
 from hybridkv.ops.quant import fp8_round_trip
 
 
@@ -26,5 +27,19 @@ def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
         return kernels.write_window_fp8(kv, ring, slots, positions, rope_dim)
     nope = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK), kv[:, -rope_dim:]], -1)
     stored = pack_main_fp8(nope, rope_dim)
+    ring[slots, positions % ring.shape[1]] = stored
+    return stored
+
+
+def write_window_v41(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """kv [B, D] (normalised and rotated, round-tripped or not), ring [slots, W, bytes] uint8 of V4.1
+    window rows, slots/positions [B] -> packed rows [B, bytes]."""
+    b, d = kv.shape
+    if ring.shape[-1] != v41_window_bytes(d):
+        raise ValueError(f"window ring rows of {ring.shape[-1]} B are not {d}-dim V4.1 window rows")
+    if use_triton(kv) and not d & (d - 1) and d >= V41_WINDOW_FP8_BLOCK:
+        from hybridkv.ops.window import triton as kernels
+        return kernels.write_window_v41(kv, ring, slots, positions, V41_WINDOW_FP8_BLOCK)
+    stored = pack_v41_window(fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK))
     ring[slots, positions % ring.shape[1]] = stored
     return stored

@@ -1,4 +1,4 @@
-"""Triton kernel of `write_window_fp8`: one program per token."""
+"""Triton kernels of `write_window_fp8` and `write_window_v41`: one program per token."""
 
 from __future__ import annotations
 
@@ -64,4 +64,42 @@ def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
     if b:
         window_fp8_kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions,
                                 ring.shape[1], D=d, ROPE=rope_dim, BYTES=ring.shape[-1], num_warps=4, **triton_args(kv))
+    return out
+
+
+@triton.jit
+def _store_v41_row(dst, codes, sexp, D: tl.constexpr, T: tl.constexpr):
+    tl.store(dst + tl.arange(0, D), codes)
+    tl.store(dst + D + tl.arange(0, D // T), sexp.to(tl.uint8))
+
+
+@triton.jit
+def window_v41_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, W, D: tl.constexpr,
+                      T: tl.constexpr, PDL: tl.constexpr):
+    """V4.1's window row [e4m3 codes: D][ue8m0 scale per T: D/T]: the FP8 round trip in blocks of T,
+    then the packing's own scales from the round-tripped values (`pack_v41_window`)."""
+    wait_then_release(PDL)
+    b = tl.program_id(0)
+    x = tl.reshape(tl.load(KV + b.to(tl.int64) * s_kv + tl.arange(0, D)).to(tl.float32), [D // T, T])
+    q, _, scale = _fp8_blocks(x, 1.0 / 448.0)
+    q, sexp, _ = _fp8_blocks(q * scale[:, None], 1.0 / 448.0)
+    # magnitude bits and x's sign apart: a value that rounds to zero keeps its sign (−0 is 0x80, as
+    # torch converts it)
+    mag = tl.abs(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    codes = tl.reshape(mag | ((x.to(tl.int32, bitcast=True) < 0).to(tl.uint8) << 7), [D])
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    _store_v41_row(OUT + b.to(tl.int64) * (D + D // T), codes, sexp, D, T)
+    _store_v41_row(RING + slot * s_ring_slot + (pos % W) * s_ring_row, codes, sexp, D, T)
+
+
+def write_window_v41(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     tile: int) -> torch.Tensor:
+    b, d = kv.shape
+    if kv.stride(-1) != 1 or ring.stride(-1) != 1 or ring.dtype != torch.uint8:
+        raise ValueError("write_window_v41: kv rows and the uint8 ring must be contiguous in their last dim")
+    out = torch.empty(b, ring.shape[-1], dtype=torch.uint8, device=kv.device)
+    if b:
+        window_v41_kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions,
+                                ring.shape[1], D=d, T=tile, num_warps=4, **triton_args(kv))
     return out

@@ -16,12 +16,16 @@ through FP8 in blocks of 32, power-of-two; its global KV through FP4 in blocks o
 scales): the scale of each block is re-derived from the block's largest value and every value is
 representable. (V4.1's e4m3 scales are recovered from the block's values, see `pack_v41_global`.) The rope dims
 are stored in bf16, as the reference keeps them.
+
+On CUDA the packings a decode step runs (`pack_index_fp4`, `pack_v41_global`, `pack_v41_window`)
+are one Triton launch each (`triton.py`), with the same bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridkv.ops.backend import use_triton
 from hybridkv.ops.quant import (FP8_AMAX_FLOOR, FP4_AMAX_FLOOR, e2m1_magnitude, e2m1_round, pack_fp4, pow2_scale,
                                 quant_fp4, unpack_fp4)
 
@@ -71,10 +75,20 @@ def unpack_main_fp8(buf: torch.Tensor, head_dim: int, rope_dim: int, dtype: torc
     return torch.cat([(q * scale.unsqueeze(-1)).reshape(n, nope), rope], dim=1).to(dtype)
 
 
+def _kernel(x: torch.Tensor):
+    """The Triton packings for x [N, d] (d a power of two), or None where the plain-torch ones run."""
+    if use_triton(x) and not x.shape[1] & (x.shape[1] - 1) and x.shape[1] >= 64:
+        from hybridkv.ops.kv_formats import triton as kernels
+        return kernels
+    return None
+
+
 def pack_index_fp4(x: torch.Tensor) -> torch.Tensor:
     """[N, d] indexer keys (already on the FP4 power-of-two grid, as the indexer's quantiser leaves
     them) -> uint8 [N, d/2 + d/32]. Not checked: it runs in every decode step, captured in CUDA
     graphs, and the check would read the device's answer on the host."""
+    if (kernels := _kernel(x)) is not None:
+        return kernels.pack_index_fp4(x, FP4_TILE)
     n, d = x.shape
     blocks = x.float().reshape(n, d // FP4_TILE, FP4_TILE)
     scale = pow2_scale(blocks.abs().amax(-1).clamp(min=FP4_AMAX_FLOOR), 6.0)
@@ -139,6 +153,11 @@ def pack_v41_global(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     kept. `check`: skip the search when quant_fp4 reproduces every block, and raise where no scale
     does (both read the device's answer on the host); without it (a decode step captured in a CUDA
     graph) the search always runs and a block no scale reproduces keeps quant_fp4's."""
+    if (kernels := _kernel(x)) is not None:
+        packed, failed = kernels.pack_v41_global(x, V41_GLOBAL_TILE)
+        if check and bool(failed.any()):
+            raise ValueError("global KV values are not on the FP4 grid with e4m3 scales per 16")
+        return packed
     n, d = x.shape
     blocks = x.float().reshape(n, d // V41_GLOBAL_TILE, V41_GLOBAL_TILE)
     q, scale = quant_fp4(x.float(), V41_GLOBAL_TILE, "e4m3")       # the usual case, and all-zero blocks
@@ -171,6 +190,8 @@ def unpack_v41_global(buf: torch.Tensor, dim: int, dtype: torch.dtype = torch.fl
 
 def pack_v41_window(x: torch.Tensor) -> torch.Tensor:
     """[N, d] window rows (on the FP8 grid with power-of-two scales per 32) -> uint8 [N, d + d/32]."""
+    if (kernels := _kernel(x)) is not None:
+        return kernels.pack_v41_window(x, V41_WINDOW_TILE)
     n, d = x.shape
     blocks = x.float().reshape(n, d // V41_WINDOW_TILE, V41_WINDOW_TILE)
     scale = pow2_scale(blocks.abs().amax(-1).clamp(min=FP8_AMAX_FLOOR), 448.0)
