@@ -429,7 +429,6 @@ class Attention(nn.Module):
         if self.ratio:
             if self.mode == "full":
                 self._append_global_kv_decode(dkv, rows, kargs)
-            n_entries = (pos + 1) // self.ratio
             if self.indexer is None:
                 sel = share.topk[DECODE_GROUP]
             else:
@@ -440,10 +439,12 @@ class Attention(nn.Module):
                                           self.indexer.head_dim, max_visible=(kargs.max_pos + 1) // self.ratio)
                     sel, published = self.indexer.select_scored(scores, pos, pool)
                 else:
-                    index_keys = dkv.entries(self.kv_source, "index", n_entries)        # [B, N, di]
+                    index_keys = dkv.entries(self.kv_source, "index", (pos + 1) // self.ratio)   # [B, N, di]
                     sel, published = self.indexer.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
                 if published is not None:
                     share.candidates[DECODE_GROUP] = published
+                if kargs is not None:       # the kernels' index type, converted once for the layers that reuse it
+                    sel = sel.to(torch.int32)
                 share.topk[DECODE_GROUP] = sel
         if kargs is not None:
             return self._attend_kernels_v41(kargs, dkv, q, kv, sel)
@@ -451,7 +452,7 @@ class Attention(nn.Module):
         if self.ratio:
             comp = dkv.gather_entries(self.kv_source, "kv", sel.clamp(min=0))
             # a one-token segment lists min(top-k, visible) entry columns (its selection's width)
-            widths = self.window + n_entries.clamp(max=self.indexer_topk)
+            widths = self.window + ((pos + 1) // self.ratio).clamp(max=self.indexer_topk)
             keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
             valid = torch.cat([valid, sel >= 0], dim=1)
             return self._decode_attention(dkv, q, keys, valid, widths)

@@ -103,13 +103,13 @@ class LatentIndexer(nn.Module):
     def select_scored(self, scores: torch.Tensor, positions: torch.Tensor,
                       pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`select_batched` from scores the paged kernels computed over the stored keys
-        (`indexer_topk.paged_scores`: [B, N], −inf beyond each request's visible entries)."""
-        visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")
-        return self._choose(mask_invisible(scores, visible), visible, pool)
+        (`indexer_topk.paged_scores`: [B, N], already −inf beyond each request's visible entries)."""
+        return self._choose(scores, torch.div(positions + 1, self.ratio, rounding_mode="floor"), pool)
 
     def _choose(self, scores: torch.Tensor, visible: torch.Tensor,
                 pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Masked scores -> (top-k ids in position order, the published candidate pool or None)."""
+        """Scores masked beyond `visible` -> (top-k ids in position order, the published candidate
+        pool or None)."""
         if self.random_selection is not None:
             scores = random_scores(scores, self.random_selection)
         published = None
@@ -117,7 +117,7 @@ class LatentIndexer(nn.Module):
             published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
         elif pool is not None:
             scores = scores.masked_fill(~pool, float("-inf"))
-        return causal_topk(scores, visible, self.topk, by_position=True), published
+        return causal_topk(scores, visible, self.topk, by_position=True, masked=True), published
 
 
 def global_kv(latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -53,14 +53,16 @@ def mask_invisible(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
 
 
-def causal_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int, by_position: bool = False) -> torch.Tensor:
+def causal_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int, by_position: bool = False,
+                masked: bool = False) -> torch.Tensor:
     """scores [T, N], visible [T] -> indices [T, min(topk, N)] of the best visible entries, −1 padded
-    (at the end when `by_position`, which lists the selected entries in ascending order)."""
+    (at the end when `by_position`, which lists the selected entries in ascending order). `masked`:
+    the scores are already −inf at entries j ≥ visible (`mask_invisible`'s, not applied again)."""
     n = scores.shape[-1]
     k = min(topk, n)
     if k == 0:
         return torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
-    idx = mask_invisible(scores, visible).topk(k, dim=-1).indices
+    idx = (scores if masked else mask_invisible(scores, visible)).topk(k, dim=-1).indices
     if by_position:
         idx = idx.sort(dim=-1).values
     return torch.where(idx >= visible.unsqueeze(1), -1, idx)
