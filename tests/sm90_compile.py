@@ -146,6 +146,7 @@ from hybridkv.ops.quant import triton as quant_kernels  # noqa: E402
 for block, fmt in ((32, "ue8m0"), (16, "e4m3")):
     attempt(f"fp4_round_trip block={block} {fmt}", lambda: quant_kernels.fp4_round_trip(
         torch.zeros(b, 512).bfloat16(), block, fmt))
+attempt("fp8_round_trip block=32", lambda: quant_kernels.fp8_round_trip(torch.zeros(b, 512).bfloat16(), 32))
 attempt("pack_index_fp4 d=128", lambda: pack_kernels.pack_index_fp4(torch.zeros(b, 128).bfloat16(), 32))
 attempt("pack_v41_window d=512", lambda: pack_kernels.pack_v41_window(torch.zeros(b, 512).bfloat16(), 32))
 attempt("pack_v41_global d=512", lambda: pack_kernels.pack_v41_global(torch.zeros(b, 512).bfloat16(), 16))

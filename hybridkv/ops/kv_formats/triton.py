@@ -21,6 +21,7 @@ FP8_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 INV_FP4_MAX = tl.constexpr(1.0 / FP4_MAX)
 INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
 E2M1_MAX = tl.constexpr(FP4_MAX)
+E2M1_BELOW_MAX = tl.constexpr((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0))    # E2M1 magnitudes by code 0..6
 
 
 @triton.jit
@@ -101,18 +102,9 @@ def pack_v41_global_kernel(X, s_x, OUT, FAILED, D: tl.constexpr, T: tl.constexpr
     scale = _e4m3_saturate(tl.math.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), E2M1_MAX))
     q = _e2m1_round(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -E2M1_MAX), E2M1_MAX))
     found = tl.min((q * scale[:, None] == x).to(tl.int32), 1) > 0
-    fits, rq, s = _fits(x, amax, 4.0)
-    found, q, scale = _take(found, fits, rq, s, q, scale)
-    fits, rq, s = _fits(x, amax, 3.0)
-    found, q, scale = _take(found, fits, rq, s, q, scale)
-    fits, rq, s = _fits(x, amax, 2.0)
-    found, q, scale = _take(found, fits, rq, s, q, scale)
-    fits, rq, s = _fits(x, amax, 1.5)
-    found, q, scale = _take(found, fits, rq, s, q, scale)
-    fits, rq, s = _fits(x, amax, 1.0)
-    found, q, scale = _take(found, fits, rq, s, q, scale)
-    fits, rq, s = _fits(x, amax, 0.5)
-    found, q, scale = _take(found, fits, rq, s, q, scale)
+    for code in tl.static_range(6, 0, -1):      # magnitudes 4, 3, 2, 1.5, 1, 0.5: the first that fits
+        fits, rq, s = _fits(x, amax, E2M1_BELOW_MAX[code])
+        found, q, scale = _take(found, fits, rq, s, q, scale)
     dst = OUT + n.to(tl.int64) * (D // 2 + D // T)
     _store_nibbles(dst, _e2m1_codes(q), D)
     tl.store(dst + D // 2 + tl.arange(0, D // T), scale.to(tl.float8e4nv).to(tl.uint8, bitcast=True))

@@ -75,14 +75,19 @@ def _e2m1_round(v):
 
 
 @triton.jit
+def _load_blocks(X, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr):
+    """This program's R quantisation blocks of BLOCK values as float32 [R, BLOCK], their offsets and mask."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    mask = (rows < n_blocks)[:, None]
+    offs = rows.to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return tl.load(X + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+
+@triton.jit
 def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
                           R: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    cols = tl.arange(0, BLOCK)
-    mask = (rows < n_blocks)[:, None]
-    offs = rows.to(tl.int64)[:, None] * BLOCK + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
     amax = tl.maximum(tl.max(tl.abs(x), 1), FLOOR)
     t = amax * (1.0 / QMAX)
     s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
@@ -109,11 +114,7 @@ def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
 def fp4_round_trip_kernel(X, Y, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr, E4M3: tl.constexpr,
                           PDL: tl.constexpr):
     wait_then_release(PDL)
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    cols = tl.arange(0, BLOCK)
-    mask = (rows < n_blocks)[:, None]
-    offs = rows.to(tl.int64)[:, None] * BLOCK + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
     amax = tl.max(tl.abs(x), 1)
     if E4M3:    # e4m3(amax / 6), and x / s correctly rounded (s is no power of two)
         s = _e4m3_saturate(tl.math.div_rn(tl.maximum(amax, _FP4_E4M3_FLOOR), _E2M1_MAX))

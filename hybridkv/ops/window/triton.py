@@ -55,16 +55,23 @@ def window_fp8_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, 
     _store_row(RING + slot * s_ring_slot + (pos % W) * s_ring_row, codes, rope_bits, sexp, D, ROPE, BYTES)
 
 
-def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                     rope_dim: int) -> torch.Tensor:
+def _launch(kernel, name: str, kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+            **constexprs) -> torch.Tensor:
+    """One program per token row of kv: its packed row into a new [B, bytes] tensor and into the ring."""
     b, d = kv.shape
     if kv.stride(-1) != 1 or ring.stride(-1) != 1 or ring.dtype != torch.uint8:
-        raise ValueError("write_window_fp8: kv rows and the uint8 ring must be contiguous in their last dim")
+        raise ValueError(f"{name}: kv rows and the uint8 ring must be contiguous in their last dim")
     out = torch.empty(b, ring.shape[-1], dtype=torch.uint8, device=kv.device)
     if b:
-        window_fp8_kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions,
-                                ring.shape[1], D=d, ROPE=rope_dim, BYTES=ring.shape[-1], num_warps=4, **triton_args(kv))
+        kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions, ring.shape[1], D=d,
+                     num_warps=4, **constexprs, **triton_args(kv))
     return out
+
+
+def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     rope_dim: int) -> torch.Tensor:
+    return _launch(window_fp8_kernel, "write_window_fp8", kv, ring, slots, positions, ROPE=rope_dim,
+                   BYTES=ring.shape[-1])
 
 
 @triton.jit
@@ -95,11 +102,4 @@ def window_v41_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, 
 
 def write_window_v41(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      tile: int) -> torch.Tensor:
-    b, d = kv.shape
-    if kv.stride(-1) != 1 or ring.stride(-1) != 1 or ring.dtype != torch.uint8:
-        raise ValueError("write_window_v41: kv rows and the uint8 ring must be contiguous in their last dim")
-    out = torch.empty(b, ring.shape[-1], dtype=torch.uint8, device=kv.device)
-    if b:
-        window_v41_kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions,
-                                ring.shape[1], D=d, T=tile, num_warps=4, **triton_args(kv))
-    return out
+    return _launch(window_v41_kernel, "write_window_v41", kv, ring, slots, positions, T=tile)
