@@ -129,12 +129,10 @@ class Attention(nn.Module):
             q = rms_norm_(q, None, self.eps)          # own output
         q = apply_rope_(q, freqs)                  # (a fresh tensor: rotated where it lies)
         kv = apply_rope(self.kv_norm(kv_a), freqs)
-        if self.v41:
-            if not self._window_rows_fused(batch):
-                kv = fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2)
-        elif not self._window_rows_fused(batch):
-            kv = torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
-                            kv[..., -self.rope_dim:]], -1)
+        if not self._window_rows_fused(batch):    # (the fused window stores round-trip the rows themselves)
+            kv = (fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2) if self.v41 else
+                  torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
+                             kv[..., -self.rope_dim:]], -1))
         ced = batch.ced
         ahead = ced is not None and ced.source == self.layer_id   # CED: the compressor ran over every row
         fused = ()

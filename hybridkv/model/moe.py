@@ -38,6 +38,10 @@ class Gate(nn.Module):
                                                         config.routed_scaling_factor)
         self.norm_topk = config.norm_topk_prob
         self.v41 = config.family == "v4.1"
+        # whether the top-k weights are divided by their sum (+ norm_eps): V4 unless it scores by
+        # softmax, V4.1 when more than one expert is chosen
+        self.normalise = self.norm_topk and (self.topk > 1 if self.v41 else self.score_func != "softmax")
+        self.norm_eps = V41_NORM_EPS if self.v41 else 0.0
         self.temp = config.gate_temp
         self.hash = layer_id < config.num_hash_layers
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
@@ -55,13 +59,9 @@ class Gate(nn.Module):
         scores = widened_linear(x, self.weight, torch.float32)
         if grouped_moe.gate_kernel_ok(scores, self.score_func):
             # one launch for the activation, the selection, the gather and the normalisation
-            if self.v41:
-                return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale,
-                                               self.norm_topk and self.topk > 1,
-                                               self.tid2eid if self.hash else None, input_ids if self.hash else None,
-                                               temp=self.temp, norm_eps=V41_NORM_EPS)
-            return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale, self.norm_topk,
-                                           self.tid2eid if self.hash else None, input_ids if self.hash else None)
+            return grouped_moe.gate_select(scores, self.bias, self.topk, self.route_scale, self.normalise,
+                                           self.tid2eid if self.hash else None, input_ids if self.hash else None,
+                                           temp=self.temp if self.v41 else 1.0, norm_eps=self.norm_eps)
         if self.v41:
             scores = scores / self.temp
         if self.score_func == "softmax":
@@ -75,11 +75,8 @@ class Gate(nn.Module):
         else:
             ids = (scores + self.bias).topk(self.topk, dim=-1).indices
         w = scores.gather(1, ids)
-        if self.v41:
-            if self.norm_topk and self.topk > 1:
-                w = w / (w.sum(-1, keepdim=True) + V41_NORM_EPS)
-        elif self.score_func != "softmax" and self.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
+        if self.normalise:
+            w = w / (w.sum(-1, keepdim=True) + self.norm_eps)
         return w * self.route_scale, ids
 
 

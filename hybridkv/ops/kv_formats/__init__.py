@@ -76,8 +76,9 @@ def unpack_main_fp8(buf: torch.Tensor, head_dim: int, rope_dim: int, dtype: torc
 
 
 def _kernel(x: torch.Tensor):
-    """The Triton packings for x [N, d] (d a power of two), or None where the plain-torch ones run."""
-    if use_triton(x) and not x.shape[1] & (x.shape[1] - 1) and x.shape[1] >= 64:
+    """The Triton packings for x [N, d] (d a power of two holding at least one 32-value tile), or
+    None where the plain-torch ones run."""
+    if use_triton(x) and not x.shape[1] & (x.shape[1] - 1) and x.shape[1] >= 32:
         from hybridkv.ops.kv_formats import triton as kernels
         return kernels
     return None

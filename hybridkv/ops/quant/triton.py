@@ -98,16 +98,21 @@ def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexp
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
-    """`reference.fp8_round_trip(x, block, pow2=True)` in one launch (x's last dim a multiple of
-    block, block a power of two)."""
+def _round_trip(kernel, x: torch.Tensor, block: int, **constexprs) -> torch.Tensor:
+    """A round-trip kernel over x's blocks of `block` values, ROWS blocks per program."""
     xc = x.contiguous()
     y = torch.empty_like(xc)
     n_blocks = xc.numel() // block
     if n_blocks:
-        fp8_round_trip_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
-                                                               BLOCK=block, R=ROWS, num_warps=4, **triton_args(xc))
+        kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, BLOCK=block, R=ROWS, num_warps=4, **constexprs,
+                                               **triton_args(xc))
     return y.view(x.shape)
+
+
+def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`reference.fp8_round_trip(x, block, pow2=True)` in one launch (x's last dim a multiple of
+    block, block a power of two)."""
+    return _round_trip(fp8_round_trip_kernel, x, block, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX)
 
 
 @triton.jit
@@ -131,11 +136,4 @@ def fp4_round_trip_kernel(X, Y, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr, 
 def fp4_round_trip(x: torch.Tensor, block: int, scale_fmt: str = "ue8m0") -> torch.Tensor:
     """`reference.fp4_round_trip(x, block, scale_fmt)` in one launch (x's last dim a multiple of
     block, block a power of two)."""
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
-    n_blocks = xc.numel() // block
-    if n_blocks:
-        fp4_round_trip_kernel[(triton.cdiv(n_blocks, ROWS),)](xc, y, n_blocks, BLOCK=block, R=ROWS,
-                                                               E4M3=scale_fmt == "e4m3", num_warps=4,
-                                                               **triton_args(xc))
-    return y.view(x.shape)
+    return _round_trip(fp4_round_trip_kernel, x, block, E4M3=scale_fmt == "e4m3")
