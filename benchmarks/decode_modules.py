@@ -6,8 +6,8 @@ requests of `--context` random tokens, then:
 - runs one eager step with each module's forward annotated and attributes every kernel to the
   innermost module whose forward launched it (through the launch's runtime or driver call).
 
-    python3 benchmarks/decode_modules.py --ckpt /tmp/v4flash-8 [--batch 1] [--context 4k] [--steps 8]
-        [--trace OUT.json.gz]
+    python3 benchmarks/decode_modules.py --ckpt /tmp/v4flash-8 [--kv-format fp8|v41|bf16] [--batch 1]
+        [--context 4k] [--steps 8] [--trace OUT.json.gz]
 """
 
 from __future__ import annotations
@@ -91,13 +91,14 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", default="4k")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--kv-format", default="fp8", choices=["bf16", "fp8", "v41"])
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--trace", default=None, help="also write the eager step's trace (gzipped JSON)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs CUDA")
     ctx = _parse_count(a.context)
-    llm = LLM(a.ckpt, device="cuda", dtype=torch.bfloat16, kv_format="fp8", num_blocks=a.batch * (ctx + 256) // 128 + 16,
+    llm = LLM(a.ckpt, device="cuda", dtype=torch.bfloat16, kv_format=a.kv_format, num_blocks=a.batch * (ctx + 256) // 128 + 16,
               max_num_seqs=a.batch, max_num_batched_tokens=8192, enable_prefix_caching=False)
     eng, model = llm.engine, llm.engine.model
     g = torch.Generator().manual_seed(0)

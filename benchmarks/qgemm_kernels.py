@@ -164,7 +164,7 @@ def sweep_fp8_mma(x, weights: list[tuple], out_dtype, block: int = 128) -> None:
                      cfg))
     best.sort(key=lambda tc: tc[0])
     for t, cfg in best[:3]:
-        print(f"    sweep fp8_mma {m}×{n}×{k}: {t:.4f} ms {cfg} (default {fp8_mma.config(n, k)})")
+        print(f"    sweep fp8_mma {m}×{n}×{k}: {t:.4f} ms {cfg} (default {fp8_mma.config(n, k, block)})")
 
 
 def moe_rows(a, cuda: bool, dev: str) -> None:

@@ -150,6 +150,14 @@ attempt("fp8_round_trip block=32", lambda: quant_kernels.fp8_round_trip(torch.ze
 attempt("pack_index_fp4 d=128", lambda: pack_kernels.pack_index_fp4(torch.zeros(b, 128).bfloat16(), 32))
 attempt("pack_v41_window d=512", lambda: pack_kernels.pack_v41_window(torch.zeros(b, 512).bfloat16(), 32))
 attempt("pack_v41_global d=512", lambda: pack_kernels.pack_v41_global(torch.zeros(b, 512).bfloat16(), 16))
+# the same packings stored into a paged pool (a decode step's entry writes)
+dest_args = (torch.zeros(b, 2, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int64))
+attempt("pack_index_fp4 d=128 into a pool", lambda: pack_kernels.pack_index_fp4(
+    torch.zeros(b, 128).bfloat16(), 32, pack_kernels.PagedDest(torch.zeros(4, 8, 68, dtype=torch.uint8), *dest_args,
+                                                               True)))
+attempt("pack_v41_global d=512 into a pool", lambda: pack_kernels.pack_v41_global(
+    torch.zeros(b, 512).bfloat16(), 16, pack_kernels.PagedDest(torch.zeros(4, 4, 288, dtype=torch.uint8), *dest_args,
+                                                               False)))
 attempt("window_v41 d=512", lambda: window_kernels.write_window_v41(
     torch.zeros(b, 512).bfloat16(), torch.zeros(4, 128, 528, dtype=torch.uint8), slots, positions, 32))
 attempt("gate_select v41 experts=384 temp", lambda: moe_kernels.gate_select(

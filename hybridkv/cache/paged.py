@@ -26,9 +26,9 @@ from hybridkv.errors import ConfigError
 from hybridkv.model.state import CompressorState, layer_storage
 from hybridkv.ops.backend import use_triton
 from hybridkv.ops.kv_formats import (index_block_rows, index_block_views, index_blocks_to_rows, index_entry_bytes,
-                                     main_entry_bytes, pack_index_fp4, pack_main_fp8, pack_v41_global, pack_v41_window,
-                                     unpack_index_fp4, unpack_main_fp8, unpack_v41_global, unpack_v41_window,
-                                     v41_global_bytes, v41_window_bytes)
+                                     main_entry_bytes, pack_index_fp4, pack_into_pool, pack_main_fp8, pack_v41_global,
+                                     pack_v41_window, unpack_index_fp4, unpack_main_fp8, unpack_v41_global,
+                                     unpack_v41_window, v41_global_bytes, v41_window_bytes)
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.row_gather import gather_rows_
 
@@ -82,6 +82,16 @@ class _Codec:
         else:
             out = unpack_v41_window(flat, self.dim, self.dtype)
         return out.reshape(*stored.shape[:-1], self.dim)
+
+    def store_entries(self, pool: torch.Tensor, tables: torch.Tensor, which: torch.Tensor, ids: torch.Tensor,
+                      rows: torch.Tensor) -> bool:
+        """Packed FP4 keys and V4.1 global entries where the kernels run: rows [N, dim] encoded straight
+        into the pool as entry ids[n] of request which[n] (none where −1) through its block table
+        (`kv_formats.pack_into_pool`; unchecked, as in a captured step). False: not done here."""
+        if not self.packed or not (self.kind == "index" or (self.fmt == "v41" and self.kind == "kv")):
+            return False
+        return pack_into_pool(rows.reshape(-1, self.dim), "index" if self.kind == "index" else "v41_global", pool,
+                              tables, which, ids, self.block_layout)
 
     def read(self, pool: torch.Tensor, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Stored rows at (blocks, offs) of a pool [num_blocks, E, width]."""
@@ -940,13 +950,15 @@ class PagedDecodeKV:
                       rows: torch.Tensor) -> None:
         """append_entries with fixed shapes: entry entry_ids[i] of request which[i] is stored where the
         id is not −1 (those rows leave the pool as it was). The paged kernels' path only."""
+        kargs = self.kernel_args()     # offload mode: a CSA layer's device page (`write_back` copies it out)
+        pool, tables = kargs.pool(layer_id, kind), kargs.tables(layer_id, kind)
+        codec = self.store.codec[kind]
+        if codec.store_entries(pool, tables, which, entry_ids, rows):
+            return
         per = self._per_block(layer_id)
         keep = (entry_ids >= 0).unsqueeze(-1)
         e = entry_ids.clamp(min=0)
-        kargs = self.kernel_args()     # offload mode: a CSA layer's device page (`write_back` copies it out)
-        pool, tables = kargs.pool(layer_id, kind), kargs.tables(layer_id, kind)
         blocks, slots = tables[which, e // per].long(), e % per
-        codec = self.store.codec[kind]
         codec.write(pool, blocks, slots, torch.where(keep, codec.encode(rows, check=False),
                                                      codec.read(pool, blocks, slots)))
 

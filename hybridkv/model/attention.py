@@ -430,15 +430,23 @@ class Attention(nn.Module):
             if self.indexer is None:
                 sel = share.topk[DECODE_GROUP]
             else:
-                pool = share.candidates.get(DECODE_GROUP) if self.indexer.uses_candidates else None
-                if kargs is not None:       # scored over the stored keys in place; the choice as below
-                    scores = paged_scores(rows["idx_q"], rows["idx_w"], kargs.batch,
-                                          kargs.pool(self.kv_source, "index"), self.ratio, kargs.index_format,
-                                          self.indexer.head_dim, max_visible=(kargs.max_pos + 1) // self.ratio)
-                    sel, published = self.indexer.select_scored(scores, pos, pool)
-                else:
+                ind = self.indexer
+                pool = share.candidates.get(DECODE_GROUP) if ind.uses_candidates else None
+                if kargs is None:
                     index_keys = dkv.entries(self.kv_source, "index", (pos + 1) // self.ratio)   # [B, N, di]
-                    sel, published = self.indexer.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
+                    sel, published = ind.select_batched(rows["idx_q"], rows["idx_w"], index_keys, pos, pool)
+                else:                       # scored over the stored keys in place
+                    index_pool, n_max = kargs.pool(self.kv_source, "index"), (kargs.max_pos + 1) // self.ratio
+                    if pool is None and not ind.publishes_pool and ind.random_selection is None:
+                        # a plain causal top-k in position order: V4's kernels score and select it
+                        # (int32 ids, ascending, −1 padded), the entries `select_scored` would choose
+                        sel, published = indexer_topk_paged(rows["idx_q"], rows["idx_w"], kargs.batch, index_pool,
+                                                            ind.topk, self.ratio, kargs.index_format, ind.head_dim,
+                                                            max_visible=n_max), None
+                    else:
+                        scores = paged_scores(rows["idx_q"], rows["idx_w"], kargs.batch, index_pool, self.ratio,
+                                              kargs.index_format, ind.head_dim, max_visible=n_max)
+                        sel, published = ind.select_scored(scores, pos, pool)
                 if published is not None:
                     share.candidates[DECODE_GROUP] = published
                 if kargs is not None:       # the kernels' index type, converted once for the layers that reuse it

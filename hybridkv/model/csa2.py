@@ -58,6 +58,10 @@ class LatentIndexer(nn.Module):
             self.wk = Linear(c.head_dim, self.head_dim, "float", dtype)
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.is_candidate_source = layer_id == c.candidate_source_layer_id
+        # the pool is built only where a later indexer takes its top-k inside it (an 8-layer cut of
+        # V4.1-Flash keeps its candidate source and none of the Reindex layers that read the pool)
+        self.publishes_pool = self.is_candidate_source and any(
+            c.uses_candidates(i) for i in range(len(c.compress_ratios)))
         self.uses_candidates = c.uses_candidates(layer_id)
         self.pool_blocks, self.pool_block_size = c.candidate_topk_blocks, c.candidate_block_size
         # the ablation of `Indexer.random_selection`: with a generator set, the scores of the visible
@@ -113,7 +117,7 @@ class LatentIndexer(nn.Module):
         if self.random_selection is not None:
             scores = random_scores(scores, self.random_selection)
         published = None
-        if self.is_candidate_source:
+        if self.publishes_pool:
             published = candidate_blocks(scores, visible, self.pool_blocks, self.pool_block_size)
         elif pool is not None:
             scores = scores.masked_fill(~pool, float("-inf"))

@@ -58,3 +58,37 @@ def test_v41_global_entries_pack_to_the_same_bytes_and_scales_are_searched(devic
     assert torch.equal(got.cpu(), want) and failed.cpu().gt(0).any()
     with pytest.raises(ValueError, match="not on the FP4 grid"):
         kv_formats.pack_v41_global(off)
+
+
+@pytest.mark.parametrize("kind", ["index", "v41_global"])
+def test_entries_packed_into_a_paged_pool_land_where_the_block_tables_say(device, kind, monkeypatch):
+    """`pack_into_pool` (a decode step's entry writes): every row packed as the packings pack it, at
+    entry ids[n] of request which[n] through its block table (the indexer keys' block layout: a
+    block's codes first, then its scales); rows with id −1 leave the pool's bytes as they were."""
+    d, tile, per = (128, 32, 8) if kind == "index" else (512, 16, 4)
+    layout = kind == "index"
+    x = _rows(5, d, tile, 3)
+    rows = fp4_round_trip(x, 32) if layout else fp4_round_trip(x, 16, "e4m3")
+    pack = kv_formats.pack_index_fp4 if layout else kv_formats.pack_v41_global
+    width = pack(rows[:1]).shape[1]
+    g = torch.Generator().manual_seed(4)
+    pool = torch.randint(0, 256, (6, per, width), generator=g, dtype=torch.uint8)
+    tables = torch.tensor([[3, 0, 5], [1, 4, 2], [2, 2, 2]], dtype=torch.int32)
+    which = torch.tensor([0, 1, 1, 0, 2], dtype=torch.int32)
+    ids = torch.tensor([per + 2, 0, -1, 2 * per + per - 1, 1])
+    want = pool.clone()
+    codes, scales = kv_formats.index_block_views(want, d) if layout else (None, None)
+    for n in range(5):
+        if ids[n] < 0:
+            continue
+        blk, slot = int(tables[which[n], ids[n] // per]), int(ids[n] % per)
+        packed = pack(rows[n:n + 1])[0]
+        if layout:
+            codes[blk, slot], scales[blk, slot] = packed[: d // 2], packed[d // 2:]
+        else:
+            want[blk, slot] = packed
+    got = pool.to(device)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")        # the kernels' dispatch (the interpreter on the CPU)
+    assert kv_formats.pack_into_pool(rows.to(device), kind, got, tables.to(device), which.to(device),
+                                     ids.to(device), layout)
+    assert torch.equal(got.cpu(), want)

@@ -375,9 +375,9 @@ def test_fp8_mma_reads_v4_and_v41_scale_tiles_unless_switched_off(monkeypatch):
     with pytest.raises(ValueError, match="scale tiles of 64"):
         fp8_mma.fp8_linear(torch.zeros(1, 1024), torch.zeros(512, 1024, dtype=torch.float8_e4m3fn),
                            torch.zeros(8, 16), torch.float32, block=64)
-    for n, k in ((1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304)):
-        cfg = fp8_mma.config(n, k)
-        assert k % 128 == 0 and n % (16 * cfg["MT"]) == 0 and 1 <= cfg["WK"] <= min(8, k // 128), (n, k, cfg)
+    for n, k in ((1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (4608, 5120), (5120, 2304), (4096, 1280)):
+        cfg = fp8_mma.config(n, k, 32)
+        assert k % 128 == 0 and n % (16 * cfg["MT"]) == 0 and 1 <= cfg["WK"] <= min(16, k // 128), (n, k, cfg)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler on this machine")

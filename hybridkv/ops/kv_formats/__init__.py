@@ -97,6 +97,24 @@ def pack_index_fp4(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, _e8m0_bytes(scale)], dim=1)
 
 
+def pack_into_pool(rows: torch.Tensor, kind: str, pool: torch.Tensor, tables: torch.Tensor, which: torch.Tensor,
+                   ids: torch.Tensor, block_layout: bool) -> bool:
+    """Where the packing kernels run: pack rows [N, d] ("index": `pack_index_fp4`; "v41_global":
+    `pack_v41_global`, unchecked) straight into a paged pool [blocks, E, width], row n as entry
+    ids[n] of request which[n] through its block table `tables`, none where ids[n] is −1, and return
+    True. False elsewhere: the caller packs and writes."""
+    if (kernels := _kernel(rows)) is None:
+        return False
+    dest = kernels.PagedDest(pool, tables, which, ids, block_layout)
+    if kind == "index":
+        kernels.pack_index_fp4(rows, FP4_TILE, dest)
+    elif kind == "v41_global":
+        kernels.pack_v41_global(rows, V41_GLOBAL_TILE, dest)
+    else:
+        raise ValueError(f"no paged packing of {kind!r} entries")
+    return True
+
+
 def unpack_index_fp4(buf: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     n = buf.shape[0]
     vals = unpack_fp4(buf[:, : dim // 2].contiguous()).reshape(n, dim // FP4_TILE, FP4_TILE)

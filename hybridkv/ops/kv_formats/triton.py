@@ -1,8 +1,13 @@
 """Triton kernels of the packings a decode step runs (`pack_index_fp4`, `pack_v41_global`,
 `pack_v41_window`): one program per entry, the same bytes as the plain-torch definitions in
-`hybridkv.ops.kv_formats`, which take from ten to forty launches each."""
+`hybridkv.ops.kv_formats`, which take from ten to forty launches each. The indexer keys' and global
+entries' packings also store straight into a paged pool (`dest`): entry n of the rows becomes entry
+ids[n] of request which[n], through its block table, or is not stored where ids[n] is −1 (a decode
+step's fixed shapes: every request computes a candidate entry)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,10 +41,32 @@ def _e2m1_codes(v):
 
 
 @triton.jit
-def _store_nibbles(dst, codes, D: tl.constexpr):
+def _store_nibbles(dst, codes, D: tl.constexpr, ok):
     """codes [D // T, T] int32 (row-major = element order) -> D/2 bytes, low nibble the even element."""
     lo, hi = tl.split(tl.reshape(codes, [D // 2, 2]))
-    tl.store(dst + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
+    i = tl.arange(0, D // 2)
+    tl.store(dst + i, (lo | (hi << 4)).to(tl.uint8), mask=(i >= 0) & ok)
+
+
+@triton.jit
+def _dest(OUT, n, TABLES, s_tables, WHICH, IDS, PER, s_blk, s_slot, D: tl.constexpr, T: tl.constexpr,
+          PAGED: tl.constexpr, BLOCKS: tl.constexpr):
+    """(where entry n's D/2 code bytes go, where its D/T scale bytes go, whether it is stored): row n
+    of OUT [N, D/2 + D/T]; PAGED, entry IDS[n] of request WHICH[n] in the pool OUT through its block
+    table (rows of a block s_slot apart; BLOCKS: a block's codes first, then its scales)."""
+    if PAGED:
+        e = tl.load(IDS + n)
+        ok = e >= 0
+        e = tl.maximum(e, 0)
+        r = tl.load(WHICH + n).to(tl.int64)
+        blk = tl.load(TABLES + r * s_tables + e // PER).to(tl.int64)
+        slot = (e % PER).to(tl.int64)
+        base = OUT + blk * s_blk
+        if BLOCKS:
+            return base + slot * (D // 2), base + PER * (D // 2) + slot * (D // T), ok
+        return base + slot * s_slot, base + slot * s_slot + D // 2, ok
+    row = OUT + n.to(tl.int64) * (D // 2 + D // T)
+    return row, row + D // 2, n >= 0
 
 
 @triton.jit
@@ -50,14 +77,16 @@ def _row(X, s_x, D: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit
-def pack_index_fp4_kernel(X, s_x, OUT, D: tl.constexpr, T: tl.constexpr, PDL: tl.constexpr):
+def pack_index_fp4_kernel(X, s_x, OUT, TABLES, s_tables, WHICH, IDS, PER, s_blk, s_slot, D: tl.constexpr,
+                          T: tl.constexpr, PAGED: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     n, x = _row(X, s_x, D, T)
     sexp = _pow2_ceil_exp(tl.maximum(tl.max(tl.abs(x), 1), FP4_FLOOR), INV_FP4_MAX)
     inv = ((254 - sexp) << 23).to(tl.float32, bitcast=True)         # 1/scale, exact for a power of two
-    dst = OUT + n.to(tl.int64) * (D // 2 + D // T)
-    _store_nibbles(dst, _e2m1_codes(x * inv[:, None]), D)
-    tl.store(dst + D // 2 + tl.arange(0, D // T), sexp.to(tl.uint8))
+    codes, scales, ok = _dest(OUT, n, TABLES, s_tables, WHICH, IDS, PER, s_blk, s_slot, D, T, PAGED, BLOCKS)
+    _store_nibbles(codes, _e2m1_codes(x * inv[:, None]), D, ok)
+    i = tl.arange(0, D // T)
+    tl.store(scales + i, sexp.to(tl.uint8), mask=(i >= 0) & ok)
 
 
 @triton.jit
@@ -94,7 +123,8 @@ def _take(found, fits, rq, s, q, scale):
 
 
 @triton.jit
-def pack_v41_global_kernel(X, s_x, OUT, FAILED, D: tl.constexpr, T: tl.constexpr, PDL: tl.constexpr):
+def pack_v41_global_kernel(X, s_x, OUT, TABLES, s_tables, WHICH, IDS, PER, s_blk, s_slot, FAILED, D: tl.constexpr,
+                           T: tl.constexpr, PAGED: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     n, x = _row(X, s_x, D, T)
     amax = tl.max(tl.abs(x), 1)
@@ -105,10 +135,23 @@ def pack_v41_global_kernel(X, s_x, OUT, FAILED, D: tl.constexpr, T: tl.constexpr
     for code in tl.static_range(6, 0, -1):      # magnitudes 4, 3, 2, 1.5, 1, 0.5: the first that fits
         fits, rq, s = _fits(x, amax, E2M1_BELOW_MAX[code])
         found, q, scale = _take(found, fits, rq, s, q, scale)
-    dst = OUT + n.to(tl.int64) * (D // 2 + D // T)
-    _store_nibbles(dst, _e2m1_codes(q), D)
-    tl.store(dst + D // 2 + tl.arange(0, D // T), scale.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+    codes, scales, ok = _dest(OUT, n, TABLES, s_tables, WHICH, IDS, PER, s_blk, s_slot, D, T, PAGED, BLOCKS)
+    _store_nibbles(codes, _e2m1_codes(q), D, ok)
+    i = tl.arange(0, D // T)
+    tl.store(scales + i, scale.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=(i >= 0) & ok)
     tl.store(FAILED + n, tl.sum((~found).to(tl.int32), 0))
+
+
+@dataclass
+class PagedDest:
+    """Where packed entries go in a paged pool: pool [blocks, E, width] uint8 (each block contiguous
+    where `block_layout`), tables [R, ≥ blocks a request holds] of pool block ids, entry n to entry
+    ids[n] (−1: not stored) of request which[n]."""
+    pool: torch.Tensor
+    tables: torch.Tensor
+    which: torch.Tensor
+    ids: torch.Tensor
+    block_layout: bool
 
 
 def _launch(kernel, x: torch.Tensor, width: int, tile: int, *extra) -> torch.Tensor:
@@ -120,15 +163,39 @@ def _launch(kernel, x: torch.Tensor, width: int, tile: int, *extra) -> torch.Ten
     return out
 
 
-def pack_index_fp4(x: torch.Tensor, tile: int) -> torch.Tensor:
-    return _launch(pack_index_fp4_kernel, x, x.shape[1] // 2 + x.shape[1] // tile, tile)
+def _dest_args(x: torch.Tensor, width: int, dest: PagedDest | None) -> tuple[torch.Tensor, tuple, dict]:
+    """(the tensor the kernel writes, its destination arguments, their constexprs)."""
+    if dest is None:
+        out = torch.empty(x.shape[0], width, dtype=torch.uint8, device=x.device)
+        return out, (out, 0, out, out, 1, 0, 0), dict(PAGED=False, BLOCKS=False)
+    pool = dest.pool
+    if pool.dtype != torch.uint8 or pool.shape[-1] != width or pool.stride(-1) != 1 or (
+            dest.block_layout and (pool.stride(1) != width or pool.stride(0) < pool.shape[1] * width)):
+        raise ValueError(f"packed entries of {width} B: pool {tuple(pool.shape)} {pool.dtype} strides {pool.stride()}")
+    return pool, (dest.tables, dest.tables.stride(0), dest.which, dest.ids, pool.shape[1], pool.stride(0),
+                  pool.stride(1)), dict(PAGED=True, BLOCKS=dest.block_layout)
+
+
+def _pack(kernel, x: torch.Tensor, tile: int, dest: PagedDest | None, *extra) -> torch.Tensor:
+    n, d = x.shape
+    out, where, flags = _dest_args(x, d // 2 + d // tile, dest)
+    if n:
+        xc = x if x.stride(-1) == 1 else x.contiguous()
+        kernel[(n,)](xc, xc.stride(0), out, *where, *extra, D=d, T=tile, **flags, num_warps=4, **triton_args(xc))
+    return out
+
+
+def pack_index_fp4(x: torch.Tensor, tile: int, dest: PagedDest | None = None) -> torch.Tensor:
+    """The packed keys [N, d/2 + d/32], or with `dest` stored into its pool (which is returned)."""
+    return _pack(pack_index_fp4_kernel, x, tile, dest)
 
 
 def pack_v41_window(x: torch.Tensor, tile: int) -> torch.Tensor:
     return _launch(pack_v41_window_kernel, x, x.shape[1] + x.shape[1] // tile, tile)
 
 
-def pack_v41_global(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the packed entries, int32 [N]: how many blocks of each entry no scale reproduces)."""
+def pack_v41_global(x: torch.Tensor, tile: int, dest: PagedDest | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the packed entries, or with `dest` its pool, into which they were stored; int32 [N]: how many
+    blocks of each entry no scale reproduces)."""
     failed = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
-    return _launch(pack_v41_global_kernel, x, x.shape[1] // 2 + x.shape[1] // tile, tile, failed), failed
+    return _pack(pack_v41_global_kernel, x, tile, dest, failed), failed

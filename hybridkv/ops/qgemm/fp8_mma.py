@@ -257,13 +257,25 @@ def usable(x2: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, block
             and nvrtc.available(x2.device.index, (8, 9), "FP8 linears at decode"))
 
 
-def config(n: int, k: int) -> dict:
-    """MT (16-row tiles per block) and WK (warps splitting K) for an [n, k] weight: more rows a block
-    for wide weights, each warp four or more of the 128-input chunks, at most 8 warps. Fitted on the
-    H200 at V4-Flash's FP8 linears (`benchmarks/qgemm_kernels.py --sweep --families fp8-mma`, 1 and 8
-    rows) with the weight left in L2 between launches: in the engine the fit moved a B=1 step's 43
-    launches from 0.345 to 0.337 ms only (docs/training-log.md); refit with `--cold`."""
+def config(n: int, k: int, block: int = SCALE_BLOCK) -> dict:
+    """MT (16-row tiles per block) and WK (warps splitting K) for an [n, k] weight with `block`×`block`
+    scale tiles.
+
+    128 (V4): more rows a block for wide weights, each warp four or more of the 128-input chunks, at
+    most 8 warps. Fitted on the H200 at V4-Flash's FP8 linears (`benchmarks/qgemm_kernels.py --sweep
+    --families fp8-mma`, 1 and 8 rows) with the weight left in L2 between launches: in the engine the
+    fit moved a B=1 step's 43 launches from 0.345 to 0.337 ms only (docs/training-log.md).
+
+    32 (V4.1, whose 8-byte weight loads per block keep fewer bytes in flight a warp): one 16-row tile
+    a block (wq_b's 32768 rows: four, two warps), four warps over K, sixteen where that leaves fewer
+    blocks than an H100 or H200 has SMs. Fitted on the H100 with cold weights (`--block 32 --cold
+    --sweep`, one row): wo_b 0.0240 -> 0.0188 ms, the shared expert's w1/w3 0.0163 -> 0.0125, wq_a
+    0.0064 -> 0.0052, wkv 0.0062 -> 0.0049 against the 128-tile fit."""
     chunks = k // 128
+    if block == 32:
+        mt = 4 if n >= 16384 and n % 64 == 0 else 1
+        wk = 2 if mt == 4 else (16 if n // 16 < 128 else 4)
+        return {"MT": mt, "WK": max(1, min(wk, chunks))}
     mt = 4 if n >= 16384 else (2 if n >= 4096 else 1)
     while n % (16 * mt):
         mt //= 2
@@ -283,7 +295,7 @@ def fp8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_
     dequant(weight)ᵀ with the weight's e8m0 scales [ceil(N/block), K/block]."""
     m, k = x2.shape
     n = weight.shape[0]
-    cfg = dict(config(n, k), **(cfg or {}))
+    cfg = dict(config(n, k, block), **(cfg or {}))
     mt, wk = int(cfg["MT"]), int(cfg["WK"])
     if mt not in (1, 2, 4) or not 1 <= wk <= 16 or n % (16 * mt):
         raise ValueError(f"FP8 MMA linear: MT {mt} (1, 2 or 4; N {n} a multiple of 16·MT), WK {wk} (1..16)")
