@@ -42,7 +42,8 @@ from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, apply_rope_, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm_
-from hybridkv.ops.compress import compress_decode_ok, compress_decode_paged, compress_paged
+from hybridkv.ops.compress import (compress_decode_latent, compress_decode_ok, compress_decode_paged,
+                                   compress_paged)
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
 from hybridkv.ops.window import write_window_fp8, write_window_v41
@@ -510,6 +511,14 @@ class Attention(nn.Module):
                 write(torch.arange(pos.shape[0], device=pos.device),
                       torch.where(pos > 0, torch.div(pos, self.ratio, rounding_mode="floor"), -1), rows["comp_kv"])
                 return
+            if hasattr(dkv, "state_tensors"):   # the state updated in place and the block finished in one launch
+                done = compress_decode_latent(*dkv.state_tensors(self.layer_id, "kv"), dkv.slots, pos, rows["comp_kv"],
+                                              rows["comp_score"], self.ratio, self.compressor.norm.weight,
+                                              self.compressor.norm.eps, self.compressor.out_dtype)
+                if done is not None:
+                    latent, entry_ids = done
+                    write(torch.arange(pos.shape[0], device=pos.device), entry_ids, latent)
+                    return
             st_kv, st_score = dkv.compressor_state(self.layer_id, "kv")
             # a request that completes no block pools a partial state (NaN where its scores are all
             # −inf): any finite row will do there, `write_entries` keeps the pool's row

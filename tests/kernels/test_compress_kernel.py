@@ -162,3 +162,48 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
     assert int((want[2] != 0).sum()) > 0             # entries were written
     for w, o in zip(want, got):
         assert torch.equal(w, o)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v41_decode_step_returns_the_latent_the_state_update_finishes(device, dtype):
+    """`compress_decode_latent` (V4.1's ratio-2 compressor, one launch) against
+    `Compressor.update_decode` finishing each block a token ends (softmax pooling, the output dtype,
+    RMSNorm): the same states to the bit, the same entry ids (−1 where a token ends no block, whose
+    row is zeros), the latents within the pooling's float32 rounding (an online softmax here)."""
+    from hybridkv.config import ModelConfig
+    from hybridkv.model.compressor import Compressor
+    from hybridkv.ops.compress import triton as kernels
+    cfg = ModelConfig.from_json("tests/fixtures/v41-tiny/config.json")
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i) == 2)
+    g = torch.Generator().manual_seed(7)
+    comp = Compressor(cfg, layer, cfg.head_dim, False, dtype)
+    with torch.no_grad():
+        comp.norm.weight.copy_(1 + 0.1 * torch.randn(cfg.head_dim, generator=g))
+    r, d = comp.ratio, cfg.head_dim
+    assert r == 2 and comp.latent and not comp.overlap and not comp.stateless
+    slots = torch.tensor([3, 0, 5, 2])
+    positions = torch.tensor([5 * r - 1, r - 1, 3 * r, 2 * r])           # ends a block, the first, none, none
+    st_kv = torch.randn(6, r, d, generator=g) * 2
+    st_score = torch.randn(6, r, d, generator=g)
+    kv = torch.randn(4, d, generator=g) * 2
+    score = torch.randn(4, d, generator=g)
+    want = {}
+
+    def finish(block_rows, starts, requests, ids):
+        with torch.no_grad():
+            want["latent"] = torch.where((ids >= 0).unsqueeze(-1), comp.finish(block_rows, starts, None), 0.0)
+        want["ids"] = ids
+
+    s_kv, s_score = st_kv[slots], st_score[slots]
+    comp.update_decode(s_kv, s_score, kv, score, positions, None, finish)
+    want_kv, want_score = st_kv.clone(), st_score.clone()
+    want_kv[slots], want_score[slots] = s_kv, s_score
+    a_kv, a_score = st_kv.to(device), st_score.to(device)
+    latent, ids = kernels.compress_decode_latent(a_kv, a_score, slots.to(device), positions.to(device), kv.to(device),
+                                                 score.to(device), r, comp.norm.weight.detach().to(device), comp.norm.eps,
+                                                 dtype)
+    assert torch.equal(a_kv.cpu(), want_kv) and torch.equal(a_score.cpu(), want_score)
+    assert ids.tolist() == want["ids"].tolist() == [4, 0, -1, -1]
+    assert latent.dtype == dtype and not latent[2:].any()
+    # (measured: 1.1e-7 in float32, equal in bf16; a bf16 rounding may still part on a tie)
+    assert rel_rms(want["latent"][:2].float(), latent[:2].cpu().float()) <= (1e-6 if dtype == torch.float32 else 1e-3)

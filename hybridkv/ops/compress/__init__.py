@@ -95,3 +95,19 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
     kernels.compress_decode(state_kv, state_score, slots, positions, kv, score, ratio, overlap, norm_weight, eps,
                             *rotation, kind, flat, block_tables, entries_per_block,
                             out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4", ape=ape)
+
+
+def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ratio: int,
+                           norm_weight: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """V4.1's stateful compressor (no overlap, no position bias) for a decode group in one launch,
+    where the Triton kernels run (None elsewhere): each token's rows go into its request's state
+    (state_kv/state_score [slots, ratio, d], in place); returns (the normalised latent [B, d] of the
+    block each token ends, zeros where it ends none; entry ids [B] int64, −1 where none), what
+    `Compressor.update_decode` with a writer gives (see `triton.compress_decode_latent`)."""
+    if not use_triton(kv):
+        return None
+    from hybridkv.ops.compress import triton as kernels
+    return kernels.compress_decode_latent(state_kv, state_score, slots, positions, kv, score, ratio, norm_weight, eps,
+                                          out_dtype)

@@ -2,6 +2,10 @@
 online softmax), applies RMSNorm and RoPE at the entry's first position, the storage round trip
 (main: e4m3 nope dims in blocks of 64 with ue8m0 scales; indexer: Hadamard + E2M1 in blocks of 32)
 and writes the entry straight into its paged pool row, packed (584-B / 68-B) or as float values.
+A decode step's compressor runs as one launch (`compress_decode`): the state update, and where a
+token ends a block its pooling, finishing and store; for V4.1's compressor (`compress_decode_latent`)
+the finished entry is the normalised latent, returned for the layer to derive its indexer key and
+global KV from.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.quant.triton import _bf16_round, _e2m1_round, _pow2_ceil_exp
 
-MAIN_PACKED, MAIN_FLOAT, INDEX_PACKED, INDEX_FLOAT = 0, 1, 2, 3
+MAIN_PACKED, MAIN_FLOAT, INDEX_PACKED, INDEX_FLOAT, LATENT = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -175,7 +179,7 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
 
 @triton.jit
 def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCORE, s_new, APE, SLOTS, POS, NORM_W,
-                           COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale, R: tl.constexpr,
+                           COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, IDS, eps, had_scale, R: tl.constexpr,
                            OVERLAP: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                            ADV: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
                            BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, PDL: tl.constexpr):
@@ -184,7 +188,9 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
     the row order and chunks of `compress_kernel`, so the entry is the same to the bit), finished,
     written as entry (pos + 1) / R − 1, and the state advances (overlap: the block becomes the
     previous one; its rows are cleared). With HAS_APE the token's score row gets the position bias
-    APE[pos % R] added here (the float32 addition `Compressor.project` makes)."""
+    APE[pos % R] added here (the float32 addition `Compressor.project` makes). MODE LATENT (V4.1):
+    the finished entry is the pooled block's RMSNorm alone, written to row b of OUT, and its id to
+    IDS[b]; a token that ends no block writes zeros and −1."""
     wait_then_release(PDL)
     b = tl.program_id(0)
     slot = tl.load(SLOTS + b).to(tl.int64)
@@ -213,8 +219,18 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
             kv = tl.where(is_new, tl.load(NEW_KV + new + ch, mask=is_new, other=0.0),
                           tl.load(ST_KV + base + rows[:, None] * s_st_row + ch))
             m, den, acc = _pool_rows(m, den, acc, sc, kv)
-        _finish_store(acc / den, b, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt,
-                      eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT)
+        if MODE == 4:       # LATENT
+            x = acc / den
+            if OUT_BF16:
+                x = _bf16_round(x)
+            x = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(NORM_W + d)
+            if OUT_BF16:        # rounded to nearest even here: the conversion then is exact
+                x = _bf16_round(x)
+            tl.store(OUT + b.to(tl.int64) * s_out_row + d, x.to(OUT.dtype.element_ty))
+            tl.store(IDS + b, (pos + 1) // R - 1)
+        else:
+            _finish_store(acc / den, b, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt,
+                          eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT)
         for r0 in range(0, R, ADV):
             rows = r0 + tl.arange(0, ADV)
             at = base + (CUR + rows[:, None]) * s_st_row + c[None, :]
@@ -231,6 +247,10 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
             tl.store(ST_KV + at, tl.zeros([ADV, WIDTH], tl.float32))
             tl.store(ST_SCORE + at, tl.full([ADV, WIDTH], float("-inf"), tl.float32))
     else:
+        if MODE == 4:       # LATENT
+            d = tl.arange(0, D)
+            tl.store(OUT + b.to(tl.int64) * s_out_row + d, tl.zeros([D], tl.float32).to(OUT.dtype.element_ty))
+            tl.store(IDS + b, tl.full([], -1, tl.int64))
         row = base + (CUR + pos % R) * s_st_row
         tl.store(ST_KV + row + c, tl.load(NEW_KV + new + c))
         new_sc = tl.load(NEW_SCORE + new + c)
@@ -267,7 +287,33 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0),
         kv if ape is None else ape.float().contiguous(), slots, positions,
         norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(), cos.shape[1], had,
-        out, out.stride(0), block_tables, block_tables.stride(0), eps, d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
+        out, out.stride(0), block_tables, block_tables.stride(0), slots, eps, d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
         ROPE=2 * cos.shape[-1], ROWS=rows, ADV=8 if ratio % 8 == 0 else ratio, MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
         BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, num_warps=4,
         **triton_args(state_kv))
+
+
+def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ratio: int,
+                           norm_weight: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1's compressor (no overlap, no position bias) for one decode token per request, one
+    launch: the state as `compress_decode`; returns (latent [B, d] of out_dtype: the RMSNorm of each
+    block a token ends, zeros where it ends none; entry ids [B] int64, −1 where none)."""
+    b, d = kv.shape
+    out = torch.empty(b, d, dtype=out_dtype, device=kv.device)
+    ids = torch.empty(b, dtype=torch.int64, device=kv.device)
+    if b == 0:
+        return out, ids
+    kv, score = kv.float(), score.float()
+    if kv.stride(-1) != 1 or score.stride(-1) != 1 or kv.stride(0) != score.stride(0):
+        kv, score = kv.contiguous(), score.contiguous()
+    if not (state_kv.is_contiguous() and state_score.is_contiguous() and state_kv.dtype == torch.float32):
+        raise ValueError("compress_decode_latent: the compressor state must be contiguous float32")
+    compress_decode_kernel[(b,)](
+        state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0), kv, slots, positions,
+        norm_weight.float().contiguous(), kv, kv, 0, kv, out, out.stride(0), slots, 0, ids, eps, 1.0, R=ratio,
+        OVERLAP=False, D=d, ROPE=0, ROWS=8 if ratio % 8 == 0 else ratio, ADV=8 if ratio % 8 == 0 else ratio,
+        MODE=LATENT, OUT_BF16=out_dtype == torch.bfloat16, EPB=1, PREC="ieee", BLOCK_LAYOUT=False, HAS_APE=False,
+        num_warps=4, **triton_args(state_kv))
+    return out, ids
