@@ -13,16 +13,19 @@ Two ways to the same math. Where the request's store offers the paged kernels (V
 `PagedKVStore.kernel_formats`), the indexer scores the stored keys and attention reads the window
 ring, the token's own row and the selected entries where they live, in their stored format. V4.1
 decode groups over a store in the packed "v41" layout read the window and the selected global
-entries that way too (`_attend_kernels_v41`), their selection made as on the reference path. The
-reference path gathers and decodes the rows first (CPU, V4.1 prefill, memory policies that keep
-entries off the device, the random-indexer ablation, attention-mass capture).
+entries that way too (`_attend_kernels_v41`): a selection that reads no candidate pool (and
+publishes none) is V4's kernels' causal top-k in position order, one that does is made from the
+kernels' scores by the indexer's own rules; the entries a Full layer's tokens complete are
+compressed and stored by kernels. The reference path gathers and decodes the rows first (CPU,
+V4.1 prefill, memory policies that keep entries off the device, the random-indexer ablation,
+attention-mass capture).
 
 On the reference path V4.1 batched decode (`_attend_decode_v41`) computes what a one-token segment
-computes, to the bit,
-not within a tolerance: V4.1's FP4/FP8 round trips turn a float32 round-off difference into a
-whole quantisation step wherever a value sits near a rounding midpoint. So a decode row keeps its
-place in the flat batch (the engine and `ced.plan`), the window is listed as a segment lists it,
-and a row attends over exactly its selection's width (min(top-k, visible entries)).
+computes, to the bit, not within a tolerance: V4.1's FP4/FP8 round trips turn a float32 round-off
+difference into a whole quantisation step wherever a value sits near a rounding midpoint. So a
+decode row keeps its place in the flat batch (the engine and `ced.plan`), the window is listed as a
+segment lists it, and a row attends over exactly its selection's width (min(top-k, visible
+entries)).
 """
 
 from __future__ import annotations
