@@ -259,6 +259,18 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
         tl.store(ST_SCORE + row + c, new_sc)
 
 
+def _decode_inputs(state_kv: torch.Tensor, state_score: torch.Tensor, kv: torch.Tensor,
+                   score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode launch's token rows as the kernel reads them (float32; they may be column slices of
+    one stacked projection: rows of one stride, columns contiguous), its state checked."""
+    kv, score = kv.float(), score.float()
+    if kv.stride(-1) != 1 or score.stride(-1) != 1 or kv.stride(0) != score.stride(0):
+        kv, score = kv.contiguous(), score.contiguous()
+    if not (state_kv.is_contiguous() and state_score.is_contiguous() and state_kv.dtype == torch.float32):
+        raise ValueError("compress_decode: the compressor state must be contiguous float32")
+    return kv, score
+
+
 def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                     kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor,
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor,
@@ -273,12 +285,7 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
     if b == 0:
         return
     d = state_kv.shape[-1] // (2 if overlap else 1)
-    kv, score = kv.float(), score.float()
-    # the rows may be column slices of one stacked projection: rows of one stride, columns contiguous
-    if kv.stride(-1) != 1 or score.stride(-1) != 1 or kv.stride(0) != score.stride(0):
-        kv, score = kv.contiguous(), score.contiguous()
-    if not (state_kv.is_contiguous() and state_score.is_contiguous() and state_kv.dtype == torch.float32):
-        raise ValueError("compress_decode: the compressor state must be contiguous float32")
+    kv, score = _decode_inputs(state_kv, state_score, kv, score)
     mode = INDEX_PACKED if kind == "index" else MAIN_PACKED
     had = hadamard_matrix(d, kv.device) if kind == "index" else kv
     pooled = 2 * ratio if overlap else ratio
@@ -305,11 +312,7 @@ def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, sl
     ids = torch.empty(b, dtype=torch.int64, device=kv.device)
     if b == 0:
         return out, ids
-    kv, score = kv.float(), score.float()
-    if kv.stride(-1) != 1 or score.stride(-1) != 1 or kv.stride(0) != score.stride(0):
-        kv, score = kv.contiguous(), score.contiguous()
-    if not (state_kv.is_contiguous() and state_score.is_contiguous() and state_kv.dtype == torch.float32):
-        raise ValueError("compress_decode_latent: the compressor state must be contiguous float32")
+    kv, score = _decode_inputs(state_kv, state_score, kv, score)
     compress_decode_kernel[(b,)](
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0), kv, slots, positions,
         norm_weight.float().contiguous(), kv, kv, 0, kv, out, out.stride(0), slots, 0, ids, eps, 1.0, R=ratio,

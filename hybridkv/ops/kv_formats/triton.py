@@ -154,12 +154,12 @@ class PagedDest:
     block_layout: bool
 
 
-def _launch(kernel, x: torch.Tensor, width: int, tile: int, *extra) -> torch.Tensor:
+def _run(kernel, x: torch.Tensor, out: torch.Tensor, tile: int, *args, **flags) -> torch.Tensor:
+    """One program per row of x [N, d], writing `out` (returned)."""
     n, d = x.shape
-    out = torch.empty(n, width, dtype=torch.uint8, device=x.device)
     if n:
         xc = x if x.stride(-1) == 1 else x.contiguous()
-        kernel[(n,)](xc, xc.stride(0), out, *extra, D=d, T=tile, num_warps=4, **triton_args(xc))
+        kernel[(n,)](xc, xc.stride(0), out, *args, D=d, T=tile, **flags, num_warps=4, **triton_args(xc))
     return out
 
 
@@ -177,12 +177,8 @@ def _dest_args(x: torch.Tensor, width: int, dest: PagedDest | None) -> tuple[tor
 
 
 def _pack(kernel, x: torch.Tensor, tile: int, dest: PagedDest | None, *extra) -> torch.Tensor:
-    n, d = x.shape
-    out, where, flags = _dest_args(x, d // 2 + d // tile, dest)
-    if n:
-        xc = x if x.stride(-1) == 1 else x.contiguous()
-        kernel[(n,)](xc, xc.stride(0), out, *where, *extra, D=d, T=tile, **flags, num_warps=4, **triton_args(xc))
-    return out
+    out, where, flags = _dest_args(x, x.shape[1] // 2 + x.shape[1] // tile, dest)
+    return _run(kernel, x, out, tile, *where, *extra, **flags)
 
 
 def pack_index_fp4(x: torch.Tensor, tile: int, dest: PagedDest | None = None) -> torch.Tensor:
@@ -191,7 +187,8 @@ def pack_index_fp4(x: torch.Tensor, tile: int, dest: PagedDest | None = None) ->
 
 
 def pack_v41_window(x: torch.Tensor, tile: int) -> torch.Tensor:
-    return _launch(pack_v41_window_kernel, x, x.shape[1] + x.shape[1] // tile, tile)
+    out = torch.empty(x.shape[0], x.shape[1] + x.shape[1] // tile, dtype=torch.uint8, device=x.device)
+    return _run(pack_v41_window_kernel, x, out, tile)
 
 
 def pack_v41_global(x: torch.Tensor, tile: int, dest: PagedDest | None = None) -> tuple[torch.Tensor, torch.Tensor]:
