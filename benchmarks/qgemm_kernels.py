@@ -274,15 +274,19 @@ def float_rows_bench(a, cuda: bool, dev: str) -> None:
             if m > float_rows.MAX_ROWS:
                 continue
             x = torch.randn(m, k, device=dev).to(w.dtype)
-            cfg = float_rows.rows_config(m, n, k, w.element_size(),
-                                         gemv=w.dtype == torch.float32 and m <= float_rows.GEMV_ROWS)
+            gemv = w.dtype == torch.float32 and m <= float_rows.GEMV_ROWS
+            cfg = float_rows.rows_config(m, n, k, w.element_size(), gemv=gemv)
             t = bench_each(lambda c: float_rows.rows_linear(x, c[0]), ws, cuda)
             best = (None, None)
-            if a.sweep and cuda and m in a.sweep_rows and w.dtype != torch.float32:
-                for bn, bk, split, warps in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32), (4, 8)):
-                    if split * bk > k:
-                        continue
-                    c2 = dict(BM=16, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=3)
+            if gemv:     # whole weight rows a program (gemv_kernel)
+                grid = [dict(GEMV=True, BN=bn, BK=bk, num_warps=warps)
+                        for bn, bk, warps in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))]
+            else:
+                grid = [dict(BM=16, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=3)
+                        for bn, bk, split, warps in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32),
+                                                                      (4, 8)) if split * bk <= k]
+            if a.sweep and cuda and m in a.sweep_rows:
+                for c2 in grid:
                     try:
                         t2 = bench_each(lambda c: float_rows.rows_linear(x, c[0], c2), ws, cuda)
                     except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
@@ -291,7 +295,7 @@ def float_rows_bench(a, cuda: bool, dev: str) -> None:
                     if best[0] is None or t2 < best[0]:
                         best = (t2, c2)
             t_mm = bench_each(lambda c: torch.mm(x, c[0].t(), out_dtype=torch.float32), ws, cuda) if cuda else None
-            short = {k2: v for k2, v in cfg.items() if k2 in ("BN", "BK", "SPLIT_K", "GEMV")}
+            short = {k2: v for k2, v in cfg.items() if k2 in ("BN", "BK", "SPLIT_K", "GEMV", "num_warps")}
             bshort = best[1] and {k2: v for k2, v in best[1].items() if k2 in ("BN", "BK", "SPLIT_K", "num_warps")}
             print(f"| {name} | {n} × {k} | {m} | {t:.4f} | {w.nbytes / t / 1e6:.0f} | {short} | "
                   f"{'—' if best[0] is None else f'{best[0]:.4f}'} | {bshort or '—'} | "

@@ -223,12 +223,14 @@ class Attention(nn.Module):
         rows: dict[str, torch.Tensor] = {}
         proj = self.stacked_projections
         got = dict(zip(proj, stacked_forward(proj, x))) if proj and compress else {}
-        pair = lambda c: (got[c.wkv], got[c.wgate]) if c.wkv in got else None  # noqa: E731
+        pair = lambda c: (got[c.wkv], got.get(c.wgate)) if c.wkv in got else None  # noqa: E731
         if self.compressor is not None and compress:
             rows["comp_kv"], score = self.compressor.project(x, batch.positions, ape="kv" not in fused,
                                                              projected=pair(self.compressor))
             if score is not None:
                 rows["comp_score"] = score
+            elif self.v41:      # V4.1 ratio 1: each token is its entry, rotated at its own position
+                rows["comp_freqs"] = freqs
         if self.indexer is not None:
             rows["idx_q"] = self.indexer.queries(qr, freqs)
             if not self.v41:
@@ -236,18 +238,21 @@ class Attention(nn.Module):
                 rows["idx_kv"], rows["idx_score"] = self.indexer.compressor.project(
                     x, batch.positions, ape="index" not in fused, projected=pair(self.indexer.compressor))
             else:
-                rows["idx_w"] = self.indexer.head_weights(x)
+                rows["idx_w"] = self.indexer.head_weights(x, got.get(self.indexer.weights_proj))
         return rows
 
     def token_projections(self) -> list[Linear]:
-        """V4's float linears that read the attention input of every token, in their stacked order:
-        the compressor's kv and gate, then the indexer's compressor's kv and gate and its head weights
-        (CSA). Empty for V4.1 and for window-only layers."""
-        if self.v41 or self.compressor is None:
+        """The float linears that read the attention input of every token, in their stacked order:
+        the compressor's kv and gate, then (V4's CSA) the indexer's compressor's kv and gate, then the
+        indexer's head weights. V4.1: a Full layer's compressor kv (and gate, ratio > 1) and its
+        indexer's head weights. Empty for layers without a compressor of their own."""
+        if self.compressor is None:
             return []
-        out = [self.compressor.wkv, self.compressor.wgate]
+        out = [self.compressor.wkv] + ([self.compressor.wgate] if self.compressor.wgate is not None else [])
         if self.indexer is not None:
-            out += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
+            if not self.v41:
+                out += [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+            out.append(self.indexer.weights_proj)
         return out
 
     def stack_projections(self) -> bool:
@@ -503,8 +508,9 @@ class Attention(nn.Module):
         computed, and written where its entry id is not −1 (`PagedDecodeKV.write_entries`)."""
         pos = dkv.positions
         if kargs is not None:
-            def write(which, entry_ids, latent):
-                freqs = rope_freqs(entry_ids.clamp(min=0) * self.ratio, self.inv_freq)
+            def write(which, entry_ids, latent, freqs=None):
+                if freqs is None:
+                    freqs = rope_freqs(entry_ids.clamp(min=0) * self.ratio, self.inv_freq)
                 dkv.write_entries(self.layer_id, "index", which, entry_ids, self.indexer.keys(latent, freqs))
                 dkv.write_entries(self.layer_id, "kv", which, entry_ids, global_kv(latent, freqs))
 
@@ -512,7 +518,8 @@ class Attention(nn.Module):
                 # but position 0: there only a CUDA graph's padding rows decode (a request decodes
                 # past its prompt), with block table 0, whose entry 0 belongs to a request
                 write(torch.arange(pos.shape[0], device=pos.device),
-                      torch.where(pos > 0, torch.div(pos, self.ratio, rounding_mode="floor"), -1), rows["comp_kv"])
+                      torch.where(pos > 0, torch.div(pos, self.ratio, rounding_mode="floor"), -1), rows["comp_kv"],
+                      rows.get("comp_freqs"))
                 return
             if hasattr(dkv, "state_tensors"):   # the state updated in place and the block finished in one launch
                 done = compress_decode_latent(*dkv.state_tensors(self.layer_id, "kv"), dkv.slots, pos, rows["comp_kv"],

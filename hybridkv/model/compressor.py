@@ -59,9 +59,9 @@ class Compressor(nn.Module):
         """Token rows: (kv [T, coff·d], score (+ ape) [T, coff·d]) in float32 for the state; for a
         stateless compressor (latent entries [T, d], None). ape=False leaves the position bias to
         the caller (a fused decode kernel adds it). `projected`: (wkv(x), wgate(x)) already computed
-        (by one GEMM over the layer's stacked projections)."""
+        (by one GEMM over the layer's stacked projections; a stateless one's gate None)."""
         if self.stateless:
-            return self.norm(self.wkv(x)), None
+            return self.norm(self.wkv(x) if projected is None else projected[0]), None
         if projected is not None:
             kv, score = projected
         else:

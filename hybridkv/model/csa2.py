@@ -73,8 +73,9 @@ class LatentIndexer(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
         return fp4_round_trip(q, FP4_BLOCK)
 
-    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weights_proj(x) * self.weight_scale
+    def head_weights(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-head weights [T, heads]; `projected`: weights_proj(x) already computed."""
+        return (self.weights_proj(x) if projected is None else projected) * self.weight_scale
 
     def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Indexer keys of new entries from their pre-RoPE latents [n, head_dim of the model]."""

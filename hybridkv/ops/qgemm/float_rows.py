@@ -7,10 +7,15 @@ One launch: [BM, BN] tiles, the K loop split over programs so that a few rows st
 every SM, and the last of a tile's programs to arrive adds the partial sums in split order (the
 protocol of `triton.fp8_gemm_kernel`). bf16 × bf16 runs on the tensor cores (its products are exact
 in float32); a float32 weight (or input) in float32, the precision of torch's float32 GEMM: with at
-most `GEMV_ROWS` rows as products summed over K on the CUDA cores (`GEMV`, no MMA tile padded to 16
-rows: the MoE gates' float32 weights at decode), beyond as IEEE dots. What differs from torch is the
-order of the float32 additions only. Larger inputs (prefill) stay with torch's GEMMs
-(`widened_rows_ok`).
+most `GEMV_ROWS` rows as products summed over K on the CUDA cores (`gemv_kernel`: the MoE gates'
+float32 weights at decode), beyond as IEEE dots. What differs from torch is the order of the float32
+additions only. Larger inputs (prefill) stay with torch's GEMMs (`widened_rows_ok`).
+
+The GEMV takes no K split: each program owns a few weight rows over all of K, holds each product in
+its own lane until one reduction at the end, and loads its first chunk of weights before it waits
+for the previous kernel (programmatic dependent launch: no earlier kernel writes a weight). A split
+of 32 with the last program adding the partials (the tiled kernel's protocol) cost a round of
+atomics and partial reads on a read of a few MB.
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their by
 # 8-block decode (2026-12-04): the 8 MoE-gate launches of a B=1 step 45 µs faster than as IEEE dots,
 # those of a B=8 step 7 µs slower (at 8 rows the tile is only 16 deep)
 GEMV_ROWS = 2
-GEMV_ELEMENTS = 8192       # BM × BN × BK of one GEMV step (64 float32 registers a thread at 4 warps)
+GEMV_BN, GEMV_BK, GEMV_WARPS = 2, 1024, 4      # weight rows a program, K chunk, warps
 
 
 @triton.jit
 def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                     IEEE: tl.constexpr, FENCE: tl.constexpr, GEMV: tl.constexpr, PDL: tl.constexpr):
+                     IEEE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BN)
@@ -57,9 +62,7 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                     other=0.0)
         w = tl.load(W + rn.to(tl.int64)[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        if GEMV:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-        elif IEEE:
+        if IEEE:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -73,23 +76,49 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
             tl.store(out, _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, FENCE), mask=ok)
 
 
+
+@triton.jit
+def gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y,
+                BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
+    """x [M ≤ 2, K] · W [N, K]ᵀ -> float32 Y [M, N]: products and sums in float32 on the CUDA cores,
+    BN weight rows a program over all of K (`TWO`: a second row of x on the same weight loads)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < N
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_w
+    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+    wait_then_release(PDL)      # the weights are no earlier kernel's output: loaded above, before the wait
+    acc0 = tl.zeros((BN, BK), dtype=tl.float32)
+    acc1 = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + rk
+        k_ok = k < K
+        if k0 > 0:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc0 += x0[None, :] * w
+        if TWO:
+            x1 = tl.load(X + stride_x + k, mask=k_ok & (M > 1), other=0.0).to(tl.float32)
+            acc1 += x1[None, :] * w
+    tl.store(Y + rn, tl.sum(acc0, 1), mask=n_ok)
+    if TWO:
+        tl.store(Y + stride_y + rn, tl.sum(acc1, 1), mask=n_ok & (M > 1))
+
+
 def rows_config(m: int, n: int, k: int, weight_bytes: int, gemv: bool = False) -> dict:
     """Tiles for [m ≤ 64, k] × [n, k]ᵀ: 16–64-row tiles, 64 columns (32 for a float32 weight, whose
     128-deep block is twice the bytes), K split until the tiles cover every SM twice. `gemv` (float32
-    products of at most GEMV_ROWS rows): tiles of the rows rounded up to a power of two, 64
-    columns, as deep as GEMV_ELEMENTS allows."""
+    products of at most GEMV_ROWS rows): `gemv_kernel`'s weight rows a program and chunk depth."""
     if gemv:
-        bm = max(2, triton.next_power_of_2(m))
-        bn, bk = 64, GEMV_ELEMENTS // (64 * bm)
-    else:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn, bk = (32 if weight_bytes == 4 else 64), 128
+        return dict(GEMV=True, BN=GEMV_BN, BK=GEMV_BK, num_warps=GEMV_WARPS)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, bk = (32 if weight_bytes == 4 else 64), 128
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     n_kb = triton.cdiv(k, bk)
     split = 1
     while split * 2 <= n_kb // 2 and tiles * split < 2 * NUM_SMS_GUESS:
         split *= 2
-    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, GEMV=gemv, num_warps=4, num_stages=3)
+    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
 def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -103,11 +132,16 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = No
         raise ValueError("rows_linear: the weight's rows must be contiguous")
     widened = x2.dtype == torch.float32 or weight.dtype == torch.float32 or x2.dtype != weight.dtype
     cfg = dict(config or rows_config(m, n, k, weight.element_size(), gemv=widened and m <= GEMV_ROWS))
-    cfg.setdefault("GEMV", False)
-    split = cfg.pop("SPLIT_K")
     y = torch.empty(m, n, dtype=torch.float32, device=x2.device)
     if m == 0:
         return y
+    if cfg.pop("GEMV", False):
+        if m > GEMV_ROWS:
+            raise ValueError(f"rows_linear: the GEMV takes at most {GEMV_ROWS} rows, not {m}")
+        gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0),
+                                                 y.stride(0), TWO=m > 1, **cfg, **triton_args(x2))
+        return y
+    split = cfg.pop("SPLIT_K")
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
     counters = _arrivals(x2.device, tiles) if split > 1 else y
