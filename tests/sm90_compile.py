@@ -92,6 +92,11 @@ attempt("window_fp8 d=512", lambda: window_kernels.write_window_fp8(
 for heads in (64, 5):
     attempt(f"rope_hadamard_fp4 heads={heads}", lambda: hadamard_kernels.rope_hadamard_fp4(
         torch.zeros(b, heads, 128).bfloat16(), freqs))
+# V4.1: the indexer's queries (32 heads) and keys (blocks of 32, power-of-two scales), the global KV
+# (512 dims, blocks of 16, e4m3 scales)
+for heads, d, block, e4m3 in ((32, 128, 32, False), (1, 128, 32, False), (1, 512, 16, True)):
+    attempt(f"rope_fp4 heads={heads} d={d} block={block}", lambda: hadamard_kernels.rope_fp4(
+        torch.zeros(b, heads, d).bfloat16(), freqs, False, block, e4m3))
 for hashed in (False, True):
     attempt(f"gate_select hash={hashed}", lambda: moe_kernels.gate_select(
         torch.zeros(b, 256), None if hashed else torch.zeros(256), 6, 1.5, True,

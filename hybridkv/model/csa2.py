@@ -26,8 +26,7 @@ from hybridkv.model.indexer import random_scores
 from hybridkv.model.linear import Linear
 from hybridkv.model.norm import RMSNorm
 from hybridkv.ops.indexer_topk import candidate_blocks, causal_topk, index_scores, mask_invisible
-from hybridkv.ops.quant import fp4_round_trip
-from hybridkv.ops.rope import apply_rope
+from hybridkv.ops.hadamard import rope_fp4
 
 
 class CrossLayerShare:
@@ -70,8 +69,7 @@ class LatentIndexer(nn.Module):
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """[T, heads, head_dim]: RoPE on the last dims of each head, FP4 round trip (no Hadamard)."""
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
-        return fp4_round_trip(q, FP4_BLOCK)
+        return rope_fp4(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs, FP4_BLOCK)
 
     def head_weights(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head weights [T, heads]; `projected`: weights_proj(x) already computed."""
@@ -79,7 +77,7 @@ class LatentIndexer(nn.Module):
 
     def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Indexer keys of new entries from their pre-RoPE latents [n, head_dim of the model]."""
-        return fp4_round_trip(apply_rope(self.k_norm(self.wk(latent)), freqs), FP4_BLOCK)
+        return rope_fp4(self.k_norm(self.wk(latent)), freqs, FP4_BLOCK)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -128,4 +126,4 @@ class LatentIndexer(nn.Module):
 def global_kv(latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """The stored form of new global KV entries: RoPE at the block's first position, then FP4 in
     blocks of 16 with e4m3 scales."""
-    return fp4_round_trip(apply_rope(latent, freqs), V41_GLOBAL_FP4_BLOCK, "e4m3")
+    return rope_fp4(latent, freqs, V41_GLOBAL_FP4_BLOCK, "e4m3")

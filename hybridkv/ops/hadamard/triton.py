@@ -1,9 +1,10 @@
-"""Triton kernel of `rope_hadamard_fp4`: the indexer's query heads rotated (RoPE on their last
-dims, in the heads' dtype), Hadamard-transformed (a float32 product with the ±1 matrix, scaled by
-d^-1/2, in the heads' dtype) and round-tripped through FP4 (E2M1 in blocks of 32, power-of-two
-scales), ROWS heads per program. The Hadamard product runs as butterflies in registers (31 registers
-per thread for sm_90, nothing spilled): a float32 product with the 128 × 128 matrix loaded per
-program spilled 6.5 KB per thread and took 79 µs a launch for one token's 64 heads on the H200."""
+"""Triton kernel of `rope_hadamard_fp4` and `rope_fp4`: heads rotated (RoPE on their last dims, in
+the heads' dtype), optionally Hadamard-transformed (a float32 product with the ±1 matrix, scaled by
+d^-1/2, in the heads' dtype: V4's indexer queries), and round-tripped through FP4 (E2M1 in blocks of
+32 with power-of-two scales, or of 16 with e4m3 scales: V4.1's global KV), ROWS heads per program.
+The Hadamard product runs as butterflies in registers (31 registers per thread for sm_90, nothing
+spilled): a float32 product with the 128 × 128 matrix loaded per program spilled 6.5 KB per thread
+and took 79 µs a launch for one token's 64 heads on the H200."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import triton.language as tl
 
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
-from hybridkv.ops.quant.triton import _bf16_round, _e2m1_round, _pow2_ceil_exp
+from hybridkv.ops.quant.triton import _bf16_round, fp4_blocks
 
 ROWS = 4
 
@@ -30,9 +31,9 @@ def _walsh_hadamard(x, BM: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 
 
 @triton.jit
-def rope_hadamard_fp4_kernel(X, F, Y, n_rows, M, stride_xt, stride_xm, f_stride, had_scale, D: tl.constexpr,
-                             RD: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, LOG2_D: tl.constexpr,
-                             PDL: tl.constexpr):
+def rope_fp4_kernel(X, F, Y, n_rows, M, stride_xt, stride_xm, f_stride, had_scale, D: tl.constexpr,
+                    RD: tl.constexpr, OUT_BF16: tl.constexpr, BM: tl.constexpr, HADAMARD: tl.constexpr,
+                    LOG2_D: tl.constexpr, QBLOCK: tl.constexpr, E4M3: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     ok = rows < n_rows
@@ -49,19 +50,19 @@ def rope_hadamard_fp4_kernel(X, F, Y, n_rows, M, stride_xt, stride_xm, f_stride,
     x = tl.reshape(tl.join(a * cos - b * sin, a * sin + b * cos), [BM, D])
     if OUT_BF16:
         x = _bf16_round(x)
-    x = _walsh_hadamard(x, BM, D, LOG2_D) * had_scale
-    if OUT_BF16:
-        x = _bf16_round(x)
-    xb = tl.reshape(x, [BM, D // 32, 32])
-    amax = tl.maximum(tl.max(tl.abs(xb), 2), 6.0 * 1.1754943508222875e-38)
-    scale = (_pow2_ceil_exp(amax, 1.0 / 6.0) << 23).to(tl.float32, bitcast=True)
-    q = _e2m1_round(tl.minimum(tl.maximum(xb / scale[:, :, None], -6.0), 6.0)) * scale[:, :, None]
+    if HADAMARD:
+        x = _walsh_hadamard(x, BM, D, LOG2_D) * had_scale
+        if OUT_BF16:
+            x = _bf16_round(x)
+    q = fp4_blocks(tl.reshape(x, [BM * (D // QBLOCK), QBLOCK]), E4M3)
     tl.store(Y + rows.to(tl.int64)[:, None] * D + d[None, :], tl.reshape(q, [BM, D]).to(Y.dtype.element_ty),
              mask=ok[:, None])
 
 
-def rope_hadamard_fp4(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] (float32 or bf16), freqs complex [T, rd/2] -> [T, heads, d] in x's dtype."""
+def rope_fp4(x: torch.Tensor, freqs: torch.Tensor, hadamard: bool, block: int = 32, e4m3: bool = False) -> torch.Tensor:
+    """x [T, heads, d] (float32 or bf16), freqs complex [T, rd/2] -> [T, heads, d] in x's dtype:
+    RoPE, the Hadamard rotation where `hadamard`, then FP4 in blocks of `block` (e4m3 scales where
+    `e4m3`, else powers of two)."""
     t, m, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -71,7 +72,13 @@ def rope_hadamard_fp4(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = t * m
     if n:
-        rope_hadamard_fp4_kernel[(triton.cdiv(n, ROWS),)](
+        rope_fp4_kernel[(triton.cdiv(n, ROWS),)](
             x, f, y, n, m, x.stride(0), x.stride(1), f.stride(0), d ** -0.5, D=d, RD=2 * freqs.shape[-1],
-            OUT_BF16=x.dtype == torch.bfloat16, BM=ROWS, LOG2_D=d.bit_length() - 1, num_warps=4, **triton_args(x))
+            OUT_BF16=x.dtype == torch.bfloat16, BM=ROWS, HADAMARD=hadamard, LOG2_D=d.bit_length() - 1, QBLOCK=block,
+            E4M3=e4m3, num_warps=4, **triton_args(x))
     return y
+
+
+def rope_hadamard_fp4(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] (float32 or bf16), freqs complex [T, rd/2] -> [T, heads, d] in x's dtype."""
+    return rope_fp4(x, freqs, hadamard=True)

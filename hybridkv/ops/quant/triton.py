@@ -116,10 +116,8 @@ def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @triton.jit
-def fp4_round_trip_kernel(X, Y, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr, E4M3: tl.constexpr,
-                          PDL: tl.constexpr):
-    wait_then_release(PDL)
-    x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
+def fp4_blocks(x, E4M3: tl.constexpr):
+    """x [R, BLOCK] float32, each row one quantisation block, through E2M1 and back (float32)."""
     amax = tl.max(tl.abs(x), 1)
     if E4M3:    # e4m3(amax / 6), and x / s correctly rounded (s is no power of two)
         s = _e4m3_saturate(tl.math.div_rn(tl.maximum(amax, _FP4_E4M3_FLOOR), _E2M1_MAX))
@@ -129,8 +127,15 @@ def fp4_round_trip_kernel(X, Y, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr, 
         s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
         s = s_bits.to(tl.float32, bitcast=True)
         q = x * (0x7F000000 - s_bits).to(tl.float32, bitcast=True)[:, None]
-    y = _e2m1_round(tl.minimum(tl.maximum(q, -_E2M1_MAX), _E2M1_MAX)) * s[:, None]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    return _e2m1_round(tl.minimum(tl.maximum(q, -_E2M1_MAX), _E2M1_MAX)) * s[:, None]
+
+
+@triton.jit
+def fp4_round_trip_kernel(X, Y, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr, E4M3: tl.constexpr,
+                          PDL: tl.constexpr):
+    wait_then_release(PDL)
+    x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
+    tl.store(Y + offs, fp4_blocks(x, E4M3).to(Y.dtype.element_ty), mask=mask)
 
 
 def fp4_round_trip(x: torch.Tensor, block: int, scale_fmt: str = "ue8m0") -> torch.Tensor:
