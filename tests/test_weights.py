@@ -129,15 +129,17 @@ def test_index_naming_missing_shard(fixtures, tmp_path):
         load_model(tmp_path)
 
 
-def test_attention_projections_load_into_one_stacked_buffer():
-    """Loading (bf16, the release's dtypes) puts each V4 attention layer's per-token float projections
-    (compressor kv/gate, indexer compressor kv/gate, indexer head weights) in one buffer, in order,
-    and every one of them holds exactly its checkpoint tensor."""
+@pytest.mark.parametrize("model", ["tiny-v4", "tiny-v41"])
+def test_attention_projections_load_into_one_stacked_buffer(model):
+    """Loading (bf16, the release's dtypes) puts each attention layer's per-token float projections
+    (V4: compressor kv/gate, indexer compressor kv/gate, indexer head weights; V4.1's Full layers:
+    compressor kv (and gate), indexer head weights) in one buffer, in order, and every one of them
+    holds exactly its checkpoint tensor."""
     from safetensors import safe_open
 
     from hybridkv.model.attention import Attention
     from hybridkv.model.linear import stacked_weight
-    model_dir = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
+    model_dir = Path(__file__).resolve().parents[1] / "models" / model
     model, cfg = load_model(model_dir, dtype=torch.bfloat16)
     files = checkpoint_files(model_dir)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -157,5 +159,8 @@ def test_attention_projections_load_into_one_stacked_buffer():
             name = names[id(lin.weight)]
             with safe_open(files[name], "pt") as f:
                 assert torch.equal(lin.weight, f.get_tensor(name).to(lin.weight.dtype)), name
-    # every compressed layer of the blocks and of the MTP layers
-    assert stacked == sum(1 for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if cfg.layer_ratio(i))
+    if cfg.family == "v4.1":      # the Full layers: the others read a source layer's entries
+        assert stacked == sum(1 for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "full") > 0
+    else:                         # every compressed layer of the blocks and of the MTP layers
+        assert stacked == sum(1 for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+                              if cfg.layer_ratio(i))
