@@ -32,8 +32,8 @@ from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _split_k_arrive,
 MAX_ROWS = 64              # more rows: torch's GEMM
 MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their byte time in cuBLAS
 # float32 operands with at most this many rows: products summed on the CUDA cores. H200, V4-Flash
-# 8-block decode (2026-12-04): the 8 MoE-gate launches of a B=1 step 45 µs faster than as IEEE dots,
-# those of a B=8 step 7 µs slower (at 8 rows the tile is only 16 deep)
+# 8-block decode (2026-12-04, the split-K form of the GEMV then): the 8 MoE-gate launches of a B=1
+# step 45 µs faster than as IEEE dots, those of a B=8 step 7 µs slower
 GEMV_ROWS = 2
 GEMV_BN, GEMV_BK, GEMV_WARPS = 2, 1024, 4      # weight rows a program, K chunk, warps
 
