@@ -13,9 +13,8 @@ additions only. Larger inputs (prefill) stay with torch's GEMMs (`widened_rows_o
 
 The GEMV takes no K split: each program owns a few weight rows over all of K, holds each product in
 its own lane until one reduction at the end, and loads its first chunk of weights before it waits
-for the previous kernel (programmatic dependent launch: no earlier kernel writes a weight). A split
-of 32 with the last program adding the partials (the tiled kernel's protocol) cost a round of
-atomics and partial reads on a read of a few MB.
+for the previous kernel (programmatic dependent launch: no earlier kernel writes a weight): a read
+of a few MB needs no round of atomics and partial sums after it.
 """
 
 from __future__ import annotations
