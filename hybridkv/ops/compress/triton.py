@@ -34,18 +34,25 @@ def _e4m3_round(v):
 
 
 @triton.jit
+def _rms_normed(x, NORM_W, eps, D: tl.constexpr, OUT_BF16: tl.constexpr):
+    """A pooled entry x [D] (float32) RMS-normalised with weight NORM_W, in the output's precision
+    before and after (rounded to nearest even here: a later bf16 conversion is exact)."""
+    if OUT_BF16:
+        x = _bf16_round(x)
+    x = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(NORM_W + tl.arange(0, D))
+    if OUT_BF16:
+        x = _bf16_round(x)
+    return x
+
+
+@triton.jit
 def _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale,
                   D: tl.constexpr, ROPE: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr,
                   EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr, BLOCK_LAYOUT: tl.constexpr):
     """A pooled entry x [D] (float32): RMSNorm, RoPE with row e of COS/SIN, the storage round trip,
     written as entry j of request req (j −1: not written)."""
     d = tl.arange(0, D)
-    if OUT_BF16:
-        x = _bf16_round(x)
-    # RMSNorm
-    x = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(NORM_W + d)
-    if OUT_BF16:
-        x = _bf16_round(x)
+    x = _rms_normed(x, NORM_W, eps, D, OUT_BF16)
     # RoPE on the last ROPE dims (adjacent pairs)
     pair = tl.arange(0, D // 2)
     ridx = pair - (D - ROPE) // 2
@@ -220,12 +227,7 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
                           tl.load(ST_KV + base + rows[:, None] * s_st_row + ch))
             m, den, acc = _pool_rows(m, den, acc, sc, kv)
         if MODE == 4:       # LATENT
-            x = acc / den
-            if OUT_BF16:
-                x = _bf16_round(x)
-            x = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(NORM_W + d)
-            if OUT_BF16:        # rounded to nearest even here: the conversion then is exact
-                x = _bf16_round(x)
+            x = _rms_normed(acc / den, NORM_W, eps, D, OUT_BF16)
             tl.store(OUT + b.to(tl.int64) * s_out_row + d, x.to(OUT.dtype.element_ty))
             tl.store(IDS + b, (pos + 1) // R - 1)
         else:
