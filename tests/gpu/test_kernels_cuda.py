@@ -81,6 +81,32 @@ def test_sparse_attn(fmt, case):
     assert rel_rms(ref, out) <= 1e-2
 
 
+@pytest.mark.parametrize("case", ["csa-decode", "hca-decode"])
+def test_bf16_partials_merge_like_float32_ones(case, monkeypatch):
+    """bf16 queries: a split decode stores its partial outputs in bf16; the merged output stays within
+    a bf16 step (relative RMS) of the one merged from float32 partials."""
+    segs = SPARSE_CASES[case]
+    batch, nblk = batch_for(segs)
+    t = batch.num_tokens
+    q = torch.randn(t, H, D, device=DEV).bfloat16()
+    new_kv, ring = main_entries(t, "fp8"), main_entries(len(segs) * W, "fp8").view(len(segs), W, -1)
+    ratio = 128 if case.startswith("hca") else 4
+    pool = main_entries(nblk * 128 // ratio, "fp8").view(nblk, 128 // ratio, -1)
+    idx = None
+    if ratio == 4:
+        idx = (torch.rand(t, TOPK, device=DEV) * ((batch.positions.long() + 1) // 4).unsqueeze(1)).long()
+    sink = torch.randn(H, device=DEV)
+    kw = dict(fmt="fp8", head_dim=D, rope_dim=ROPE, window=W, cfg=(64, 64, 128, 8, 1))
+    run = lambda: attn_k.sparse_attn_paged(q, sink, D ** -0.5, batch, new_kv, ring, pool, idx,  # noqa: E731
+                                           ratio, **kw)
+    monkeypatch.setattr(attn_k, "PARTIALS_IN_BF16", False)
+    f32 = run()
+    monkeypatch.setattr(attn_k, "PARTIALS_IN_BF16", True)
+    b16 = run()
+    assert not torch.equal(b16, f32)
+    assert rel_rms(f32, b16) <= 2.0**-8
+
+
 INDEXER_CASES = {
     "decode": [(65535 - 1000 * i, 1) for i in range(4)],
     "decode-long": [(2**20 - 1, 1), (524287 + 13, 1), (140000, 1)],           # ≥ topk tiles: the τ₀ bound

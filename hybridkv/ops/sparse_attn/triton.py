@@ -234,7 +234,7 @@ def combine_kernel(
         m = tl.load(base + s[:, None] * sml_s + heads[None, :], mask=sm, other=float("-inf"))
         l = tl.load(base + s[:, None] * sml_s + H + heads[None, :], mask=sm, other=0.0)
         part = tl.load(PART + t.to(tl.int64) * sp_t + s[:, None, None] * sp_s + heads[None, :, None] * sp_h
-                       + dd[None, None, :], mask=sm[:, :, None] & dmask[None, None, :], other=0.0)
+                       + dd[None, None, :], mask=sm[:, :, None] & dmask[None, None, :], other=0.0).to(tl.float32)
         m_new = tl.maximum(m_run, tl.max(m, 0))                       # finite: it includes the sink
         alpha = tl.exp2(m_run - m_new)
         w = tl.exp2(m - m_new[None, :])
@@ -277,6 +277,11 @@ PIECES_PER_SM = 2                                # narrow decode programs per SM
 MIN_SPLIT = 32
 WIDE_ROWS_PER_SM = 32
 COMBINE_CFG = dict(BLOCK_H=1, BLOCK_D=64, BLOCK_S=32, num_warps=1)
+# A split's unnormalised output is stored in bf16 when the queries are bf16 (outside deterministic
+# mode): in float32 a piece's 64 heads × 512 dims weigh 128 KiB, as much as 224 packed fp8 rows, so
+# HCA at 1M, B=1 wrote 17 MB of partials for 4.9 MB of rows. bf16 keeps 8 bits of each partial's
+# significand, as many as the bf16 attention output they are merged into.
+PARTIALS_IN_BF16 = True
 
 
 @functools.lru_cache(maxsize=8)
@@ -373,7 +378,9 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
         sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), out, out.stride(0), 0, out.stride(1), dummy, 0, 0,
                                  *args_tail, FINAL=True, num_warps=warps, num_stages=stages, **common, **triton_args(q))
         return out
-    part = torch.empty(t, n_split, h, head_dim, dtype=torch.float32, device=dev)
+    part_dtype = torch.bfloat16 if (PARTIALS_IN_BF16 and q.dtype == torch.bfloat16 and not is_deterministic()) \
+        else torch.float32
+    part = torch.empty(t, n_split, h, head_dim, dtype=part_dtype, device=dev)
     ml = torch.empty(t, n_split, 2, h, dtype=torch.float32, device=dev)
     sparse_attn_kernel[grid](q, q.stride(0), q.stride(1), part, part.stride(0), part.stride(1), part.stride(2),
                              ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps,
