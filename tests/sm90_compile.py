@@ -141,6 +141,9 @@ for rows in (1, 8):      # the MoE gate's scores at decode: a float32 weight of 
                                                                            torch.zeros(256, 4096)))
 attempt("batch_invariant bmm", lambda: batch_invariant.mm(torch.zeros(3, 70, 64).bfloat16(),
                                                           torch.zeros(3, 64, 96).bfloat16()))
+for split in (False, True):      # a decode step's rotations (libdevice's cos and sin)
+    attempt(f"rope_freqs split={split}", lambda: rope_kernels.rope_freqs(
+        torch.zeros(3, dtype=torch.int64), rope_ref.yarn_inv_freq(64, 1e4), 1 - 128, 0, split=split))
 attempt("rope (3, 64, 512) in place", lambda: rope_kernels.apply_rope(torch.zeros(3, 64, 512).bfloat16(), freqs,
                                                                       in_place=True))
 

@@ -918,9 +918,8 @@ class PagedDecodeKV:
         and table (`key`)."""
         cache = self.__dict__.setdefault("_block_rope", {})
         if (ratio, key) not in cache:
-            from hybridkv.ops.rope import rope_freqs
-            freqs = rope_freqs((self.positions + 1 - ratio).clamp(min=0), inv_freq)
-            cache[(ratio, key)] = (freqs.real.contiguous(), freqs.imag.contiguous())
+            from hybridkv.ops.rope import rope_cos_sin
+            cache[(ratio, key)] = rope_cos_sin(self.positions, inv_freq, 1 - ratio, 0)
         return cache[(ratio, key)]
 
     def store_compressor_state(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:

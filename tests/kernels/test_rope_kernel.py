@@ -53,3 +53,25 @@ def test_rope_in_place_rotates_only_the_last_dims_where_they_lie(device, inverse
     leaf = torch.randn(5, 2, 128, generator=g, requires_grad=True)
     out = apply_rope_(leaf, freqs.cpu(), inverse)
     assert out is not leaf and out.requires_grad
+
+
+@pytest.mark.parametrize("offset,clamp_min", [(0, None), (1 - 128, 0), (-3, None)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_rotations_in_one_launch(device, offset, clamp_min, dtype):
+    """`rope_freqs` (complex, and split into cosines and sines): the reference's rotations at
+    max(position + offset, clamp_min) — on the GPU to the bit (the CUDA math library's cos and sin,
+    as torch's), in the interpreter within numpy's rounding of them."""
+    g = torch.Generator().manual_seed(7)
+    pos = torch.cat([torch.tensor([0, 1, 127, 128]), torch.randint(0, 1 << 20, (37,), generator=g)]).to(dtype)
+    inv = reference.yarn_inv_freq(64, 160000.0, 16, 65536, 32, 1)
+    p = (pos.long() + offset)
+    want = reference.rope_freqs(p.clamp(min=clamp_min) if clamp_min is not None else p, inv)
+    got = kernels.rope_freqs(pos.to(device), inv.to(device), offset, clamp_min).cpu()
+    cos, sin = kernels.rope_freqs(pos.to(device), inv.to(device), offset, clamp_min, split=True)
+    assert got.dtype == torch.complex64 and got.shape == want.shape
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == want.shape
+    if device == "cuda":
+        assert torch.equal(got, want.to(got.device).cpu())
+    else:
+        torch.testing.assert_close(torch.view_as_real(got), torch.view_as_real(want), rtol=0, atol=2e-7)
+    assert torch.equal(cos.cpu(), got.real) and torch.equal(sin.cpu(), got.imag)

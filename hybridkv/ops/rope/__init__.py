@@ -1,11 +1,25 @@
 """Rotary position embedding (`reference`); on CUDA, forwards without autograd rotate in one Triton
-launch (`triton.apply_rope`) instead of the reference's half-dozen torch operations."""
+launch (`triton.apply_rope`) instead of the reference's half-dozen torch operations, and the
+rotations of a batch's positions are one launch too (`rope_freqs`)."""
 
 import torch
 
 from hybridkv.ops.backend import use_triton
 from hybridkv.ops.rope import reference
-from hybridkv.ops.rope.reference import rope_freqs, yarn_inv_freq  # noqa: F401
+from hybridkv.ops.rope.reference import yarn_inv_freq  # noqa: F401
+
+
+def rope_freqs(positions: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0,
+               clamp_min: int | None = None) -> torch.Tensor:
+    """Complex rotations e^{i·p·freq} [len(positions), dim/2] (complex64) at p = positions + offset,
+    raised to clamp_min where given (integer arithmetic before the float32 conversion)."""
+    if use_triton(positions) and not positions.dtype.is_floating_point:
+        from hybridkv.ops.rope import triton as kernels
+        return kernels.rope_freqs(positions, inv_freq, offset, clamp_min)
+    p = positions + offset if offset else positions
+    if clamp_min is not None:
+        p = p.clamp(min=clamp_min)
+    return reference.rope_freqs(p, inv_freq)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -30,3 +44,13 @@ def apply_rope_(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> 
     rd = freqs.shape[-1] * 2
     x[..., x.shape[-1] - rd:] = reference.apply_rope(x[..., x.shape[-1] - rd:], freqs, inverse)
     return x
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0,
+                 clamp_min: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_freqs`'s real and imaginary parts (cos, sin), each contiguous float32."""
+    if use_triton(positions) and not positions.dtype.is_floating_point:
+        from hybridkv.ops.rope import triton as kernels
+        return kernels.rope_freqs(positions, inv_freq, offset, clamp_min, split=True)
+    f = rope_freqs(positions, inv_freq, offset, clamp_min)
+    return f.real.contiguous(), f.imag.contiguous()

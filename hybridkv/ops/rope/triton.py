@@ -1,7 +1,10 @@
 """Triton rotary embedding: one program per row of x viewed as [T, M, D] (M the heads, or 1),
 the first D − rd values copied (or, in place, left alone), the last rd rotated in adjacent pairs
 by the row's e^{i·θ} in float32 (real = x₀c − x₁s, imaginary = x₀s + x₁c, the reference's complex
-product), in x's dtype."""
+product), in x's dtype. And the rotations themselves (`rope_freqs`): one launch for what the
+reference spends four to seven torch operations on (the position arithmetic, the conversion, the
+product with the frequencies, the polar form), with the CUDA math library's cosine and sine
+(libdevice, as torch's kernels call them), not the approximate hardware instructions."""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
+from hybridkv.ops.backend import interpreting
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
 
@@ -60,3 +66,60 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, in_p
                               BLOCK_R=triton.next_power_of_2(max(rd // 2, 1)), IN_PLACE=in_place,
                               num_warps=1 if d <= 256 else 2, **triton_args(x3))
     return y
+
+
+@triton.jit
+def rope_freqs_kernel(POS, INV, OUT, n, offset, lo, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_F: tl.constexpr, CLAMP: tl.constexpr, SPLIT: tl.constexpr, LIBDEVICE: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Rows t of OUT [n, HALF, 2] = (cos, sin) of float32(max(pos_t + offset, lo)) · inv_freq; with
+    SPLIT, OUT is [2, n, HALF]: the cosines, then the sines. LIBDEVICE: the CUDA math library's
+    cosine and sine (Triton's own lower to approximate instructions; the interpreter has no
+    libdevice and computes them with numpy)."""
+    f = tl.arange(0, BLOCK_F)
+    fok = f < HALF
+    inv = tl.load(INV + f, mask=fok, other=0.0)       # a constant table: read before the wait
+    wait_then_release(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = t < n
+    p = tl.load(POS + t, mask=tok, other=0).to(tl.int64) + offset
+    if CLAMP:
+        p = tl.maximum(p, lo)
+    a = p.to(tl.float32)[:, None] * inv[None, :]
+    if LIBDEVICE:
+        c, s = libdevice.cos(a), libdevice.sin(a)
+    else:
+        c, s = tl.cos(a), tl.sin(a)
+    at = t.to(tl.int64)[:, None] * HALF + f[None, :]
+    ok = tok[:, None] & fok[None, :]
+    if SPLIT:
+        tl.store(OUT + at, c, mask=ok)
+        tl.store(OUT + n * HALF + at, s, mask=ok)
+    else:
+        tl.store(OUT + 2 * at, c, mask=ok)
+        tl.store(OUT + 2 * at + 1, s, mask=ok)
+
+
+def rope_freqs(positions: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0,
+               clamp_min: int | None = None, split: bool = False):
+    """`reference.rope_freqs(max(positions + offset, clamp_min), inv_freq)` in one launch:
+    complex64 [len(positions), len(inv_freq)], or with `split` its real and imaginary parts as two
+    contiguous float32 tensors."""
+    pos = positions.reshape(-1)
+    if not pos.is_contiguous():
+        pos = pos.contiguous()
+    inv = inv_freq.to(device=pos.device, dtype=torch.float32).contiguous()
+    half = inv.shape[0]
+    n = pos.shape[0]
+    if split:
+        out = torch.empty(2, n, half, dtype=torch.float32, device=pos.device)
+    else:
+        out = torch.empty(n, half, dtype=torch.complex64, device=pos.device)
+    if n:
+        block_f = triton.next_power_of_2(max(half, 1))
+        block_t = max(1, min(64, 2048 // block_f))
+        rope_freqs_kernel[(triton.cdiv(n, block_t),)](
+            pos, inv, out if split else torch.view_as_real(out), n, int(offset), int(clamp_min or 0), HALF=half,
+            BLOCK_T=block_t, BLOCK_F=block_f, CLAMP=clamp_min is not None, SPLIT=split, LIBDEVICE=not interpreting(),
+            num_warps=1 if block_t * block_f <= 1024 else 4, **triton_args(pos))
+    return (out[0], out[1]) if split else out
