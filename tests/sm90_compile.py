@@ -134,6 +134,8 @@ for two in (False, True):
 attempt("mhc_pre_fn tokens=100", lambda: mhc_kernels.mhc_pre_fn(torch.zeros(100, 4, 4096).bfloat16(),
                                                                 torch.zeros(24, 4 * 4096), torch.ones(3),
                                                                 torch.zeros(24), 20, 1e-6, 1e-6))
+attempt("mhc_head tokens=1", lambda: mhc_kernels.mhc_head(torch.zeros(1, 4, 4096).bfloat16(), torch.zeros(4, 4 * 4096),
+                                                          torch.ones(1), torch.zeros(4), 1e-6, 1e-6))
 attempt("mix_partials tokens=100 float32", lambda: mhc_kernels.mix_partials(torch.zeros(100, 4 * 4096),
                                                                             torch.zeros(24, 4 * 4096)))
 for rows in (1, 8):      # the MoE gate's scores at decode: a float32 weight of 256 experts

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.mhc import fn_in_kernels, mhc_mixes_collapse, mhc_post, mhc_pre, mhc_pre_fn, raw_mixes
+from hybridkv.ops.mhc import fn_in_kernels, mhc_head, mhc_mixes_collapse, mhc_post, mhc_pre, mhc_pre_fn, raw_mixes
 from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 
 
@@ -70,5 +70,7 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
     """Final collapse of the stream before the LM head: σ-weighted sum of the copies (no Sinkhorn)."""
+    if fn_in_kernels(x, fn):      # two launches instead of a dozen torch operations
+        return mhc_head(x, fn, scale, base, eps, norm_eps)
     pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale + base) + eps
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)

@@ -96,6 +96,29 @@ def test_the_model_takes_the_fn_path_outside_deterministic_mode(device, monkeypa
     assert rel_rms(_mixes(x, head_fn, 1e-6)[:5].cpu(), _mixes(x[:5], head_fn, 1e-6).cpu()) <= 1e-5
 
 
+@pytest.mark.parametrize("t,dim,dtype", [(3, 96, torch.float32), (11, 1000, torch.bfloat16), (70, 200, torch.float32)])
+def test_head_collapse(device, t, dim, dtype, monkeypatch):
+    """`mhc_head` (the collapse before the LM head: the hc pre mixes alone, σ + eps, no Sinkhorn) against
+    the reference math with the GEMM's mixes, at decode sizes and past `MAX_PARTIAL_TOKENS`; and
+    `hc_head` takes it where the kernels compute the mixes."""
+    from hybridkv.model.mhc import hc_head
+    from hybridkv.ops.mhc import triton as kernels
+    hc = 4
+    x, fn, scale, base, _ = _inputs(t, hc, dim, seed=8)
+    x, fn, scale, base = x.to(dtype), fn[:hc].contiguous(), scale[:1].contiguous(), base[:hc].contiguous()
+    flat = x.flatten(1).double()
+    mixes = (flat @ fn.double().T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+    pre = torch.sigmoid(mixes * scale.double() + base.double()) + 1e-6
+    ref = (pre.unsqueeze(-1) * x.double()).sum(1)
+    dv = lambda a: a.to(device)  # noqa: E731
+    y = kernels.mhc_head(dv(x), dv(fn), dv(scale), dv(base), 1e-6, 1e-6)
+    assert y.dtype == dtype and y.shape == (t, dim)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3        # y is rounded to bf16
+    assert rel_rms(ref.float(), y.cpu().float()) <= tol
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    assert torch.equal(hc_head(dv(x), dv(fn), dv(scale), dv(base), 1e-6, 1e-6), y)
+
+
 # (70, 384): two token tiles, the last ragged, one split; (200, 1000): four tiles, two splits of 64-column
 # steps (MIXES_SPLIT 512 here), the last split ragged
 @pytest.mark.parametrize("t,k,dtype", [(70, 384, torch.float32), (200, 1000, torch.bfloat16)])

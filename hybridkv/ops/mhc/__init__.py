@@ -59,6 +59,14 @@ def mhc_mixes_collapse(x: torch.Tensor, prev_pre: torch.Tensor, fn: torch.Tensor
     return kernels.mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps)
 
 
+def mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+             norm_eps: float) -> torch.Tensor:
+    """The collapse before the LM head in the kernels (where `fn_in_kernels`): x [T, hc, dim] ->
+    Σ_j (σ(mixes_j · scale + base_j) + eps) x_j [T, dim], mixes from fn [hc, hc·dim]. Two launches."""
+    from hybridkv.ops.mhc import triton as kernels
+    return kernels.mhc_head(x, fn, scale, base, eps, norm_eps)
+
+
 def raw_mixes(x2: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x2 · fnᵀ, Σ x2² per row) in float32 for x2 [T, K] (where `fn_in_kernels`)."""
     from hybridkv.ops.mhc import triton as kernels

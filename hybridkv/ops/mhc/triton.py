@@ -55,9 +55,10 @@ def mix_partials_kernel(X, sx_t, FN, PART, T, K, NCH, M, CH: tl.constexpr, MP: t
 @triton.jit
 def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, PRE_IN, PRE_OUT, DIM, CHUNK, NCH, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, MP: tl.constexpr,
-               NCHP: tl.constexpr, GIVEN_PRE: tl.constexpr, PDL: tl.constexpr):
+               NCHP: tl.constexpr, GIVEN_PRE: tl.constexpr, HEAD: tl.constexpr, PDL: tl.constexpr):
     """MIX: the raw mixes [T, (2+hc)·hc], or with PARTIALS `mix_partials`' [T, NCH, MP]. GIVEN_PRE:
-    y = Σ_j PRE_IN[t, j] x_j, and this site's pre is stored in PRE_OUT [T, hc]."""
+    y = Σ_j PRE_IN[t, j] x_j, and this site's pre is stored in PRE_OUT [T, hc]. HEAD (with
+    PARTIALS): the collapse before the LM head, whose mixes are the hc pre mixes alone: y only."""
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
@@ -66,15 +67,16 @@ def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, PRE_IN, PRE_OUT, DIM, C
     xrow = X + t * sx_t
     if PARTIALS:
         # the chunks' partial sums added in one fixed order (whatever the batch)
-        M: tl.constexpr = (2 + HC) * HC
+        M: tl.constexpr = HC if HEAD else (2 + HC) * HC
         q = tl.arange(0, NCHP)
         q_ok = q < NCH
         part = MIX + t * NCH * MP + q * MP
         ss_total = tl.sum(tl.load(part + M, mask=q_ok, other=0.0), 0)
         pre_raw = tl.sum(tl.load(part[:, None] + j[None, :], mask=q_ok[:, None], other=0.0), 0)
-        post_raw = tl.sum(tl.load(part[:, None] + HC + j[None, :], mask=q_ok[:, None], other=0.0), 0)
-        comb_raw = tl.sum(tl.load(part[:, None, None] + 2 * HC + k2[None, :, :], mask=q_ok[:, None, None],
-                                  other=0.0), 0)
+        if not HEAD:
+            post_raw = tl.sum(tl.load(part[:, None] + HC + j[None, :], mask=q_ok[:, None], other=0.0), 0)
+            comb_raw = tl.sum(tl.load(part[:, None, None] + 2 * HC + k2[None, :, :], mask=q_ok[:, None, None],
+                                      other=0.0), 0)
     else:
         ss = tl.zeros([HC, BLOCK], tl.float32)
         for c0 in range(0, DIM, BLOCK):
@@ -88,19 +90,20 @@ def pre_kernel(X, sx_t, MIX, SCALE, BASE, Y, POST, COMB, PRE_IN, PRE_OUT, DIM, C
         comb_raw = tl.load(mix + 2 * HC + k2)
     rs = tl.rsqrt(ss_total / (HC * DIM) + norm_eps)
     pre = tl.sigmoid(pre_raw * rs * tl.load(SCALE) + tl.load(BASE + j)) + eps
-    post = 2 * tl.sigmoid(post_raw * rs * tl.load(SCALE + 1) + tl.load(BASE + HC + j))
-    cm = comb_raw * rs * tl.load(SCALE + 2) + tl.load(BASE + 2 * HC + k2)
-    cm = tl.exp(cm - tl.max(cm, 1)[:, None])
-    cm = cm / tl.sum(cm, 1)[:, None] + eps
-    cm = cm / (tl.sum(cm, 0)[None, :] + eps)
-    for _ in range(1, iters):
-        cm = cm / (tl.sum(cm, 1)[:, None] + eps)
+    if not HEAD:
+        post = 2 * tl.sigmoid(post_raw * rs * tl.load(SCALE + 1) + tl.load(BASE + HC + j))
+        cm = comb_raw * rs * tl.load(SCALE + 2) + tl.load(BASE + 2 * HC + k2)
+        cm = tl.exp(cm - tl.max(cm, 1)[:, None])
+        cm = cm / tl.sum(cm, 1)[:, None] + eps
         cm = cm / (tl.sum(cm, 0)[None, :] + eps)
-    if first == 0:
-        tl.store(POST + t * HC + j, post)
-        tl.store(COMB + t * HC * HC + k2, cm)
-        if GIVEN_PRE:
-            tl.store(PRE_OUT + t * HC + j, pre)
+        for _ in range(1, iters):
+            cm = cm / (tl.sum(cm, 1)[:, None] + eps)
+            cm = cm / (tl.sum(cm, 0)[None, :] + eps)
+        if first == 0:
+            tl.store(POST + t * HC + j, post)
+            tl.store(COMB + t * HC * HC + k2, cm)
+            if GIVEN_PRE:
+                tl.store(PRE_OUT + t * HC + j, pre)
     if GIVEN_PRE:
         pre = tl.load(PRE_IN + t * HC + j)
     last = tl.minimum(first + CHUNK, DIM)
@@ -270,7 +273,13 @@ def mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps):
     return y, pre, post, comb
 
 
-def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None):
+def mhc_head(x, fn, scale, base, eps, norm_eps):
+    """`reference`'s collapse before the LM head, σ(mixes · scale + base) + eps weighting the copies
+    (no Sinkhorn), in the two launches of `mhc_pre_fn`: x [T, hc, dim] -> [T, dim] in x's dtype."""
+    return _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, 0, eps, norm_eps, head=True)[0]
+
+
+def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None, head=False):
     t, hc, dim = x.shape
     x = x.contiguous()
     y = torch.empty(t, dim, dtype=x.dtype, device=x.device)
@@ -284,7 +293,7 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None):
         pre_kernel[(t, chunks)](x, x.stride(0), mixes, scale.float().contiguous(), base.float().contiguous(), y,
                                 post, comb, pre_in, pre_out, dim, chunk, nch, iters, eps, norm_eps, HC=hc,
                                 BLOCK=block, PARTIALS=partials, MP=mp, NCHP=triton.next_power_of_2(nch),
-                                GIVEN_PRE=given is not None, num_warps=PRE_WARPS, **triton_args(x))
+                                GIVEN_PRE=given is not None, HEAD=head, num_warps=PRE_WARPS, **triton_args(x))
     return y, post, comb
 
 
