@@ -76,10 +76,10 @@ def rope_freqs_kernel(POS, INV, OUT, n, offset, lo, HALF: tl.constexpr, BLOCK_T:
     SPLIT, OUT is [2, n, HALF]: the cosines, then the sines. LIBDEVICE: the CUDA math library's
     cosine and sine (Triton's own lower to approximate instructions; the interpreter has no
     libdevice and computes them with numpy)."""
+    wait_then_release(PDL)
     f = tl.arange(0, BLOCK_F)
     fok = f < HALF
-    inv = tl.load(INV + f, mask=fok, other=0.0)       # a constant table: read before the wait
-    wait_then_release(PDL)
+    inv = tl.load(INV + f, mask=fok, other=0.0)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok = t < n
     p = tl.load(POS + t, mask=tok, other=0).to(tl.int64) + offset
