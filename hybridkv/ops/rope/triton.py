@@ -4,7 +4,7 @@ by the row's e^{i·θ} in float32 (real = x₀c − x₁s, imaginary = x₀s + x
 product), in x's dtype. And the rotations themselves (`rope_freqs`): one launch for what the
 reference spends four to seven torch operations on (the position arithmetic, the conversion, the
 product with the frequencies, the polar form), with the CUDA math library's cosine and sine
-(libdevice, as torch's kernels call them), not the approximate hardware instructions."""
+(libdevice, as torch's kernels call them: the same bits as torch's rotations on the GPU)."""
 
 from __future__ import annotations
 
@@ -73,9 +73,8 @@ def rope_freqs_kernel(POS, INV, OUT, n, offset, lo, HALF: tl.constexpr, BLOCK_T:
                       BLOCK_F: tl.constexpr, CLAMP: tl.constexpr, SPLIT: tl.constexpr, LIBDEVICE: tl.constexpr,
                       PDL: tl.constexpr):
     """Rows t of OUT [n, HALF, 2] = (cos, sin) of float32(max(pos_t + offset, lo)) · inv_freq; with
-    SPLIT, OUT is [2, n, HALF]: the cosines, then the sines. LIBDEVICE: the CUDA math library's
-    cosine and sine (Triton's own lower to approximate instructions; the interpreter has no
-    libdevice and computes them with numpy)."""
+    SPLIT, OUT is [2, n, HALF]: the cosines, then the sines. LIBDEVICE: libdevice's cosf and sinf
+    called by name (the interpreter has none: there tl.cos and tl.sin, computed with numpy)."""
     wait_then_release(PDL)
     f = tl.arange(0, BLOCK_F)
     fok = f < HALF
