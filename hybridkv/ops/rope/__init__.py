@@ -9,11 +9,16 @@ from hybridkv.ops.rope import reference
 from hybridkv.ops.rope.reference import yarn_inv_freq  # noqa: F401
 
 
+def _rotations_in_kernel(positions: torch.Tensor) -> bool:
+    """Integer positions on the Triton path: `triton.rope_freqs` computes their rotations."""
+    return use_triton(positions) and not positions.dtype.is_floating_point
+
+
 def rope_freqs(positions: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0,
                clamp_min: int | None = None) -> torch.Tensor:
     """Complex rotations e^{i·p·freq} [len(positions), dim/2] (complex64) at p = positions + offset,
     raised to clamp_min where given (integer arithmetic before the float32 conversion)."""
-    if use_triton(positions) and not positions.dtype.is_floating_point:
+    if _rotations_in_kernel(positions):
         from hybridkv.ops.rope import triton as kernels
         return kernels.rope_freqs(positions, inv_freq, offset, clamp_min)
     p = positions + offset if offset else positions
@@ -49,7 +54,7 @@ def apply_rope_(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0,
                  clamp_min: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_freqs`'s real and imaginary parts (cos, sin), each contiguous float32."""
-    if use_triton(positions) and not positions.dtype.is_floating_point:
+    if _rotations_in_kernel(positions):
         from hybridkv.ops.rope import triton as kernels
         return kernels.rope_freqs(positions, inv_freq, offset, clamp_min, split=True)
     f = rope_freqs(positions, inv_freq, offset, clamp_min)
