@@ -8,8 +8,12 @@ and to the function that issued it. A GPU replays the same launches from its CUD
 counts say where a step's launches come from before a GPU is asked for (`decode_modules.py` then
 gives their device time on one). CPU tensors see a few `to` operators that are no-ops on the GPU.
 
+With `--speculative K` the counted step is a speculative one (the MTP block drafting K tokens,
+engine/spec_graphs.py's verify, acceptance, rollback and drafting, uncaptured), to set beside the
+plain step's count.
+
     python benchmarks/decode_launches.py --model tests/fixtures/v41-tiny-fp8 --kv-format v41 [--top 40]
-        [--ops 0] [--context 300]
+        [--ops 0] [--context 300] [--speculative K]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from hybridkv.engine import LLM, SamplingParams  # noqa: E402
 from hybridkv.engine.graphs import DecodeGraphs  # noqa: E402
+from hybridkv.engine.spec_graphs import SpeculativeGraphs  # noqa: E402
 
 # operators that launch nothing on a GPU: views, metadata, allocations
 NO_LAUNCH = {"detach", "view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "expand", "as_strided",
@@ -97,13 +102,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300, help="prompt tokens before the counted step")
     ap.add_argument("--top", type=int, default=40, help="call sites listed")
     ap.add_argument("--ops", type=int, default=0, help="also list the N most frequent (site, operator) pairs")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="count a speculative step with the MTP block drafting K tokens")
     a = ap.parse_args()
+    spec = dict(speculative="mtp", num_speculative_tokens=a.speculative) if a.speculative else {}
     llm = LLM(a.model, device="cpu", dtype=torch.float32, kv_format=a.kv_format, num_blocks=64, max_num_seqs=4,
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+              max_num_batched_tokens=2048, enable_prefix_caching=False, **spec)
     eng = llm.engine
     # the formats CUDA picks for this store, and the decode graphs' forward, uncaptured
     eng.store.kernel_formats = {"v41": ("v41", "fp4"), "fp8": ("fp8", "fp4"), "bf16": ("bf16", "bf16")}[a.kv_format]
-    eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False)
+    if a.speculative:
+        eng.spec_graphs = SpeculativeGraphs(eng.model, eng.store, eng.drafter.cache, eng.store.new_seq().slot,
+                                            capture=False)
+    else:
+        eng.graphs = DecodeGraphs(eng.model, eng.store, capture=False)
     g = torch.Generator().manual_seed(0)
     seq = eng.add_request(torch.randint(2, eng.config.vocab_size, (a.context,), generator=g).tolist(),
                           SamplingParams(max_tokens=16, ignore_eos=True))
@@ -114,15 +126,17 @@ def main() -> None:
         eng.step()
     census = LaunchCensus()
     census.count_triton()
-    before = eng.stats.graph_steps
+    counter = "spec_graph_steps" if a.speculative else "graph_steps"
+    before = getattr(eng.stats, counter)
     with census:
         census.on = True
         eng.step()
         census.on = False
-    assert eng.stats.graph_steps == before + 1, "the counted step did not take the decode-graph forward"
+    assert getattr(eng.stats, counter) == before + 1, "the counted step did not take the graphs' forward"
     layers = eng.config.num_hidden_layers
     total = sum(census.sites.values())
-    print(f"# {Path(a.model).name}, kv {a.kv_format}: {total} launches in one decode step, {layers} layers "
+    what = f"speculative step (k = {a.speculative})" if a.speculative else "decode step"
+    print(f"# {Path(a.model).name}, kv {a.kv_format}: {total} launches in one {what}, {layers} layers "
           f"({total / layers:.1f} a layer)")
     for site, n in census.sites.most_common(a.top):
         print(f"{n:6d}  {site}")

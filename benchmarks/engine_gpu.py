@@ -30,11 +30,13 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   checkpoint's MTP block drafts tokens the model rejects, so these rows give what a step costs
   against `packed`'s plain step, not what speculation gains; their byte columns are left empty.
 - `--paths hf`: the same cells through HF transformers' `DeepseekV4ForCausalLM` on the same
-  checkpoint (bf16, its own cache); an import, load or out-of-memory failure is reported as such.
+  checkpoint (bf16, its own cache); an import, load, out-of-memory or run failure is a row saying
+  why. `--dense-layers N` serves the dense and hf paths on the first N blocks (their bf16 expert
+  copies do not fit 8 blocks), `--first-layers N` every path.
 
     python benchmarks/engine_gpu.py --ckpt /tmp/v4flash-8 [--layers 8] [--batches 1,8,64]
         [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense,mtp,hf] [--steps 16]
-        [--num-speculative-tokens K] [--prefill-cprofile N] [--json OUT]
+        [--num-speculative-tokens K] [--prefill-cprofile N] [--first-layers N] [--dense-layers N] [--json OUT]
     python benchmarks/engine_gpu.py --smoke       # a tiny model on the CPU: checks the script runs
 
 Filling 64 requests of 128K takes 8M prefill tokens; `--paths packed --batches 64 --contexts 128k`
@@ -409,8 +411,8 @@ def hf_worker(a) -> None:
                 sync()
                 wall = time.perf_counter() - t
                 busy, gemm, top, _ = device_ms(lambda: model(x, use_cache=False), cuda)
-            except torch.OutOfMemoryError as e:
-                emit(dict(kind="unavailable", path="hf", why=f"prefill {n}: out of memory ({str(e)[:120]})"))
+            except Exception as e:     # out of memory, or what this transformers cannot run: the finding
+                emit(dict(kind="unavailable", path="hf", why=f"prefill {n}: {_failure(e)}"))
                 continue
             emit(dict(kind="prefill", path="hf", tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy,
                       gemm_ms=gemm, linear_tflops=None, top=top))
@@ -432,8 +434,9 @@ def hf_worker(a) -> None:
                 steps(WARM_STEPS)
                 wall = statistics.median(steps(a.steps))
                 busy, _, top, fams = device_ms(lambda: steps(a.steps), cuda)
-            except torch.OutOfMemoryError as e:
-                emit(dict(kind="unavailable", path="hf", why=f"B={b} x {ctx}: out of memory ({str(e)[:120]})"))
+            except Exception as e:
+                emit(dict(kind="unavailable", path="hf", why=f"B={b} x {ctx}: {_failure(e)}"))
+                cache = out = None
                 continue
             dev = busy / a.steps if busy is not None else None
             emit(dict(kind="decode", path="hf", batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
@@ -444,6 +447,12 @@ def hf_worker(a) -> None:
     if cuda:
         emit(dict(kind="peak", path="hf", peak_bytes=torch.cuda.max_memory_allocated() - base,
                   reserved_bytes=torch.cuda.memory_reserved()))
+
+
+def _failure(e: Exception) -> str:
+    if isinstance(e, torch.OutOfMemoryError):
+        return f"out of memory ({str(e)[:120]})"
+    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def emit(row: dict) -> None:
@@ -598,7 +607,9 @@ def main() -> int:
                     help="packed path: FP4 experts from dense bf16 copies instead of the grouped FP4 kernels "
                          "(HYBRIDKV_GROUPED_FP4=0)")
     ap.add_argument("--dense-layers", type=int, default=None,
-                    help="serve only the first N blocks on the dense path (its bf16 expert copies are 4x the FP4)")
+                    help="serve only the first N blocks on the dense and hf paths (bf16 expert copies are 4x the FP4)")
+    ap.add_argument("--first-layers", type=int, default=None,
+                    help="every path serves only the first N blocks of --ckpt (to set one beside --dense-layers)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--max-tokens", type=_parse_count, default=None,
                     help="leave out the decode cells whose batch x context exceeds this (their prefill is long)")
@@ -632,8 +643,9 @@ def main() -> int:
         if path == "packed" and a.dense_experts:
             env["HYBRIDKV_GROUPED_FP4"] = "0"
         cmd = [sys.executable, __file__, "--worker", path] + [x for x in sys.argv[1:]]
-        if path == "dense" and a.dense_layers:
-            cmd += ["--ckpt", first_layers_view(a.ckpt, a.dense_layers)]
+        blocks = a.dense_layers if path in ("dense", "hf") and a.dense_layers else a.first_layers
+        if blocks:
+            cmd += ["--ckpt", first_layers_view(a.ckpt, blocks)]
         code = collect_rows(cmd, env, rows, a.json)
         if code:
             print(f"# the {path} path failed (exit {code}); its rows so far are kept", flush=True)
