@@ -370,6 +370,9 @@ def hf_worker(a) -> None:
     (bf16 on CUDA, its own KV cache, greedy): memory after loading, prefill, decode wall and
     device time. What fails (the import, the load, a cell out of memory) is a row saying why."""
     cuda = a.device.startswith("cuda")
+    # transformers would fetch activation kernels from the Hub at load time; the baseline is its own
+    # PyTorch code, which also loads on a host without network access (USE_HUB_KERNELS=YES: the Hub's)
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")
     try:
         import transformers
         cls = transformers.DeepseekV4ForCausalLM

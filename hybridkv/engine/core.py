@@ -40,6 +40,7 @@ from hybridkv.model.ced import cuts_that_skip
 from hybridkv.model.ced import skipped_flops as ced_skipped_flops
 from hybridkv.model.state import AttentionCapture
 from hybridkv.ops.paged import PagedBatch
+from hybridkv.ops.transfer import to_device
 
 
 log = logging.getLogger(__name__)
@@ -664,11 +665,12 @@ class EngineCore:
         if ced:
             batch.outputs = list(logit_rows)
         with torch.inference_mode():
-            h = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+            h = self.model(to_device(np.asarray(ids, dtype=np.int64), self.device), batch)
             if ced and self.model.last_ced is not None:
                 self.stats.ced_skipped_rows += self.model.last_ced.skipped_rows
                 self.stats.ced_skipped_flops += ced_skipped_flops(self.model, self.model.last_ced)
-            out = self.model.logits(h[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
+            out = (self.model.logits(h[to_device(np.asarray(logit_rows, dtype=np.int64), self.device)])
+                   if logit_rows else None)
         if hidden is not None:
             hidden.update({rid: h[a:a + n] for rid, (a, n) in spans.items()})
         if self.memory.needs_query:

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from hybridkv.config import ModelConfig
+from hybridkv.ops.transfer import to_device
 
 
 class CompressorState:
@@ -333,14 +334,14 @@ class ForwardBatch:
             dkv, dpos = decode
             for r, p in zip(decode_rows, dpos.tolist()):
                 pos[r] = p
-            group = DecodeGroup(torch.tensor(decode_rows, dtype=torch.long, device=device), dkv,
+            group = DecodeGroup(to_device(decode_rows, device, torch.long), dkv,
                                 whole=decode_rows == list(range(total)))
         groups = []
         for dkv, wpos, rows in waves:
             for r, p in zip(rows, wpos.tolist()):
                 pos[r] = p
-            groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long, device=device), dkv))
-        return cls(segments, torch.tensor(pos, dtype=torch.long).to(device), group, waves=groups)
+            groups.append(DecodeGroup(to_device(rows, device, torch.long), dkv))
+        return cls(segments, to_device(pos, device, torch.long), group, waves=groups)
 
     @property
     def num_tokens(self) -> int:

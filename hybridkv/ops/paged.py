@@ -16,10 +16,12 @@ packed layout of `hybridkv.ops.kv_formats`); indexer pools are "bf16" or "fp4" (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from hybridkv.ops.transfer import to_device
 
 
 @dataclass
@@ -31,6 +33,9 @@ class PagedBatch:
     seg_start: torch.Tensor      # [R] int32
     seg_row0: torch.Tensor       # [R] int32
     block_tokens: int = 128
+    # token_req as built on the host (`build`): what the indexer's prefill tiles are made from
+    # without reading the device
+    host_token_req: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, segments: list[tuple[int, int, int, list[int] | torch.Tensor]], block_tokens: int = 128,
@@ -53,8 +58,9 @@ class PagedBatch:
         positions = (np.arange(lengths.sum()) - np.repeat(rows0, lengths) + np.repeat(starts, lengths)).astype(np.int32)
 
         def i32(a) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-        return cls(i32(token_req), i32(positions), i32(slots), i32(bt), i32(starts), i32(rows0), block_tokens)
+            return to_device(np.ascontiguousarray(a, dtype=np.int32), device)
+        return cls(i32(token_req), i32(positions), i32(slots), i32(bt), i32(starts), i32(rows0), block_tokens,
+                   host_token_req=token_req)
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +69,7 @@ class PagedBatch:
     def to(self, device) -> "PagedBatch":
         return PagedBatch(*(getattr(self, f).to(device) for f in
                             ("token_req", "positions", "slots", "block_tables", "seg_start", "seg_row0")),
-                          block_tokens=self.block_tokens)
+                          block_tokens=self.block_tokens, host_token_req=self.host_token_req)
 
 
 def entry_rows(batch: PagedBatch, req: torch.Tensor, entries: torch.Tensor, per_block: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Indexer scoring + top-k kernels against the reference, judged by the scores of what they select."""
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -359,5 +361,33 @@ def test_prefill_tiles_are_runs_of_one_requests_tokens_cut_every_block_t(kernels
                 j += 1
             want.append((i, j - i))
             i = j
-        t0, n = kernels._tiles(req, block_t)
+        t0, n = kernels._tiles(req.numpy(), block_t, req.device)
         assert list(zip(t0.tolist(), n.tolist())) == want
+
+
+def test_prefill_tiles_come_from_the_batch_built_on_the_host(kernels, device, monkeypatch):
+    """A prefill launch makes its tiles from the token requests `PagedBatch.build` kept on the host:
+    no read of the device (on a GPU each read drained the queue, hundreds a 128K prompt), the same
+    selection as tiles made from the device's copy; a batch whose host copy no longer describes its
+    tokens is read from the device instead."""
+    d, ratio, topk = 64, 4, 12
+    batch, q, w, _, pool = _paged_case(torch.Generator().manual_seed(5), "fp4", kernels, 2, monkeypatch)
+    batch = batch.to(device)
+    assert torch.equal(torch.from_numpy(batch.host_token_req), batch.token_req.cpu())
+    args = (q.to(device), w.to(device), batch, pool.to(device), topk, ratio, "fp4", d)
+    read = torch.Tensor.cpu
+    reads = []
+
+    def counted(self, *a, **kw):
+        reads.append(self.shape)
+        return read(self, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    idx = kernels.indexer_topk_paged(*args)
+    assert reads == []
+    from_device = kernels.indexer_topk_paged(*args[:2], dataclasses.replace(batch, host_token_req=None), *args[3:])
+    assert reads == [batch.token_req.shape]
+    stale = dataclasses.replace(batch, host_token_req=batch.host_token_req[:-1])
+    assert torch.equal(kernels.indexer_topk_paged(*args[:2], stale, *args[3:]), idx)
+    assert len(reads) == 2
+    monkeypatch.setattr(torch.Tensor, "cpu", read)
+    assert torch.equal(idx.cpu(), from_device.cpu())

@@ -37,6 +37,7 @@ from hybridkv.ops.indexer_topk.select import visible_entries, gather_candidates_
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
+from hybridkv.ops.transfer import to_device
 
 TILE = 64          # entries per maximum (first selection stage), at most
 MIN_TILE = 16
@@ -299,16 +300,15 @@ SPLIT_CFG = dict(gather=dict(BLOCK=4096, num_warps=8), final=dict(CB=128, num_wa
 RESIDENT_SELECT_MAX = 4096
 
 
-def _tiles(token_req: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiles of ≤ block_t consecutive tokens of one request: (first token, count)."""
-    req = token_req.cpu().numpy()       # one read of the device (a prefill chunk: 16K tokens, no Python loop)
+def _tiles(req: np.ndarray, block_t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles of ≤ block_t consecutive tokens of one request, from the tokens' requests on the host:
+    (first token, count) on `device`, queued without waiting for the device."""
     t = req.shape[0]
     idx = np.arange(t)
     run_start = np.maximum.accumulate(np.where(np.r_[True, req[1:] != req[:-1]], idx, 0))
     t0 = np.flatnonzero((idx - run_start) % block_t == 0)     # every run starts a tile
     n = np.diff(np.r_[t0, t])
-    dev = token_req.device
-    return (torch.from_numpy(t0.astype(np.int32)).to(dev), torch.from_numpy(n.astype(np.int32)).to(dev))
+    return to_device(t0.astype(np.int32), device), to_device(n.astype(np.int32), device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -340,9 +340,10 @@ def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4,
 
 
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None, words=False, vis_ratio=0):
+         block_t=None, words=False, vis_ratio=0, host_token_req=None):
     """vis: [T] visible entries per token, or with vis_ratio > 0 the tokens' positions (the kernels
-    compute (position + 1) // vis_ratio themselves)."""
+    compute (position + 1) // vis_ratio themselves). `host_token_req`: token_req on the host, from
+    which the prefill tiles are made (without it the device is read once)."""
     t, h, _ = q.shape
     dev = q.device
     assert head_dim == triton.next_power_of_2(head_dim), "indexer head_dim must be a power of two"
@@ -365,6 +366,8 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
     select_cfg = dict(SELECT_CFG, TB=SELECT_CFG["TB"] * TILE // per_max)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     bt = block_tables if block_tables is not None else out
+    if block_t > 1 and host_token_req is None:
+        host_token_req = token_req.cpu().numpy()          # one read of the device for the whole launch
     for a in range(0, t, group):
         b = min(t, a + group)
         tn = b - a
@@ -377,7 +380,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
             _score_decode(q[a:b], weights[a:b], common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged,
                           epb, vis_ratio)
         else:
-            tile_t0, tile_n = _tiles(token_req[a:b], block_t)
+            tile_t0, tile_n = _tiles(host_token_req[a:b], block_t, dev)
             chunk = TILE_CFG["CHUNK"]
             assert TILE_CFG["BN"] % TILE == 0 and chunk % TILE_CFG["BN"] == 0, "prefill tiles hold whole maxima tiles"
             score_tile_kernel[(tile_t0.shape[0], triton.cdiv(n_max, chunk))](
@@ -416,7 +419,7 @@ def indexer_topk(q, weights, keys, visible, topk):
     if k == 0:
         return torch.empty(t, 0, dtype=torch.int32, device=q.device)
     return _run(q, weights, keys, keys.stride(0), None, z, visible.to(torch.int32).clamp(max=n), k, n, False, False,
-                1, keys.shape[1])
+                1, keys.shape[1], host_token_req=np.zeros(t, dtype=np.int32))
 
 
 def _paged_pool(q, batch: PagedBatch, pool, ratio, fmt, head_dim, max_visible):
@@ -448,12 +451,19 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     # batch size; the tile path groups a request's consecutive tokens, found on the host
     decode = batch.token_req.shape[0] == batch.block_tables.shape[0]
     idx = _run(q, weights, flat, flat.stride(0), tables, batch.token_req, vis, topk, max_visible, fp4, True, epb,
-               head_dim or q.shape[-1], block_t=1 if decode else None, words=words, vis_ratio=vis_ratio)
+               head_dim or q.shape[-1], block_t=1 if decode else None, words=words, vis_ratio=vis_ratio,
+               host_token_req=_host_requests(batch))
     if resident is None:
         return idx
     # back from the resident blocks' numbering to the request's own (order-preserving: still ascending)
     blocks = logical[batch.token_req.long().unsqueeze(1), idx.long().clamp(min=0) // epb]
     return torch.where(idx >= 0, blocks * epb + idx % epb, -1).to(torch.int32)
+
+
+def _host_requests(batch: PagedBatch):
+    """The batch's token requests as built on the host, where they still describe its tokens."""
+    host = batch.host_token_req
+    return host if host is not None and host.shape[0] == batch.token_req.shape[0] else None
 
 
 def _compact_resident(batch: PagedBatch, resident: torch.Tensor, ratio: int):
