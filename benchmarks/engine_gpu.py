@@ -271,15 +271,17 @@ def worker(a) -> None:
         eng.abort(seq.request_id)
 
     for n in prefills:
-        # wall time from a run without the profiler (which adds tens of microseconds to every
-        # launch it records); device time from a second run of the same prompt under it
+        # device time from a first run under the profiler, which also compiles the kernel variants
+        # of this length's chunks (a 128K prompt's later chunks see more entries than the warm-up's);
+        # wall time from a second run without it (the profiler adds tens of microseconds to every
+        # launch it records)
         ids = prompt(n)
+        busy, gemm, top, _ = device_ms(lambda: prefill(ids), cuda)
         t = time.perf_counter()
         prefill(ids)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
-        busy, gemm, top, _ = device_ms(lambda: prefill(ids), cuda)
         if a.prefill_cprofile:      # a third run: where the host spends a prefill's time
             import cProfile
             import pstats
@@ -368,7 +370,10 @@ def steps_back_to_back(eng, steps: int, device: str) -> float:
 def hf_worker(a) -> None:
     """The same cells through HF transformers' `DeepseekV4ForCausalLM` on the same checkpoint
     (bf16 on CUDA, its own KV cache, greedy): memory after loading, prefill, decode wall and
-    device time. What fails (the import, the load, a cell out of memory) is a row saying why."""
+    device time. First as the checkpoint says (its FP8 linears on transformers' FP8 kernels); where
+    that cannot load or run, a row says why and the weights are dequantised to bf16 at load instead
+    (`FineGrainedFP8Config(dequantize=True)`), the rows then under path `hf-bf16`. What fails (the
+    import, the load, a cell out of memory) is a row saying why."""
     cuda = a.device.startswith("cuda")
     # transformers would fetch activation kernels from the Hub at load time; the baseline is its own
     # PyTorch code, which also loads on a host without network access (USE_HUB_KERNELS=YES: the Hub's)
@@ -379,19 +384,31 @@ def hf_worker(a) -> None:
     except (ImportError, AttributeError) as e:
         emit(dict(kind="unavailable", path="hf", why=f"{type(e).__name__}: {e}"))
         return
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
     transformers.logging.set_verbosity_error()
-    try:
-        model = cls.from_pretrained(a.ckpt, dtype=torch.bfloat16 if cuda else torch.float32,
-                                    device_map=a.device).eval()
-    except Exception as e:  # what this transformers cannot load is the finding
-        emit(dict(kind="unavailable", path="hf", why=f"transformers {transformers.__version__} cannot load it: "
-                                                      f"{type(e).__name__}: {str(e)[:300]}"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    quant = json.loads((Path(a.ckpt) / "config.json").read_text()).get("quantization_config")
+    model = None
+    for label in ("hf", "hf-bf16"):
+        if label == "hf-bf16" and not quant:
+            return
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        extra = ({"quantization_config": transformers.FineGrainedFP8Config.from_dict({**quant, "dequantize": True})}
+                 if label == "hf-bf16" else {})
+        try:
+            model = cls.from_pretrained(a.ckpt, dtype=dtype, device_map=a.device, **extra).eval()
+            with torch.inference_mode():          # one short forward: what cannot run fails here
+                model(torch.randint(2, model.config.vocab_size, (1, 16), device=a.device), use_cache=False)
+            break
+        except Exception as e:  # what this transformers cannot load or run is the finding
+            emit(dict(kind="unavailable", path=label, why=f"transformers {transformers.__version__}: {_failure(e)}"))
+            model = None
+    if model is None:
         return
     ckpt = json.loads((Path(a.ckpt) / INDEX_FILE).read_text())["metadata"]["total_size"]
-    emit(dict(kind="memory", path="hf", layers=model.config.num_hidden_layers, kernels={"transformers":
+    emit(dict(kind="memory", path=label, layers=model.config.num_hidden_layers, kernels={"transformers":
               transformers.__version__}, checkpoint_bytes=ckpt, kv_pool_bytes=0,
               after_load_bytes=torch.cuda.memory_allocated() - base if cuda else None))
     g = torch.Generator().manual_seed(0)
@@ -415,9 +432,9 @@ def hf_worker(a) -> None:
                 wall = time.perf_counter() - t
                 busy, gemm, top, _ = device_ms(lambda: model(x, use_cache=False), cuda)
             except Exception as e:     # out of memory, or what this transformers cannot run: the finding
-                emit(dict(kind="unavailable", path="hf", why=f"prefill {n}: {_failure(e)}"))
+                emit(dict(kind="unavailable", path=label, why=f"prefill {n}: {_failure(e)}"))
                 continue
-            emit(dict(kind="prefill", path="hf", tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy,
+            emit(dict(kind="prefill", path=label, tokens=n, wall_s=wall, tok_s=n / wall, device_ms=busy,
                       gemm_ms=gemm, linear_tflops=None, top=top))
         for b, ctx in cells:
             try:
@@ -438,17 +455,17 @@ def hf_worker(a) -> None:
                 wall = statistics.median(steps(a.steps))
                 busy, _, top, fams = device_ms(lambda: steps(a.steps), cuda)
             except Exception as e:
-                emit(dict(kind="unavailable", path="hf", why=f"B={b} x {ctx}: {_failure(e)}"))
+                emit(dict(kind="unavailable", path=label, why=f"B={b} x {ctx}: {_failure(e)}"))
                 cache = out = None
                 continue
             dev = busy / a.steps if busy is not None else None
-            emit(dict(kind="decode", path="hf", batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
+            emit(dict(kind="decode", path=label, batch=b, context=ctx, wall_ms=1e3 * wall, tok_s=b / wall,
                       device_ms=dev, must_read_bytes=None, experts_selected=None, bytes_ms=None, ratio=None,
                       wall_over_device=1e3 * wall / dev if dev else None, top=top,
                       families={k: v / a.steps for k, v in fams.items()}))
             del cache, out
     if cuda:
-        emit(dict(kind="peak", path="hf", peak_bytes=torch.cuda.max_memory_allocated() - base,
+        emit(dict(kind="peak", path=label, peak_bytes=torch.cuda.max_memory_allocated() - base,
                   reserved_bytes=torch.cuda.memory_reserved()))
 
 
