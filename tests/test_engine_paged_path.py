@@ -227,3 +227,30 @@ def test_memory_policy_page_traffic_in_the_snapshot_and_metrics():
             getattr(st, "pages_" + event)
     assert series["hybridkv:memory_policy_transfer_bytes_total", frozenset(base | {'direction="to_host"'})] == \
         st.pages_written_back * mp["page_bytes"]
+
+
+def test_compressor_states_of_one_shape_are_one_tensor():
+    """Every layer's compressor state of one shape is a view of its group's tensor (what the
+    speculative rollback restores a group at a time); each layer lists its kinds in the order its
+    snapshots store them; a new slot starts zeroed with −inf scores in every member."""
+    from hybridkv.model.state import layer_storage
+    cfg = load_config(FP8_FIXTURE)
+    store = PagedKVStore(cfg, 16, 3, "fp8", torch.bfloat16)
+    members = [m for g in store.state_groups for m in g.members]
+    assert sorted(members) == sorted((i, k) for i in range(cfg.num_hidden_layers) for k in store.states[i])
+    assert len(store.state_groups) < len(members)                # layers of one ratio share a tensor
+    for g in store.state_groups:
+        for m, (i, kind) in enumerate(g.members):
+            kv, score = store.states[i][kind]
+            assert kv.data_ptr() == g.kv[m].data_ptr() and score.data_ptr() == g.score[m].data_ptr()
+            assert kv.is_contiguous() and score.is_contiguous()
+    for i in range(cfg.num_hidden_layers):
+        assert list(store.states[i]) == list(layer_storage(cfg, i)[1])
+    for g in store.state_groups:
+        g.kv.fill_(3.0)
+        g.score.fill_(3.0)
+    seq = store.new_seq()
+    for g in store.state_groups:
+        assert bool((g.kv[:, seq.slot] == 0).all()) and bool((g.score[:, seq.slot] == float("-inf")).all())
+        others = [s for s in range(3) if s != seq.slot]
+        assert bool((g.kv[:, others] == 3.0).all())

@@ -138,6 +138,15 @@ class SeqCache:
     pages_version: int = 0                           # offload mode: bumped whenever `pages` changes (graph inputs)
 
 
+@dataclass
+class StateGroup:
+    """The compressor states of one shape: `members` (layer, kind) in layer order, their kv and score
+    [len(members), slots, rows, width] (float32)."""
+    members: list[tuple[int, str]]
+    kv: torch.Tensor
+    score: torch.Tensor
+
+
 class PagedKVStore:
     def __init__(self, config: ModelConfig, num_blocks: int, max_slots: int, kv_format: str = "native",
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -191,11 +200,13 @@ class PagedKVStore:
         self.entries: list[dict[str, torch.Tensor]] = []
         self.overlap: list[bool] = []
         self.states: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        shapes: dict[tuple[int, int], list[tuple[int, str]]] = {}     # (rows, width) -> (layer, kind)
+        order: list[tuple[int, str]] = []
         for layer_id in range(self.num_layers):
             ratio = config.layer_ratio(layer_id)
             widths, state_widths, overlap = layer_storage(config, layer_id)   # what this layer owns
             self.overlap.append(overlap)
-            ents, sts = {}, {}
+            ents = {}
             for kind in widths:
                 c = self.codec[kind]
                 offloaded = self.offload and config.layer_kind(layer_id) == "csa" and kind == "kv"
@@ -207,11 +218,22 @@ class PagedKVStore:
                                          device=self.device)
             for kind, width in state_widths.items():
                 rows = width // self.codec[kind].dim * ratio      # overlapping compressors: 2 blocks
-                sts[kind] = (torch.zeros(max_slots, rows, width, dtype=torch.float32, device=self.device),
-                             torch.full((max_slots, rows, width), float("-inf"), dtype=torch.float32,
-                                        device=self.device))
+                shapes.setdefault((rows, width), []).append((layer_id, kind))
+                order.append((layer_id, kind))
             self.entries.append(ents)
-            self.states.append(sts)
+            self.states.append({})
+        # the compressor states of one shape, every layer's, in one tensor [members, slots, rows, width]
+        # (`states[layer][kind]` is a member's view): the speculative rollback restores a request's
+        # states of all layers a group at a time, and a slot is reset in two launches a group
+        self.state_groups: list[StateGroup] = []
+        views = {}
+        for (rows, width), members in shapes.items():
+            kv = torch.zeros(len(members), max_slots, rows, width, dtype=torch.float32, device=self.device)
+            score = torch.full_like(kv, float("-inf"))
+            self.state_groups.append(StateGroup(members, kv, score))
+            views.update({member: (kv[m], score[m]) for m, member in enumerate(members)})
+        for layer_id, kind in order:            # each layer's kinds in their order (snapshots list them so)
+            self.states[layer_id][kind] = views[(layer_id, kind)]
         self.kernel_formats = self._kernel_formats()
 
     def _kernel_formats(self) -> tuple[str, str] | None:
@@ -246,10 +268,9 @@ class PagedKVStore:
         return SeqCache(slot)
 
     def reset_slot(self, slot: int) -> None:
-        for sts in self.states:
-            for kv, score in sts.values():
-                kv[slot].zero_()
-                score[slot].fill_(float("-inf"))
+        for group in self.state_groups:
+            group.kv[:, slot].zero_()
+            group.score[:, slot].fill_(float("-inf"))
 
     def free_seq(self, seq: SeqCache) -> None:
         # last block first: cached blocks are evicted oldest-freed first, so a prefix loses its

@@ -23,7 +23,8 @@ requests, each verifying k drafts, is one replay and one read of the host:
    the device's default generator, tokens by inverting cumulative weights (`draw_with_uniforms`);
    the filters run on every row without branching on their parameters (`filtered_probs_fixed`).
 3. rollback (`_rollback`): the rejected positions' ring rows are written back and each compressor
-   state is set to the one before the first rejected wave. Entries that rejected tokens completed
+   state is set to the one before the first rejected wave, the layers' states of one shape
+   (`PagedKVStore.state_groups`) in one gather and one scatter. Entries that rejected tokens completed
    are left in place: no query reads entry j before the token that completes it has run again, and
    that token's layer stores it anew before attending (the compressor runs before the attention).
 4. MTP (`_draft`): the MTP block over positions n..n+k as k+1 decode waves over its window ring
@@ -346,13 +347,20 @@ class SpeculativeGraphs:
         mask = keep.view(1, *keep.shape, *([1] * (now.dim() - 3)))
         store.rings[:, slots.unsqueeze(1), ring_at] = torch.where(mask, now, g.saved["ring"])
         rows, pick = torch.arange(g.batch, device=kept.device), kept - 1
-        for (i, kind), snaps in g.saved["states"].items():
-            st_kv, st_score = store.states[i][kind]
-            # copied before wave m: the state after m kept positions (m = k + 1: the state now)
-            kv = torch.stack([x[0] for x in snaps] + [st_kv[slots]])[pick, rows]
-            score = torch.stack([x[1] for x in snaps] + [st_score[slots]])[pick, rows]
-            st_kv[slots] = kv
-            st_score[slots] = score
+        saved = g.saved["states"]
+        for group in store.state_groups:
+            # wave m's copies: the states after m kept positions (m = k + 1: the states now), of
+            # every member of the group, restored in one gather and one scatter for each of kv, score
+            members = [m for m in group.members if m in saved]
+            if len(members) != len(group.members):       # not every member updated (none here today)
+                for i, kind in members:
+                    for x, st in zip(zip(*saved[(i, kind)]), store.states[i][kind]):
+                        st[slots] = torch.stack(list(x) + [st[slots]])[pick, rows]
+                continue
+            for t, whole in enumerate((group.kv, group.score)):
+                waves = [saved[m][w][t] for w in range(g.k) for m in members] + list(whole[:, slots].unbind(0))
+                every = torch.stack(waves).view(g.k + 1, len(members), *waves[0].shape)
+                whole[:, slots] = every[pick, :, rows].transpose(0, 1)
 
     def _pick(self, g: SpecGraph, logits: torch.Tensor, slots: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j+1 of every request from the MTP block's logits [Bp, vocab]: the argmax, or for a
