@@ -6,7 +6,9 @@ step is then counted: every torch operator that launches work (views and allocat
 every Triton kernel, each attributed to the innermost hybridkv function outside `hybridkv/ops`
 and to the function that issued it. A GPU replays the same launches from its CUDA graph, so the
 counts say where a step's launches come from before a GPU is asked for (`decode_modules.py` then
-gives their device time on one). CPU tensors see a few `to` operators that are no-ops on the GPU.
+gives their device time on one). A `flatten`, `to`, `contiguous` or `reshape` counts only where it
+copies (on the CPU's float32 model a cast the GPU's bf16 one makes may be a no-op, and is not
+counted).
 
 With `--speculative K` the counted step is a speculative one (the MTP block drafting K tokens,
 engine/spec_graphs.py's verify, acceptance, rollback and drafting, uncaptured), to set beside the
@@ -47,6 +49,16 @@ NO_LAUNCH = {"detach", "view", "_unsafe_view", "t", "transpose", "unsqueeze", "s
              "view_as_real", "_local_scalar_dense", "is_nonzero", "item", "sym_size", "sym_stride", "sym_numel"}
 
 
+# operators that launch a copy only where they cannot return their input or a view of it (a
+# contiguous tensor flattened, a float32 tensor cast to float32): counted only then
+VIEW_IF_ABLE = {"flatten", "to", "contiguous", "reshape", "type_as"}
+
+
+def _same_storage(out, args) -> bool:
+    return (isinstance(out, torch.Tensor) and bool(args) and isinstance(args[0], torch.Tensor)
+            and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr())
+
+
 def call_site() -> str:
     """'caller <- issuer': the innermost hybridkv function outside hybridkv/ops, and the innermost."""
     inner = None
@@ -71,11 +83,12 @@ class LaunchCensus(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if self.on and name not in NO_LAUNCH:
+        out = func(*args, **(kwargs or {}))
+        if self.on and name not in NO_LAUNCH and not (name in VIEW_IF_ABLE and _same_storage(out, args)):
             site = call_site()
             self.sites[site] += 1
             self.ops[(site, name)] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     def count_triton(self):
         """Count each interpreted Triton launch once (its own torch work inside is not counted)."""
