@@ -16,7 +16,8 @@ from test_speculative import MODEL, assert_states_close, cache_state, crossing_p
 
 from hybridkv.engine import SamplingParams
 from hybridkv.engine.sampling import filtered_probs
-from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs
+from hybridkv.cache.paged import window_listing
+from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs, wave_listings
 from hybridkv.engine.speculative import MTPCache
 
 
@@ -172,6 +173,12 @@ def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order
     assert torch.equal(keys[0, :6], cache.ring[0, :6]) and valid[0].tolist() == [False] * 2 + [True] * 4 + [False] * 2
     order = [(11 - 8 + 1 + j) % 8 for j in range(8)]
     assert torch.equal(keys[1], before[2, order]) and valid[1].all()
+    # the verify waves' listings made at once are each wave's own
+    positions, start = torch.tensor([[5, 6, 7], [11, 12, 13]]), torch.tensor([2, 0])
+    listed, valid = wave_listings(positions, 8, start)
+    for j in range(3):
+        one = window_listing(positions[:, j], 8, start)
+        assert torch.equal(listed[j], one[0]) and torch.equal(valid[j], one[1])
 
 
 def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
@@ -403,3 +410,28 @@ def test_memory_report_counts_the_mtp_window_and_the_draft_distributions():
     while eng.has_unfinished():
         eng.step()
     assert len(seq.output_ids) == 12
+
+
+def test_verify_waves_after_the_first_give_their_compressor_launches_buffers_for_the_states(fixtures):
+    """`_VerifyWaveKV.state_snapshot`: the first wave keeps no copy; later waves hand the fused
+    compressor launch one float32 buffer pair [batch, rows, width] per layer and kind, kept in wave
+    order where the rollback reads them."""
+    from hybridkv.cache.paged import PagedKVStore
+    from hybridkv.engine.spec_graphs import _VerifyWaveKV
+    from hybridkv.presets import load_config
+    cfg = load_config(fixtures / "v4-tiny-fp8")
+    store = PagedKVStore(cfg, 8, 4, "fp8", torch.bfloat16)
+    layer, kind = next((i, k) for i in range(cfg.num_hidden_layers) for k in store.states[i])
+    snapshots: dict = {}
+    waves = []
+    for j in range(3):
+        w = _VerifyWaveKV.__new__(_VerifyWaveKV)
+        w.store, w.slots, w.wave, w.snapshots = store, torch.tensor([2, 0, 1]), j, snapshots
+        waves.append(w)
+    assert waves[0].state_snapshot(layer, kind) is None and snapshots == {}
+    got = [waves[j].state_snapshot(layer, kind) for j in (1, 2)]
+    kv, score = store.states[layer][kind]
+    assert len(snapshots[(layer, kind)]) == 2 and all(a is b for a, b in zip(snapshots[(layer, kind)], got))
+    for pair in got:
+        assert [tuple(t.shape) for t in pair] == [(3,) + tuple(kv.shape[1:]), (3,) + tuple(score.shape[1:])]
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in pair)

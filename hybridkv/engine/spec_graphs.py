@@ -74,14 +74,26 @@ TOP_LOGPROBS = 20
 
 class _VerifyWaveKV(PagedDecodeKV):
     """Verify wave `wave` over the paged kernels (`PagedDecodeKV.fixed`). From the second wave on it
-    copies the compressor states before its update into `snapshots[(layer, kind)]` (wave j's copy:
-    the state after j kept positions), in wave order. Its compressors update in one launch each where
-    plain decode's do (`Attention._fused_compressors`): the rollback restores states from the copies,
-    not by replaying rows."""
+    keeps the compressor states before its update in `snapshots[(layer, kind)]` (wave j's copy: the
+    state after j kept positions), in wave order: copied by the compressor's fused launch itself
+    (`state_snapshot`), or where the compressor runs as torch operations, before them. Its
+    compressors update in one launch each where plain decode's do (`Attention._fused_compressors`):
+    the rollback restores states from the copies, not by replaying rows."""
 
     snapshots: dict
     wave: int
     fuse_compressors = True
+
+    def state_snapshot(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers a fused compressor launch copies this wave's states into before its update
+        (None in the first wave, whose states the rollback never needs)."""
+        if not self.wave:
+            return None
+        kv, score = self.store.states[layer_id][kind]
+        bufs = tuple(torch.empty((self.slots.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
+                     for t in (kv, score))
+        self.snapshots.setdefault((layer_id, kind), []).append(bufs)
+        return bufs
 
     def record_compressor_rows(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
         if self.wave:
@@ -96,8 +108,11 @@ class MTPDecodeKV:
     capture = None
 
     def __init__(self, cache, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
-                 write: torch.Tensor | None = None):
+                 write: torch.Tensor | None = None, listing: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """listing: `window_listing(positions, window, start)` computed beforehand (the verify waves'
+        listings in one go: `wave_listings`)."""
         self.cache, self.positions, self.slots, self.start, self.write = cache, positions, slots, start, write
+        self.listing = listing
 
     def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ring, W = self.cache.ring, self.cache.window
@@ -106,11 +121,19 @@ class MTPDecodeKV:
         if self.write is not None:
             new = torch.where(self.write.unsqueeze(1), new, ring[self.slots, at])
         ring[self.slots, at] = new
-        listed, valid = window_listing(self.positions, W, self.start)
+        listed, valid = self.listing or window_listing(self.positions, W, self.start)
         return ring[self.slots.unsqueeze(1), listed], valid
 
     def done(self, layer_id: int) -> None:
         pass
+
+
+def wave_listings(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`window_listing` of every verify wave at once: positions [B, k+1] -> ring rows and validity
+    [k+1, B, window], wave j's as `window_listing(positions[:, j], window, start)` gives them."""
+    b, waves = positions.shape
+    listed, valid = window_listing(positions.t().reshape(-1), window, start.repeat(waves))
+    return listed.view(waves, b, window), valid.view(waves, b, window)
 
 
 @dataclass
@@ -376,8 +399,10 @@ class SpeculativeGraphs:
     def _draft(self, g: SpecGraph, following, kept, positions, slots, mtp_start) -> None:
         model, cache, k1, bp = self.model, self.mtp, g.k + 1, g.batch
         dev = slots.device
+        listed, valid = wave_listings(positions, cache.window, mtp_start)
         waves = [DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=dev),
-                             MTPDecodeKV(cache, positions[:, j].contiguous(), slots, mtp_start, write=kept > j),
+                             MTPDecodeKV(cache, positions[:, j].contiguous(), slots, mtp_start, write=kept > j,
+                                         listing=(listed[j], valid[j])),
                              span=(j * bp, (j + 1) * bp))
                  for j in range(k1)]
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)

@@ -584,7 +584,12 @@ class Attention(nn.Module):
 
     def _compress_decode_fused(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv,
                                rows_score) -> None:
-        self._record_rows(dkv, kind, rows_kv, rows_score)     # (score rows without their position bias here)
+        # a view that keeps the states before the update (speculative verify waves) has the launch copy
+        # them; otherwise the view may record the rows (score rows without their position bias here)
+        snapshot = getattr(dkv, "state_snapshot", None)
+        save = snapshot(self.layer_id, kind) if snapshot is not None else None
+        if snapshot is None:
+            self._record_rows(dkv, kind, rows_kv, rows_score)
         st_kv, st_score = dkv.state_tensors(self.layer_id, kind)
         compress_decode_paged(st_kv, st_score, dkv.slots, dkv.positions, rows_kv, rows_score, self.ratio,
                               compressor.overlap, compressor.norm.weight, compressor.norm.eps,
@@ -593,7 +598,7 @@ class Attention(nn.Module):
                               kargs.main_format if kind == "kv" else kargs.index_format,
                               kargs.tables(self.layer_id, kind), kargs.batch.block_tokens // self.ratio,
                               compressor.out_dtype,
-                              ape=compressor.ape)
+                              ape=compressor.ape, save=save)
 
     def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):
         """How batched decode on the paged path stores the entries its tokens complete, with fixed

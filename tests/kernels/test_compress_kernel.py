@@ -141,14 +141,14 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
                                                                                  positions))
     comp = comp.to(device)
 
-    def run(fused: bool):
+    def run(fused: bool, save=None):
         a_kv, a_score = st_kv.clone(), st_score.clone()
         pool = torch.zeros(40, epb, ebytes, dtype=torch.uint8, device=device)
         if fused:
             freqs = rope_freqs((positions + 1 - r).clamp(min=0), inv_freq)
             compress_decode_paged(a_kv, a_score, slots, positions, kv, score, r, comp.overlap, comp.norm.weight,
                                   comp.norm.eps, (freqs.real.contiguous(), freqs.imag.contiguous()),
-                                  "index" if comp.rotate else "main", pool, fmt, bt, epb, ape=comp.ape)
+                                  "index" if comp.rotate else "main", pool, fmt, bt, epb, ape=comp.ape, save=save)
         else:
             def write(block_rows, block_starts, requests, entry_ids):
                 compress_paged(*block_rows, comp.norm.weight, comp.norm.eps, rope_freqs(block_starts, inv_freq),
@@ -162,6 +162,13 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
     assert int((want[2] != 0).sum()) > 0             # entries were written
     for w, o in zip(want, got):
         assert torch.equal(w, o)
+    # the same launch copying each request's state before its update (a speculative verify wave's copy)
+    save = tuple(torch.full((4, state_rows, width), 7.0, device=device) for _ in range(2))
+    for w, o in zip(want, run(True, save)):
+        assert torch.equal(w, o)
+    assert torch.equal(save[0], st_kv[slots]) and torch.equal(save[1], st_score[slots])
+    with pytest.raises(ValueError, match="state copies"):
+        run(True, (save[0][:3], save[1][:3]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

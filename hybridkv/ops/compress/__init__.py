@@ -81,20 +81,23 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
                           positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool,
                           norm_weight: torch.Tensor, eps: float, rotation: tuple[torch.Tensor, torch.Tensor],
                           kind: str, pool: torch.Tensor, fmt: str, block_tables: torch.Tensor, entries_per_block: int,
-                          out_dtype: torch.dtype = torch.bfloat16, ape: torch.Tensor | None = None) -> None:
+                          out_dtype: torch.dtype = torch.bfloat16, ape: torch.Tensor | None = None,
+                          save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """A decode step's compressor work for B requests in one launch: each token's rows kv/score
     [B, width] go into its request's state (state_kv/state_score [slots, rows, width], in place);
     where the token ends a block (pos + 1 ≡ 0 mod ratio), the block is pooled, finished (`rotation`:
     cos and sin [B, rope/2] at each request's block start) and stored packed into `pool` as entry
     (pos + 1) / ratio − 1, and the state advances. `ape` [ratio, width]: the position bias not yet
-    added to `score` (`Compressor.project(..., ape=False)`). The same state and the same pool bytes as
+    added to `score` (`Compressor.project(..., ape=False)`). `save`: (kv, score) [B, rows, width]
+    float32 that receive each request's state as it was before the update (a speculative verify
+    wave's copy, in the same launch). The same state and the same pool bytes as
     `Compressor.update_decode` with `compress_paged` as its writer (the tests compare them); CUDA
     (or the interpreter) only: see `compress_decode_ok`."""
     from hybridkv.ops.compress import triton as kernels
     flat = pool.view(-1, pool.shape[-1])
     kernels.compress_decode(state_kv, state_score, slots, positions, kv, score, ratio, overlap, norm_weight, eps,
                             *rotation, kind, flat, block_tables, entries_per_block,
-                            out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4", ape=ape)
+                            out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4", ape=ape, save=save)
 
 
 def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,

@@ -186,10 +186,11 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
 
 @triton.jit
 def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCORE, s_new, APE, SLOTS, POS, NORM_W,
-                           COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, IDS, eps, had_scale, R: tl.constexpr,
+                           COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, IDS, SAVE_KV, SAVE_SCORE, s_save, eps,
+                           had_scale, R: tl.constexpr,
                            OVERLAP: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                            ADV: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
-                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, SAVE: tl.constexpr, PDL: tl.constexpr):
     """Program b: request b's decode token. Its compressor rows go into the request's state (row
     CUR + pos % R of its slot); when the token ends a block, the block is pooled from the state (in
     the row order and chunks of `compress_kernel`, so the entry is the same to the bit), finished,
@@ -197,7 +198,9 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
     previous one; its rows are cleared). With HAS_APE the token's score row gets the position bias
     APE[pos % R] added here (the float32 addition `Compressor.project` makes). MODE LATENT (V4.1):
     the finished entry is the pooled block's RMSNorm alone, written to row b of OUT, and its id to
-    IDS[b]; a token that ends no block writes zeros and −1."""
+    IDS[b]; a token that ends no block writes zeros and −1. With SAVE the slot's state as it was
+    before the token is copied to row b of SAVE_KV / SAVE_SCORE [B, L, WIDTH] first (a speculative
+    verify wave's copy, which the rollback restores)."""
     wait_then_release(PDL)
     b = tl.program_id(0)
     slot = tl.load(SLOTS + b).to(tl.int64)
@@ -209,6 +212,13 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
     new = b.to(tl.int64) * s_new
     ape = APE + (pos % R) * WIDTH
     c = tl.arange(0, WIDTH)
+    if SAVE:
+        for l0 in range(0, L, ROWS):
+            rows = l0 + tl.arange(0, ROWS)
+            src = base + rows[:, None] * s_st_row + c[None, :]
+            dst = b.to(tl.int64) * s_save + rows[:, None] * WIDTH + c[None, :]
+            tl.store(SAVE_KV + dst, tl.load(ST_KV + src))
+            tl.store(SAVE_SCORE + dst, tl.load(ST_SCORE + src))
     if pos % R == R - 1:
         d = tl.arange(0, D)
         m = tl.full([D], float("-inf"), tl.float32)
@@ -277,17 +287,24 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
                     kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool, norm_weight: torch.Tensor,
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor,
                     block_tables: torch.Tensor, entries_per_block: int, out_bf16: bool = False,
-                    block_layout: bool = False, ape: torch.Tensor | None = None) -> None:
+                    block_layout: bool = False, ape: torch.Tensor | None = None,
+                    save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One decode token per request, one launch: state_kv/state_score [slots, rows, width] float32
     (updated in place), slots/positions [B], the tokens' compressor rows kv/score [B, width]; cos/sin
     [B, rope/2] the rotation at each request's block start (used where the token ends a block);
     entries go packed into `out` (pool rows [num_rows, E], flat) at block_tables' rows. `ape`
-    [ratio, width]: the position bias still to be added to the score rows (None: already added)."""
+    [ratio, width]: the position bias still to be added to the score rows (None: already added).
+    `save`: (kv, score) [B, rows, width] float32 that receive each request's state before the update."""
     b = kv.shape[0]
     if b == 0:
         return
     d = state_kv.shape[-1] // (2 if overlap else 1)
     kv, score = _decode_inputs(state_kv, state_score, kv, score)
+    if save is not None and not all(t.shape == (b,) + state_kv.shape[1:] and t.dtype == torch.float32
+                                    and t.is_contiguous() for t in save):
+        raise ValueError(f"compress_decode: the state copies must be contiguous float32 "
+                         f"[{b}, {state_kv.shape[1]}, {state_kv.shape[2]}]")
+    save_kv, save_score = save if save is not None else (state_kv, state_score)
     mode = INDEX_PACKED if kind == "index" else MAIN_PACKED
     had = hadamard_matrix(d, kv.device) if kind == "index" else kv
     pooled = 2 * ratio if overlap else ratio
@@ -296,10 +313,11 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0),
         kv if ape is None else ape.float().contiguous(), slots, positions,
         norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(), cos.shape[1], had,
-        out, out.stride(0), block_tables, block_tables.stride(0), slots, eps, d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
+        out, out.stride(0), block_tables, block_tables.stride(0), slots, save_kv, save_score, save_kv.stride(0), eps,
+        d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
         ROPE=2 * cos.shape[-1], ROWS=rows, ADV=8 if ratio % 8 == 0 else ratio, MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
-        BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, num_warps=4,
-        **triton_args(state_kv))
+        BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, SAVE=save is not None,
+        num_warps=4, **triton_args(state_kv))
 
 
 def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,
@@ -317,8 +335,9 @@ def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, sl
     kv, score = _decode_inputs(state_kv, state_score, kv, score)
     compress_decode_kernel[(b,)](
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0), kv, slots, positions,
-        norm_weight.float().contiguous(), kv, kv, 0, kv, out, out.stride(0), slots, 0, ids, eps, 1.0, R=ratio,
+        norm_weight.float().contiguous(), kv, kv, 0, kv, out, out.stride(0), slots, 0, ids, state_kv, state_score, 0,
+        eps, 1.0, R=ratio,
         OVERLAP=False, D=d, ROPE=0, ROWS=8 if ratio % 8 == 0 else ratio, ADV=8 if ratio % 8 == 0 else ratio,
         MODE=LATENT, OUT_BF16=out_dtype == torch.bfloat16, EPB=1, PREC="ieee", BLOCK_LAYOUT=False, HAS_APE=False,
-        num_warps=4, **triton_args(state_kv))
+        SAVE=False, num_warps=4, **triton_args(state_kv))
     return out, ids
