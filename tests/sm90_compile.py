@@ -79,23 +79,16 @@ tables = torch.zeros(b, 8, dtype=torch.int32)
 for kind, ratio, overlap, d in (("main", 4, True, 512), ("index", 4, True, 128), ("main", 128, False, 512)):
     width = 2 * d if overlap else d
     rows_ = 2 * ratio if overlap else ratio
-    for ape in (None, torch.zeros(ratio, width)):
-        attempt(f"compress_decode {kind} ratio={ratio} ape={ape is not None}",
+    # with save: a speculative verify wave's launch, which copies the states before the update
+    for ape, save in ((None, None), (torch.zeros(ratio, width), None),
+                      (torch.zeros(ratio, width), (torch.zeros(b, rows_, width), torch.zeros(b, rows_, width)))):
+        attempt(f"compress_decode {kind} ratio={ratio} " + ("save" if save else f"ape={ape is not None}"),
                 lambda: compress_kernels.compress_decode(
                     torch.zeros(4, rows_, width), torch.zeros(4, rows_, width), slots, positions,
                     torch.zeros(b, width), torch.zeros(b, width), ratio, overlap, torch.zeros(d), 1e-6,
                     torch.zeros(b, 32), torch.zeros(b, 32), kind,
                     torch.zeros(64, 584 if kind == "main" else 68, dtype=torch.uint8), tables, 64 // ratio or 1,
-                    out_bf16=True, block_layout=kind == "index", ape=ape))
-    # a speculative verify wave's launch, copying the states before the update
-    attempt(f"compress_decode {kind} ratio={ratio} save",
-            lambda: compress_kernels.compress_decode(
-                torch.zeros(4, rows_, width), torch.zeros(4, rows_, width), slots, positions,
-                torch.zeros(b, width), torch.zeros(b, width), ratio, overlap, torch.zeros(d), 1e-6,
-                torch.zeros(b, 32), torch.zeros(b, 32), kind,
-                torch.zeros(64, 584 if kind == "main" else 68, dtype=torch.uint8), tables, 64 // ratio or 1,
-                out_bf16=True, block_layout=kind == "index", ape=torch.zeros(ratio, width),
-                save=(torch.zeros(b, rows_, width), torch.zeros(b, rows_, width))))
+                    out_bf16=True, block_layout=kind == "index", ape=ape, save=save))
 attempt("window_fp8 d=512", lambda: window_kernels.write_window_fp8(
     torch.zeros(b, 512).bfloat16(), torch.zeros(4, 128, 584, dtype=torch.uint8), slots, positions, 64))
 for heads in (64, 5):
