@@ -665,12 +665,11 @@ class EngineCore:
         if ced:
             batch.outputs = list(logit_rows)
         with torch.inference_mode():
-            h = self.model(to_device(np.asarray(ids, dtype=np.int64), self.device), batch)
+            h = self.model(to_device(ids, self.device, torch.long), batch)
             if ced and self.model.last_ced is not None:
                 self.stats.ced_skipped_rows += self.model.last_ced.skipped_rows
                 self.stats.ced_skipped_flops += ced_skipped_flops(self.model, self.model.last_ced)
-            out = (self.model.logits(h[to_device(np.asarray(logit_rows, dtype=np.int64), self.device)])
-                   if logit_rows else None)
+            out = self.model.logits(h[to_device(logit_rows, self.device, torch.long)]) if logit_rows else None
         if hidden is not None:
             hidden.update({rid: h[a:a + n] for rid, (a, n) in spans.items()})
         if self.memory.needs_query:

@@ -373,16 +373,14 @@ class SpeculativeGraphs:
         saved = g.saved["states"]
         for group in store.state_groups:
             # wave m's copies: the states after m kept positions (m = k + 1: the states now), of
-            # every member of the group, restored in one gather and one scatter for each of kv, score
-            members = [m for m in group.members if m in saved]
-            if len(members) != len(group.members):       # not every member updated (none here today)
-                for i, kind in members:
-                    for x, st in zip(zip(*saved[(i, kind)]), store.states[i][kind]):
-                        st[slots] = torch.stack(list(x) + [st[slots]])[pick, rows]
-                continue
+            # every member of the group (one no wave updated: its state now), restored in one gather
+            # and one scatter for each of kv, score
+            n = len(group.members)
             for t, whole in enumerate((group.kv, group.score)):
-                waves = [saved[m][w][t] for w in range(g.k) for m in members] + list(whole[:, slots].unbind(0))
-                every = torch.stack(waves).view(g.k + 1, len(members), *waves[0].shape)
+                now = list(whole[:, slots].unbind(0))
+                waves = [saved[m][w][t] if m in saved else now[i] for w in range(g.k)
+                         for i, m in enumerate(group.members)] + now
+                every = torch.stack(waves).view(g.k + 1, n, *now[0].shape)
                 whole[:, slots] = every[pick, :, rows].transpose(0, 1)
 
     def _pick(self, g: SpecGraph, logits: torch.Tensor, slots: torch.Tensor, j: int) -> torch.Tensor:
