@@ -287,13 +287,22 @@ PROGRAMS_PER_SM = 4     # decode scoring programs per SM to aim for (sets the ch
 TILE_CFG = dict(ROWS=256, BN=64, CHUNK=2048, num_warps=4, num_stages=1)
 SELECT_CFG = dict(BLOCK=4096, TB=64, CBLOCK=1024, TAU_LEVELS=2, num_warps=16)
 # Launches of at most SPLIT_MAX_TOKENS tokens whose rows have at least SPLIT_MIN_TILES tile maxima
-# gather their candidates in SELECT_GROUPS programs per token (`gather_candidates_kernel`), then join
-# them (`select_final_kernel`, CB per group at a time): 1M, B=1 69 against 97 µs (H200). Prefill
-# chunks keep one program per token: they fill the GPU already, and 2,048 tokens × 16 groups each
-# computing τ₀ took 14.1 ms against 11.0 at 128K.
+# gather their candidates in `select_groups(t)` programs per token (`gather_candidates_kernel`), then
+# join them (`select_final_kernel`, CB per group at a time): 1M, B=1 69 against 97 µs (H200). The
+# groups shrink as tokens grow (at most SELECT_GROUPS, at least 4, about SPLIT_PROGRAMS programs a
+# launch), and beyond SPLIT_MAX_TOKENS one program a token selects: at 128K on an H100 (fp4 keys,
+# top-512) B=8 44 µs with 4 or 8 groups against 50 with 16; B=64 179 µs one program a token against
+# 274 with 16 groups. Prefill chunks keep one program per token: they fill the GPU already, and
+# 2,048 tokens × 16 groups each computing τ₀ took 14.1 ms against 11.0 at 128K.
 SPLIT_MIN_TILES = 1024
-SPLIT_MAX_TOKENS = 64
+SPLIT_MAX_TOKENS = 16
 SELECT_GROUPS = 16
+SPLIT_PROGRAMS = 64
+
+
+def select_groups(t: int) -> int:
+    """Programs gathering each of t tokens' candidates in a split selection."""
+    return min(SELECT_GROUPS, max(4, SPLIT_PROGRAMS // max(t, 1)))
 SPLIT_CFG = dict(gather=dict(BLOCK=4096, num_warps=8), final=dict(CB=128, num_warps=16))
 # Launches whose rows hold at most this many entries select with every key in registers (no τ₀, no
 # candidate copy; `select._select_resident`): a CSA layer's rows up to 16K context.
@@ -360,7 +369,8 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
     per_max = maxima_tile(n_max, topk)
     n_tiles = triton.cdiv(n_max, per_max)
     split = n_tiles >= SPLIT_MIN_TILES and t <= SPLIT_MAX_TOKENS
-    per_token = (20 if split else 12) * n_max + 8 * n_tiles + 4 * SELECT_GROUPS
+    groups = select_groups(t)
+    per_token = (20 if split else 12) * n_max + 8 * n_tiles + 4 * groups
     group = max(block_t, (SCORE_BUFFER // per_token) // block_t * block_t)
     # the candidate gather reads TB tiles at a time: the same number of entries whatever the tile
     select_cfg = dict(SELECT_CFG, TB=SELECT_CFG["TB"] * TILE // per_max)
@@ -391,14 +401,14 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
                 num_stages=TILE_CFG["num_stages"])
         kpad = triton.next_power_of_2(topk)
         if split:
-            cnt = torch.empty(tn, SELECT_GROUPS, dtype=torch.int32, device=dev)
+            cnt = torch.empty(tn, groups, dtype=torch.int32, device=dev)
             gcfg, fcfg = SPLIT_CFG["gather"], SPLIT_CFG["final"]
-            gather_candidates_kernel[(tn, SELECT_GROUPS)](
+            gather_candidates_kernel[(tn, groups)](
                 keys, keys.stride(0), tmax, tmax.stride(0), tlist, cand[0], cand[1], cand.stride(1), cnt, vis[a:b],
-                topk, RATIO=vis_ratio, G=SELECT_GROUPS, TILE_N=per_max, BLOCK=gcfg["BLOCK"], TB=select_cfg["TB"],
+                topk, RATIO=vis_ratio, G=groups, TILE_N=per_max, BLOCK=gcfg["BLOCK"], TB=select_cfg["TB"],
                 TAU_LEVELS=select_cfg["TAU_LEVELS"], num_warps=gcfg["num_warps"], **triton_args(keys))
             select_final_kernel[(tn,)](cand[0], cand[1], cand.stride(1), cand[2], cand[3], cnt, vis[a:b], out[a:b],
-                                       out.stride(0), topk, RATIO=vis_ratio, G=SELECT_GROUPS, TILE_N=per_max,
+                                       out.stride(0), topk, RATIO=vis_ratio, G=groups, TILE_N=per_max,
                                        CB=fcfg["CB"],
                                        CBLOCK=select_cfg["CBLOCK"], KPAD=kpad, num_warps=fcfg["num_warps"],
                                        **triton_args(cand))
