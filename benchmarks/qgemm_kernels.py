@@ -238,8 +238,9 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
             families = {
                 "one-row": [dict(BM=1, BN=bn, BK=bk, num_warps=warps)
                             for bn, bk, warps in itertools.product([16, 32, 64], [128, 256, 512], [2, 4])],
-                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st)
-                        for mt, wk, st in itertools.product([1, 2], [1, 2, 4, 8], [2, 3, 4]) if st * wk * mt <= 12]
+                "mma": [dict(BM=8, MMA=True, MT=mt, WK=wk, STAGES=st, CK=ck)
+                        for mt, wk, st, ck in itertools.product([1, 2], [1, 2, 4, 8], [2, 3, 4], [1, 2, 4])
+                        if fp4_mma.shared_bytes(mt, wk, st, ck) <= fp4_mma.SHARED_MAX]
                 if mma else [],
                 "tiles": [dict(BM=tile_bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                           for bn, bk, warps, stages in itertools.product([64, 128], [128, 256], [4],
@@ -256,7 +257,7 @@ def moe_rows(a, cuda: bool, dev: str) -> None:
                         except Exception as e:  # out of resources: not a candidate
                             print(f"    {cfg}: {type(e).__name__}")
                     best.sort(key=lambda tc: tc[0])
-                    for tm, cfg in best[:3]:
+                    for tm, cfg in best[:6]:
                         print(f"    sweep {name} {t} tokens, {family}: {tm:.4f} ms {cfg}", flush=True)
 
 

@@ -13,11 +13,12 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
-@pytest.mark.parametrize("x_dtype,y_dtype,mt,wk,stages,pdl", [
-    (torch.bfloat16, torch.bfloat16, 2, 2, 2, False), (torch.float32, torch.float32, 1, 8, 2, False),
-    (torch.bfloat16, torch.float16, 1, 4, 4, False), (torch.bfloat16, torch.bfloat16, 1, 4, 2, True)])
-def test_fp4_mma_kernels_compile_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk, stages, pdl):
-    source = fp4_mma.source(x_dtype, y_dtype, mt, wk, stages, pdl)
+@pytest.mark.parametrize("x_dtype,y_dtype,mt,wk,stages,pdl,ck", [
+    (torch.bfloat16, torch.bfloat16, 2, 2, 2, False, 1), (torch.float32, torch.float32, 1, 8, 2, False, 1),
+    (torch.bfloat16, torch.float16, 1, 4, 4, False, 1), (torch.bfloat16, torch.bfloat16, 1, 4, 2, True, 2),
+    (torch.bfloat16, torch.bfloat16, 2, 1, 2, False, 4), (torch.bfloat16, torch.bfloat16, 2, 4, 3, True, 1)])
+def test_fp4_mma_kernels_compile_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk, stages, pdl, ck):
+    source = fp4_mma.source(x_dtype, y_dtype, mt, wk, stages, pdl, ck)
     stderr = _compile(tmp_path, source)
     assert "Compiling entry function 'grouped_fp4_mma'" in stderr
     assert _waits(tmp_path, source) == pdl

@@ -58,7 +58,8 @@ def test_projection_against_the_dequantised_weights(tokens, topk, n_experts, x_d
         weights = tuple(torch.tensor([t[e].data_ptr() for e in range(n_experts)], dtype=torch.int64, device=DEV)
                         for t in (w, s))
     for cfg in ({"MT": 1, "WK": 1, "STAGES": 2}, {"MT": 2, "WK": 2, "STAGES": 3}, {"MT": 1, "WK": 8, "STAGES": 2},
-                {"MT": 1, "WK": 4, "STAGES": 4}):
+                {"MT": 1, "WK": 4, "STAGES": 4}, {"MT": 1, "WK": 2, "STAGES": 2, "CK": 4},
+                {"MT": 2, "WK": 1, "STAGES": 3, "CK": 2}, {"MT": 2, "WK": 4, "STAGES": 3}):
         got = kernels.grouped_fp4(x, rows, tiles, weights, n, out_dtype, config=dict(BM=8, MMA=True, **cfg))
         dense = _dense(w, s)
         want = torch.einsum("pk,pnk->pn", x.double()[sort.token], dense[sort.expert])

@@ -416,7 +416,13 @@ def test_fp8_mma_takes_cuda_decode_rows_only_and_tiles_every_v4_flash_linear():
     assert f"#define FLOOR {FP8_AMAX_FLOOR!r}f" in src and f"#define QMAX {FP8_MAX!r}f" in src
     few = kernels.grouped_config(fp4_mma.FEW_PAIRS, 2048, 256, gated=True, mma=True)
     more = kernels.grouped_config(fp4_mma.FEW_PAIRS + 1, 2048, 256, gated=True, mma=True)
-    assert (few["MT"], few["WK"]) == (1, 4) and (more["MT"], more["WK"]) == (2, 2) and few["BM"] == more["BM"]
+    many = kernels.grouped_config(fp4_mma.MANY_PAIRS + 1, 2048, 256, gated=True, mma=True)
+    down = kernels.grouped_config(fp4_mma.FEW_PAIRS + 1, 4096, 256, mma=True)
+    assert (few["MT"], few["WK"]) == (1, 4) and (more["MT"], more["WK"]) == (1, 4) and few["BM"] == more["BM"]
+    assert (many["MT"], many["WK"]) == (2, 4) and (down["MT"], down["WK"]) == (2, 2)
+    for cfg in (few, more, many, down):       # every default fits a block's shared memory and divides K
+        assert fp4_mma.shared_bytes(cfg["MT"], cfg["WK"], cfg["STAGES"], cfg["CK"]) <= fp4_mma.SHARED_MAX
+        assert 2048 % (128 * cfg["CK"]) == 0 and 2048 % (16 * cfg["MT"]) == 0
 
 
 def test_decode_sizes_choose_the_tensor_core_kernel_only_where_it_runs():

@@ -148,8 +148,9 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
                 const u8* WP1, const u8* SP1, const u8* WP3, const u8* SP3, const float* ROUTE, void* Y,
                 int N, int K, int ew_stride, int es_stride, int stride_x, double limit_d, int shift, int flags) {
     // each warp's weight bytes stream through STAGES buffers of shared memory (cp.async; a thread
-    // reads back only what it copied, so no barrier is needed), STAGES - 1 chunks ahead of the MMAs
-    __shared__ uint4 wbuf[STAGES][WK][PIECES][32];
+    // reads back only what it copied, so no barrier is needed), STAGES - 1 runs ahead of the MMAs;
+    // a run is CK consecutive chunks of 128 inputs, copied back to back (CK·64 bytes of each weight row)
+    __shared__ uint4 wbuf[STAGES][WK][CK][PIECES][32];
     const bool gather = flags & 1, swiglu = flags & 2, table = flags & 4;
     pdl_wait_then_release();       // the tile table and the activations come from the kernels before
     const int tile = blockIdx.x;
@@ -168,8 +169,8 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
         w[1] = WP3 + (long long)e * ew_stride; sc[1] = SP3 + (long long)e * es_stride;
     }
     const int np = swiglu ? 2 : 1;
-    const int kw = K / 2, ks = K / 32, chunks = K / 128;
-    const int mine = chunks > warp ? (chunks - warp + WK - 1) / WK : 0;     // chunks warp, warp + WK, ...
+    const int kw = K / 2, ks = K / 32, runs = K / (128 * CK);
+    const int mine = runs > warp ? (runs - warp + WK - 1) / WK : 0;         // runs warp, warp + WK, ...
     const bool tok_ok = g < cnt;
     long long xrow = 0;
     if (tok_ok) xrow = (long long)(gather ? ROWS[start + g] : start + g) * stride_x;
@@ -182,28 +183,32 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[p][mt][i] = 0.f;
 
-    // the j-th chunk of this warp: its weight pieces into stage j % STAGES (an empty group past the end)
+    // the j-th run of this warp: its weight pieces into stage j % STAGES (an empty group past the end)
     auto issue = [&](int j) {
         if (j < mine) {
-            const int off = (warp + j * WK) * 128 + tq * 32;
 #pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                if (p >= np) break;
+            for (int c = 0; c < CK; ++c) {
+                const int off = ((warp + j * WK) * CK + c) * 128 + tq * 32;
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+                for (int p = 0; p < 2; ++p) {
+                    if (p >= np) break;
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const long long row = n0 + mt * 16 + g + 8 * h;
-                        cp_async16(&wbuf[j % STAGES][warp][(p * MT + mt) * 2 + h][lane], w[p] + row * kw + off / 2);
-                    }
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const long long row = n0 + mt * 16 + g + 8 * h;
+                            cp_async16(&wbuf[j % STAGES][warp][c][(p * MT + mt) * 2 + h][lane],
+                                       w[p] + row * kw + off / 2);
+                        }
+                }
             }
         }
         asm volatile("cp.async.commit_group;");
     };
-    // the j-th chunk's scale bytes and activations, into registers
-    auto fetch = [&](int j, u32 (*s)[MT][2], u32* xv) {
-        if (j >= mine) return;
-        const int off = (warp + j * WK) * 128 + tq * 32;
+    // the u-th chunk of this warp (chunk u % CK of run u / CK): its scale bytes and activations, into registers
+    auto fetch = [&](int u, u32 (*s)[MT][2], u32* xv) {
+        if (u >= mine * CK) return;
+        const int off = ((warp + (u / CK) * WK) * CK + u % CK) * 128 + tq * 32;
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             if (p >= np) break;
@@ -222,24 +227,30 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
     fetch(0, s_cur, x_cur);
     for (int j = 0; j < mine; ++j) {
         issue(j + STAGES - 1);
-        fetch(j + 1, s_next, x_next);
         asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            if (p >= np) break;
-            uint4 q[MT][2];
+        for (int c = 0; c < CK; ++c) {
+            fetch(j * CK + c + 1, s_next, x_next);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+            for (int p = 0; p < 2; ++p) {
+                if (p >= np) break;
+                uint4 q[MT][2];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) q[mt][h] = wbuf[j % STAGES][warp][(p * MT + mt) * 2 + h][lane];
-            block_mma(acc[p], q, s_cur[p], x_cur, shift);
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) q[mt][h] = wbuf[j % STAGES][warp][c][(p * MT + mt) * 2 + h][lane];
+                block_mma(acc[p], q, s_cur[p], x_cur, shift);
+            }
+#pragma unroll
+            for (int p = 0; p < 2; ++p)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    s_cur[p][mt][0] = s_next[p][mt][0];
+                    s_cur[p][mt][1] = s_next[p][mt][1];
+                }
+#pragma unroll
+            for (int i = 0; i < 16; ++i) x_cur[i] = x_next[i];
         }
-#pragma unroll
-        for (int p = 0; p < 2; ++p)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) { s_cur[p][mt][0] = s_next[p][mt][0]; s_cur[p][mt][1] = s_next[p][mt][1]; }
-#pragma unroll
-        for (int i = 0; i < 16; ++i) x_cur[i] = x_next[i];
     }
     float (*acc1)[4] = acc[0];
     float (*acc3)[4] = acc[1];
@@ -248,7 +259,7 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
     // the warps' partial tiles, in the weight buffers once every warp is done with them
     asm volatile("cp.async.wait_all;");
     __syncthreads();
-    float (*red)[32][8 * MT] = reinterpret_cast<float (*)[32][8 * MT]>(&wbuf[0][0][0][0]);
+    float (*red)[32][8 * MT] = reinterpret_cast<float (*)[32][8 * MT]>(&wbuf[0][0][0][0][0]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -290,11 +301,25 @@ grouped_fp4_mma(const void* X, const int* ROWS, const int* TILE_E, const int* TI
 }
 """
 
-DEFAULT_CONFIG = {"MT": 2, "WK": 2, "STAGES": 2}    # the fastest at 8 and 64 tokens (qgemm_kernels --sweep)
-# at most FEW_PAIRS sorted rows (one token's experts): one 16-row tile a block, split over four warps
-# (twice the blocks, four times the warps a weight row); on the H200 at V4-Flash width 0.0268 /
-# 0.0146 ms (up / down) against the default's 0.0306 / 0.0158
-FEW_PAIRS, FEW_PAIRS_CONFIG = 8, {"MT": 1, "WK": 4, "STAGES": 2}
+DEFAULT_CONFIG = {"MT": 2, "WK": 2, "STAGES": 3, "CK": 1}    # what a config leaves out
+FEW_PAIRS = 8              # at most this many sorted rows: one token's experts
+MANY_PAIRS = 64            # beyond this the w1/w3 launch takes two 16-row tiles a warp
+
+
+def config(pairs: int, gated: bool) -> dict:
+    """The launch's tiles for `pairs` sorted rows (`gated`: the w1/w3 launch with its SwiGLU), the
+    fastest of `benchmarks/qgemm_kernels.py --sweep --families mma` at V4-Flash's width on an H100
+    (up / down ms, 2026-12-06): one token 0.0286 / 0.0131 against 0.0320 / 0.0139 with two buffers;
+    8 tokens 0.1560 / 0.0844 against 0.1833 / 0.0888 with MT 2, WK 2, STAGES 2 for both; 64 tokens
+    0.6611 / 0.3762 against 0.7868 / 0.3853. Three buffers a warp keep more weight bytes in flight."""
+    if pairs <= FEW_PAIRS:
+        return {"MT": 1, "WK": 4, "STAGES": 3, "CK": 1}
+    if gated:
+        return {"MT": 1 if pairs <= MANY_PAIRS else 2, "WK": 4, "STAGES": 3, "CK": 1}
+    return {"MT": 2, "WK": 2, "STAGES": 3, "CK": 1}
+
+
+CONFIG_KEYS = ("MT", "WK", "STAGES", "CK")
 
 
 def enabled() -> bool:
@@ -318,9 +343,18 @@ def scale_shift(max_scale_byte: int) -> int:
     return max(0, int(max_scale_byte) - 128)
 
 
-def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int, pdl: bool = False) -> str:
+SHARED_MAX = 48 * 1024      # a block's static shared memory
+
+
+def shared_bytes(mt: int, wk: int, stages: int, ck: int) -> int:
+    """The shared memory of a variant: its weight buffers, STAGES·WK·CK·MT·2 KiB."""
+    return stages * wk * ck * mt * 2048
+
+
+def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, stages: int, pdl: bool = False,
+           ck: int = 1) -> str:
     """The CUDA C++ of one variant, as compiled at first use."""
-    return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, STAGES=stages, PDL=int(pdl))
+    return nvrtc.source(SOURCE, x_dtype, y_dtype, MT=mt, WK=wk, STAGES=stages, CK=ck, PDL=int(pdl))
 
 
 def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -329,20 +363,22 @@ def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[tor
                     strides: tuple[int, int], table: bool, shift: int, config: dict) -> torch.Tensor:
     """The launch behind `triton.grouped_fp4` for tiles of at most `TILE_ROWS` rows (the caller
     checked the layout). config: MT (16-row weight tiles per warp, 1 or 2), WK (warps splitting K),
-    STAGES (shared-memory buffers each warp streams its weight bytes through)."""
+    STAGES (shared-memory buffers each warp streams its weight bytes through), CK (chunks of 128
+    inputs a buffer holds: each weight row is read CK·64 contiguous bytes at a time)."""
     k = x.shape[-1]
-    mt, wk, stages = (int(config.get(name, DEFAULT_CONFIG[name])) for name in ("MT", "WK", "STAGES"))
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or k % 128 or n % (16 * mt):
-        raise ValueError(f"grouped FP4 MMA: x [{x.shape[0]}, {k}] (stride {x.stride(0)}), N {n}, MT {mt}: "
-                         "K must be a multiple of 128, N of 16·MT, x rows 16-byte aligned")
-    if mt not in (1, 2) or not 1 <= wk <= 8 or stages < 2 or stages * wk * 2 * mt * 2 * 16 * 32 > 48 * 1024:
-        raise ValueError(f"grouped FP4 MMA: MT {mt} (1 or 2), WK {wk} (1..8), STAGES {stages} (≥ 2): the weight "
-                         "buffers (STAGES·WK·MT·2 KiB) must fit in 48 KiB of shared memory")
+    mt, wk, stages, ck = (int(config.get(name, DEFAULT_CONFIG[name])) for name in CONFIG_KEYS)
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or k % (128 * ck) or n % (16 * mt):
+        raise ValueError(f"grouped FP4 MMA: x [{x.shape[0]}, {k}] (stride {x.stride(0)}), N {n}, MT {mt}, CK {ck}: "
+                         "K must be a multiple of 128·CK, N of 16·MT, x rows 16-byte aligned")
+    if (mt not in (1, 2) or not 1 <= wk <= 8 or stages < 2 or ck not in (1, 2, 4)
+            or shared_bytes(mt, wk, stages, ck) > SHARED_MAX):
+        raise ValueError(f"grouped FP4 MMA: MT {mt} (1 or 2), WK {wk} (1..8), STAGES {stages} (≥ 2), CK {ck} (1, 2 "
+                         "or 4): the weight buffers (STAGES·WK·CK·MT·2 KiB) must fit in 48 KiB of shared memory")
     if x.dtype not in nvrtc.DTYPES_X or y.dtype not in nvrtc.DTYPES_Y:
         raise ValueError(f"grouped FP4 MMA: activations {x.dtype} / output {y.dtype} not supported")
     if not 0 <= shift < 128:
         raise ValueError(f"grouped FP4 MMA: scale shift {shift} out of range")
-    variant = (x.dtype, y.dtype, mt, wk, stages, pdl.enabled(x))
+    variant = (x.dtype, y.dtype, mt, wk, stages, pdl.enabled(x), ck)
     kern = nvrtc.kernel(x.device, "grouped_fp4_mma", variant, lambda: source(*variant))
     swiglu = w3 is not None
     flags = (1 if rows is not None else 0) | (2 if swiglu else 0) | (4 if table else 0)
@@ -350,5 +386,5 @@ def grouped_fp4_mma(x: torch.Tensor, rows: torch.Tensor | None, tiles: tuple[tor
     nvrtc.launch(kern, x.device, (tiles[0].shape[0], n // (16 * mt), 1), (32 * wk, 1, 1),
                  [x, rows if rows is not None else tiles[0], tiles[0], tiles[1], tiles[2], w1[0], w1[1], w3[0], w3[1],
                   route if swiglu else x, y, int(n), int(k), int(strides[0]), int(strides[1]), int(x.stride(0)),
-                  float(limit), int(shift), int(flags)], pdl=variant[-1])
+                  float(limit), int(shift), int(flags)], pdl=variant[5])
     return y

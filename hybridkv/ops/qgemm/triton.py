@@ -469,8 +469,7 @@ def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool =
     faster than the 16-row tiles at 64 tokens for w1-w3 / w2, 1.5× / 1.2× than one row at 8,
     the same at 1: `benchmarks/qgemm_kernels.py --sweep --families mma`)."""
     if mma and pairs <= MMA_MAX_PAIRS:
-        few = pairs <= fp4_mma.FEW_PAIRS
-        return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **(fp4_mma.FEW_PAIRS_CONFIG if few else fp4_mma.DEFAULT_CONFIG))
+        return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **fp4_mma.config(pairs, gated))
     if pairs <= (experts // 2 if experts else 64):
         return dict(BM=1, BN=32 if gated else 64, num_warps=4)
     if pairs <= 512:
