@@ -20,7 +20,9 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   its wait for the previous one, so the summed device ms overlap and the replay is the step's
   device time; `HYBRIDKV_PDL=0` measures without it.
 - GPU memory after loading and the peak over the run, next to the checkpoint's bytes and the KV
-  pool's.
+  pool's; and by phase (`benchmarks/memory_phases.py`: loading, the warm-up, each prefill, each
+  cell's fill, decode and eager counting step), with `--memory-trace PHASES` the tensors live at
+  those phases' peaks, summed by the line of hybridkv that allocated them.
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
   (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill); with
   `--prefill-cprofile N` a third run under cProfile prints the host's N costliest functions.
@@ -36,7 +38,8 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
 
     python benchmarks/engine_gpu.py --ckpt /tmp/v4flash-8 [--layers 8] [--batches 1,8,64]
         [--contexts 4k,128k] [--million] [--prefill 16k,128k] [--paths packed,dense,mtp,hf] [--steps 16]
-        [--num-speculative-tokens K] [--prefill-cprofile N] [--first-layers N] [--dense-layers N] [--json OUT]
+        [--num-speculative-tokens K] [--prefill-cprofile N] [--first-layers N] [--dense-layers N]
+        [--memory-trace 'fill:*,decode:*'] [--json OUT]
     python benchmarks/engine_gpu.py --smoke       # a tiny model on the CPU: checks the script runs
 
 Filling 64 requests of 128K takes 8M prefill tokens; `--paths packed --batches 64 --contexts 128k`
@@ -66,6 +69,7 @@ from hybridkv.cache.layout import entry_bytes  # noqa: E402
 from hybridkv.cli import _parse_count  # noqa: E402
 from hybridkv.weights import INDEX_FILE  # noqa: E402
 from decode_context import replay_ms, sync, timed_steps  # noqa: E402  (this folder is on sys.path)
+from memory_phases import MemoryPhases  # noqa: E402
 
 # the linear layers' kernels (widen: prefill's FP4 experts widened for the grouped GEMM, their cost)
 GEMM_KERNELS = re.compile(r"gemm|matmul|linear_mma|grouped_fp4|widen|cutlass|xmma|gemv|splitk|cublas|sm90_|nvjet", re.I)
@@ -231,11 +235,13 @@ def worker(a) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    phases = MemoryPhases(base if cuda else 0, trace=a.memory_trace, enabled=cuda)
     spec = a.path == "mtp"
-    llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=pool_blocks(a, cells, prefills),
-              max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk, enable_prefix_caching=False,
-              async_scheduling=a.async_scheduling,
-              **(dict(speculative="mtp", num_speculative_tokens=a.num_speculative_tokens) if spec else {}))
+    with phases("load"):
+        llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=pool_blocks(a, cells, prefills),
+                  max_num_seqs=max([b for b, _ in cells] + [1]), max_num_batched_tokens=a.chunk,
+                  enable_prefix_caching=False, async_scheduling=a.async_scheduling,
+                  **(dict(speculative="mtp", num_speculative_tokens=a.num_speculative_tokens) if spec else {}))
     eng, model, cfg = llm.engine, llm.engine.model, llm.engine.model.config
     from hybridkv.ops import pdl
     pdl_on = pdl.enabled(torch.empty(0, device=a.device))
@@ -260,10 +266,11 @@ def worker(a) -> None:
 
     flops_tok = linear_flops_per_token(model)
     if prefills:                       # one chunk first: Triton compiles the prefill shapes outside the timing
-        warm = eng.add_request(prompt(a.chunk), SamplingParams(max_tokens=1, ignore_eos=True))
-        while warm.first_token_time is None:
-            eng.step()
-        eng.abort(warm.request_id)
+        with phases("warmup"):
+            warm = eng.add_request(prompt(a.chunk), SamplingParams(max_tokens=1, ignore_eos=True))
+            while warm.first_token_time is None:
+                eng.step()
+            eng.abort(warm.request_id)
     def prefill(ids):
         seq = eng.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
         while seq.first_token_time is None:
@@ -276,12 +283,13 @@ def worker(a) -> None:
         # wall time from a second run without it (the profiler adds tens of microseconds to every
         # launch it records)
         ids = prompt(n)
-        busy, gemm, top, _ = device_ms(lambda: prefill(ids), cuda)
-        t = time.perf_counter()
-        prefill(ids)
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t
+        with phases(f"prefill:{n}"):
+            busy, gemm, top, _ = device_ms(lambda: prefill(ids), cuda)
+            t = time.perf_counter()
+            prefill(ids)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t
         if a.prefill_cprofile:      # a third run: where the host spends a prefill's time
             import cProfile
             import pstats
@@ -297,15 +305,17 @@ def worker(a) -> None:
         ctx = min(ctx, eng.max_model_len - budget)
         seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
         prefill_steps, preempted = 0, eng.scheduler.num_preemptions
-        while any(s.first_token_time is None for s in seqs):
-            eng.step()
-            prefill_steps += 1
-        timed_steps(eng, WARM_STEPS, a.device)
-        produced = sum(len(s.output_ids) for s in seqs)
-        wall = steps_back_to_back(eng, a.steps, a.device) / a.steps
-        per_step = (sum(len(s.output_ids) for s in seqs) - produced) / a.steps       # tokens a step emits
-        busy, _, top, fams = device_ms(lambda: steps_back_to_back(eng, a.steps, a.device), cuda)
-        replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
+        with phases(f"fill:{b}x{ctx}"):
+            while any(s.first_token_time is None for s in seqs):
+                eng.step()
+                prefill_steps += 1
+        with phases(f"decode:{b}x{ctx}"):
+            timed_steps(eng, WARM_STEPS, a.device)
+            produced = sum(len(s.output_ids) for s in seqs)
+            wall = steps_back_to_back(eng, a.steps, a.device) / a.steps
+            per_step = (sum(len(s.output_ids) for s in seqs) - produced) / a.steps       # tokens a step emits
+            busy, _, top, fams = device_ms(lambda: steps_back_to_back(eng, a.steps, a.device), cuda)
+            replay = replay_ms(eng) if cuda else None     # the last step's graph, between device events
         ended = sum(s.finish_reason is not None for s in seqs)
         preempted = eng.scheduler.num_preemptions - preempted
         if ended or preempted:
@@ -320,11 +330,12 @@ def worker(a) -> None:
         if spec:     # a random MTP block's steps: what they cost, and the least bytes they must read
             row["graph_steps"] = eng.stats.spec_graph_steps
             graphs, eng.spec_graphs = eng.spec_graphs, None    # one eager step with hooks on the gates
-            timed_steps(eng, 1, a.device)
-            main, mtp = ExpertCounter(model), ExpertCounter(model, model.mtp)
-            timed_steps(eng, 1, a.device)
-            main.close()
-            mtp.close()
+            with phases(f"count:{b}x{ctx}"):
+                timed_steps(eng, 1, a.device)
+                main, mtp = ExpertCounter(model), ExpertCounter(model, model.mtp)
+                timed_steps(eng, 1, a.device)
+                main.close()
+                mtp.close()
             eng.spec_graphs = graphs
             k = a.num_speculative_tokens
             # the verify rows read the model, its head and the experts they select, each their KV; the
@@ -337,10 +348,11 @@ def worker(a) -> None:
                        replay_ratio=replay / bytes_ms if replay is not None else None)
         else:
             graphs, eng.graphs = eng.graphs, None            # one eager step with hooks on the gates
-            timed_steps(eng, 1, a.device)                    # (after settling a step async scheduling queued)
-            counter = ExpertCounter(model)
-            timed_steps(eng, 1, a.device)
-            counter.close()
+            with phases(f"count:{b}x{ctx}"):
+                timed_steps(eng, 1, a.device)                # (after settling a step async scheduling queued)
+                counter = ExpertCounter(model)
+                timed_steps(eng, 1, a.device)
+                counter.close()
             eng.graphs = graphs
             must = wb["non_expert"] + counter.total * wb["expert"] + b * kv_read_bytes(cfg, ctx, cfg.index_topk)
             bytes_ms = must / a.bandwidth * 1e3
@@ -351,8 +363,9 @@ def worker(a) -> None:
         for s in seqs:
             eng.abort(s.request_id)
     if cuda:
-        emit(dict(kind="peak", path=a.path, peak_bytes=torch.cuda.max_memory_allocated() - base,
-                  reserved_bytes=torch.cuda.memory_reserved()))
+        for r in phases.rows:
+            emit(dict(kind="memory_phase", path=a.path, **r))
+        emit(dict(kind="peak", path=a.path, peak_bytes=phases.peak, reserved_bytes=torch.cuda.memory_reserved()))
 
 
 def steps_back_to_back(eng, steps: int, device: str) -> float:
@@ -581,6 +594,20 @@ def report(rows: list[dict], a) -> None:
     for r in rows:
         if r["kind"] == "unavailable":
             print(f"- {r['path']}: {r['why']}")
+    phase_rows = [r for r in rows if r["kind"] == "memory_phase"]
+    if phase_rows:
+        print("\nGPU memory by phase, above the memory before loading (start, the phase's peak, end):\n")
+        print("| path | phase | start | peak | end |")
+        print("|---|---|---|---|---|")
+        for r in phase_rows:
+            print(f"| {r['path']} | {r['phase']} | {fmt_bytes(r['start_bytes'])} | {fmt_bytes(r['peak_bytes'])} | "
+                  f"{fmt_bytes(r['end_bytes'])} |")
+        for r in phase_rows:
+            if r.get("top"):
+                print(f"\n{r['path']} {r['phase']}: live at its peak, allocated within it ({r['trace_events']:,} "
+                      "allocator events):")
+                for where, n in r["top"]:
+                    print(f"  {fmt_bytes(n):>10}  {where}")
     print("\n| path | blocks | checkpoint | KV pool | after load | peak | peak − (checkpoint + pool) |")
     print("|---|---|---|---|---|---|---|")
     for path in dict.fromkeys(r["path"] for r in rows):
@@ -638,6 +665,10 @@ def main() -> int:
                     help="also run each prefill under cProfile and print its N costliest functions")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="queue the next decode step before the host reads this one's tokens (default: on)")
+    ap.add_argument("--memory-trace", type=lambda v: set(v.split(",")), default=set(), metavar="PHASES",
+                    help="list the tensors live at the peak of these phases by the line that allocated them "
+                         "(load, warmup, prefill:N, fill:BxCTX, decode:BxCTX, count:BxCTX; fnmatch patterns such as fill:64x*;
+                         slows them)")
     ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
