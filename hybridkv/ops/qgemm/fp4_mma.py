@@ -17,8 +17,8 @@ each thread builds its A fragments in registers straight from the 16 bytes it lo
 - One bf16x2 multiply by 2^(s-1-S) (s the row's e8m0 scale byte, S the launch's `shift`, 0 unless a
   scale exceeds 2) turns a pair into the dequantised weights, exactly (a power of two); the float32
   result is multiplied by 2^S.
-- Each warp streams its share of K through `STAGES` shared-memory buffers (cp.async, one chunk of
-  128 inputs a buffer), the activations and scale bytes one chunk ahead in registers. `WK` warps
+- Each warp streams its share of K through `STAGES` shared-memory buffers (cp.async, `CK` chunks
+  of 128 inputs a buffer), the activations and scale bytes one chunk ahead in registers. `WK` warps
   split K and add their partial tiles in a fixed order (deterministic), then write the tile's
   outputs: with w3, each projection rounded to the output dtype, clamped, SwiGLU'd and multiplied
   by the routing weight, as `triton.grouped_fp4` does.
