@@ -667,8 +667,8 @@ def main() -> int:
                     help="queue the next decode step before the host reads this one's tokens (default: on)")
     ap.add_argument("--memory-trace", type=lambda v: set(v.split(",")), default=set(), metavar="PHASES",
                     help="list the tensors live at the peak of these phases by the line that allocated them "
-                         "(load, warmup, prefill:N, fill:BxCTX, decode:BxCTX, count:BxCTX; fnmatch patterns such as fill:64x*;
-                         slows them)")
+                         "(load, warmup, prefill:N, fill:BxCTX, decode:BxCTX, count:BxCTX; fnmatch patterns such "
+                         "as fill:64x*; slows them)")
     ap.add_argument("--bandwidth", type=float, default=4.13e12, help="bytes/s the byte time is counted at")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
