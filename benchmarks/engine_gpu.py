@@ -232,10 +232,8 @@ def worker(a) -> None:
     cuda = a.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     cells, prefills = workload(a)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    phases = MemoryPhases(base if cuda else 0, trace=a.memory_trace, enabled=cuda)
+    base = torch.cuda.memory_allocated() if cuda else 0
+    phases = MemoryPhases(base, trace=a.memory_trace, enabled=cuda)      # each phase resets the peak
     spec = a.path == "mtp"
     with phases("load"):
         llm = LLM(a.ckpt, device=a.device, dtype=dtype, kv_format="fp8", num_blocks=pool_blocks(a, cells, prefills),

@@ -298,15 +298,15 @@ SPLIT_MIN_TILES = 1024
 SPLIT_MAX_TOKENS = 16
 SELECT_GROUPS = 16
 SPLIT_PROGRAMS = 64
+SPLIT_CFG = dict(gather=dict(BLOCK=4096, num_warps=8), final=dict(CB=128, num_warps=16))
+# Launches whose rows hold at most this many entries select with every key in registers (no τ₀, no
+# candidate copy; `select._select_resident`): a CSA layer's rows up to 16K context.
+RESIDENT_SELECT_MAX = 4096
 
 
 def select_groups(t: int) -> int:
     """Programs gathering each of t tokens' candidates in a split selection."""
     return min(SELECT_GROUPS, max(4, SPLIT_PROGRAMS // max(t, 1)))
-SPLIT_CFG = dict(gather=dict(BLOCK=4096, num_warps=8), final=dict(CB=128, num_warps=16))
-# Launches whose rows hold at most this many entries select with every key in registers (no τ₀, no
-# candidate copy; `select._select_resident`): a CSA layer's rows up to 16K context.
-RESIDENT_SELECT_MAX = 4096
 
 
 def _tiles(req: np.ndarray, block_t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -307,11 +307,10 @@ MANY_PAIRS = 64            # beyond this the w1/w3 launch takes two 16-row tiles
 
 
 def config(pairs: int, gated: bool) -> dict:
-    """The launch's tiles for `pairs` sorted rows (`gated`: the w1/w3 launch with its SwiGLU), the
-    fastest of `benchmarks/qgemm_kernels.py --sweep --families mma` at V4-Flash's width on an H100
-    (up / down ms, 2026-12-06): one token 0.0286 / 0.0131 against 0.0320 / 0.0139 with two buffers;
-    8 tokens 0.1560 / 0.0844 against 0.1833 / 0.0888 with MT 2, WK 2, STAGES 2 for both; 64 tokens
-    0.6611 / 0.3762 against 0.7868 / 0.3853. Three buffers a warp keep more weight bytes in flight."""
+    """The launch's tiles for `pairs` sorted rows (`gated`: the w1/w3 launch with its SwiGLU): the
+    fastest of `benchmarks/qgemm_kernels.py --sweep --families mma` at 1, 8 and 64 tokens at
+    V4-Flash's width (H100; docs/training-log.md, 2026-12-06). Three buffers a warp keep more weight
+    bytes in flight than two."""
     if pairs <= FEW_PAIRS:
         return {"MT": 1, "WK": 4, "STAGES": 3, "CK": 1}
     if gated:
