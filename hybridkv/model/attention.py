@@ -44,7 +44,7 @@ from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, apply_rope_, rope_freqs, yarn_inv_freq
-from hybridkv.ops.rmsnorm import rms_norm_
+from hybridkv.ops.rmsnorm import rms_norm_rope
 from hybridkv.ops.compress import (compress_decode_latent, compress_decode_ok, compress_decode_paged,
                                    compress_paged)
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
@@ -130,9 +130,10 @@ class Attention(nn.Module):
         qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if not self.v41:  # V4 RMS-normalises each query head (without a weight), over the projection's
-            q = rms_norm_(q, None, self.eps)          # own output
-        q = apply_rope_(q, freqs)                  # (a fresh tensor: rotated where it lies)
-        kv = apply_rope(self.kv_norm(kv_a), freqs)
+            q = rms_norm_rope(q, None, self.eps, freqs, in_place=True)    # own output (a fresh tensor)
+        else:
+            q = apply_rope_(q, freqs)              # (a fresh tensor: rotated where it lies)
+        kv = rms_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, freqs)
         if not self._window_rows_fused(batch):    # (the fused window stores round-trip the rows themselves)
             kv = (fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2) if self.v41 else
                   torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),

@@ -1,7 +1,8 @@
 """RMS normalisation of the last dimension, with an optional float32 weight: computed in float32,
 returned in the input's dtype. One Triton program per row on CUDA (forwards without autograd: the
 norms of a decode step are eight small launches each in torch); the plain-torch reference
-elsewhere, which training and the CPU parity tests run."""
+elsewhere, which training and the CPU parity tests run. `rms_norm_rope`: the norm followed by the
+rotary embedding, one launch on the Triton path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from hybridkv.ops.backend import use_triton
 from hybridkv.ops.rmsnorm import reference
+from hybridkv.ops.rope import apply_rope
 
 
 def _kernel_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -24,13 +26,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return reference.rms_norm(x, weight, eps)
 
 
-def rms_norm_(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`rms_norm` written over x where it can (the Triton path, contiguous rows: each program reads
-    its whole row before it writes it), x returned: for a tensor the caller owns and no longer needs
-    unnormalised (a V4 prefill chunk's query heads: one [T, H, D] tensor instead of two). Elsewhere
-    (the reference path, autograd, strided rows) a new tensor, as `rms_norm`."""
-    if _kernel_ok(x, weight) and x.is_contiguous():
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, freqs: torch.Tensor,
+                  in_place: bool = False) -> torch.Tensor:
+    """`apply_rope(rms_norm(x, weight, eps), freqs)` (freqs complex [T or 1, rd/2]), bit for bit, in
+    one launch on the Triton path. `in_place`: written over x where it can (the Triton path, x
+    contiguous), for a tensor the caller no longer needs unnormalised (a V4 prefill chunk's query
+    heads: one [T, H, D] tensor instead of two); elsewhere a new tensor."""
+    if _kernel_ok(x, weight) and freqs.dim() == 2 and freqs.shape[0] in (1, x.shape[0]) and not (
+            in_place and not x.is_contiguous()):
         from hybridkv.ops.rmsnorm import triton as kernels
-        kernels.rms_norm(x, weight, eps, in_place=True)
-        return x
-    return rms_norm(x, weight, eps)
+        return kernels.rms_norm_rope(x, weight, eps, freqs, in_place=in_place)
+    return apply_rope(rms_norm(x, weight, eps), freqs)
