@@ -68,9 +68,6 @@ for shape in ((3, 64, 512), (3, 512), (3, 64, 128)):
     for inverse in (False, True):
         attempt(f"rope {shape} inverse={inverse}",
                 lambda: rope_kernels.apply_rope(torch.zeros(*shape).bfloat16(), freqs, inverse))
-for shape, weighted in (((3, 64, 512), False), ((3, 512), True)):     # a V4 decode's query heads, its KV row
-    attempt(f"rms_norm_rope {shape}", lambda: norm_kernels.rms_norm_rope(
-        torch.zeros(*shape).bfloat16(), torch.zeros(shape[-1]) if weighted else None, 1e-6, freqs))
 
 from hybridkv.ops.compress import triton as compress_kernels  # noqa: E402
 from hybridkv.ops.hadamard import triton as hadamard_kernels  # noqa: E402
@@ -122,10 +119,6 @@ for wdtype in (torch.bfloat16, torch.float32):   # stacked projections (tensor c
 hc_x = torch.zeros(2, 4, 4096).bfloat16()
 attempt("mhc_pre_fn", lambda: mhc_kernels.mhc_pre_fn(hc_x, torch.zeros(24, 4 * 4096), torch.ones(3), torch.zeros(24),
                                                    20, 1e-6, 1e-6))
-for t in (1, 40):         # the post that also makes the next site's partial mixes (a split row, whole rows)
-    attempt(f"mhc_post next_fn tokens={t}", lambda: mhc_kernels.mhc_post(
-        torch.zeros(t, 4096).bfloat16(), torch.zeros(t, 4, 4096).bfloat16(), torch.ones(t, 4), torch.ones(t, 4, 4),
-        next_fn=torch.zeros(24, 4 * 4096)))
 attempt("mix_partials tokens=40", lambda: mhc_kernels.mix_partials(torch.zeros(40, 4 * 4096).bfloat16(),
                                                                    torch.zeros(4, 4 * 4096)))
 attempt("greedy_rows", lambda: sampling_kernels.greedy_rows(torch.zeros(2, 129280)))

@@ -35,28 +35,23 @@ class Block(nn.Module):
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _f32(mix, hc_dim), _f32(mix), _f32(3)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _f32(mix, hc_dim), _f32(mix), _f32(3)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor, mixes: torch.Tensor | None = None,
-                next_fn: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, hc, dim] -> [T, hc, dim]. `mixes`: x's partial mixes for this block's attention site
-        (what the previous block returned for next_fn = this block's `hc_attn_fn`). With `next_fn`:
-        (x', its partial mixes for the site with that fn, or None: `hc_post`)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hc, dim] -> [T, hc, dim]."""
         y, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
-                               self.hc_eps, self.norm_eps, partials=mixes)
-        x, mixes = hc_post(self.attn(self.attn_norm(y), batch), x, post, comb, next_fn=self.hc_ffn_fn)
+                               self.hc_eps, self.norm_eps)
+        x = hc_post(self.attn(self.attn_norm(y), batch), x, post, comb)
         y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
-                               self.hc_eps, self.norm_eps, partials=mixes)
-        return hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb, next_fn=next_fn)
+                               self.hc_eps, self.norm_eps)
+        return hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb)
 
     def forward_single_pass(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor,
-                            share: CrossLayerShare, mixes: torch.Tensor | None = None,
-                            next_fn: torch.Tensor | None = None) -> tuple:
+                            share: CrossLayerShare) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1: (x [T, hc, dim], the previous sub-block's pre mix [T, hc]) -> (x', the FFN's pre mix
-        for the next block), and with `next_fn` x''s partial mixes for that site third (as `forward`).
-        Each sub-block's own mixes give its post/comb and the next one's pre."""
+        for the next block). Each sub-block's own mixes give its post/comb and the next one's pre."""
         y, attn_pre, post, comb = hc_mixes_collapse(x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-                                                    self.hc_iters, self.hc_eps, self.norm_eps, partials=mixes)
-        x, mixes = hc_post(self.attn(self.attn_norm(y), batch, share), x, post, comb, next_fn=self.hc_ffn_fn)
+                                                    self.hc_iters, self.hc_eps, self.norm_eps)
+        x = hc_post(self.attn(self.attn_norm(y), batch, share), x, post, comb)
         y, ffn_pre, post, comb = hc_mixes_collapse(x, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-                                                   self.hc_iters, self.hc_eps, self.norm_eps, partials=mixes)
-        out = hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb, next_fn=next_fn)
-        return (out, ffn_pre) if next_fn is None else (out[0], ffn_pre, out[1])
+                                                   self.hc_iters, self.hc_eps, self.norm_eps)
+        x = hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb)
+        return x, ffn_pre

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.mhc import (fn_in_kernels, mhc_head, mhc_mixes_collapse, mhc_post, mhc_post_mixes, mhc_pre,
-                              mhc_pre_fn, raw_mixes)
+from hybridkv.ops.mhc import fn_in_kernels, mhc_head, mhc_mixes_collapse, mhc_post, mhc_pre, mhc_pre_fn, raw_mixes
 from hybridkv.ops.sinkhorn import hc_split_sinkhorn
 
 
@@ -34,14 +33,12 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 
 def hc_mixes_collapse(x: torch.Tensor, prev_pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-                      base: torch.Tensor, iters: int, eps: float, norm_eps: float,
-                      partials: torch.Tensor | None = None
+                      base: torch.Tensor, iters: int, eps: float, norm_eps: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A V4.1 site: (hc_collapse(x, prev_pre), *hc_mixes(x, ...)); on the kernels' path two launches
-    (the mixes, then the Sinkhorn and the collapse in one; one given `hc_post`'s partials), elsewhere
-    the two functions."""
+    (the mixes, then the Sinkhorn and the collapse in one), elsewhere the two functions."""
     if fn_in_kernels(x, fn):
-        return mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps, partials=partials)
+        return mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps)
     return (hc_collapse(x, prev_pre), *hc_mixes(x, fn, scale, base, iters, eps, norm_eps))
 
 
@@ -58,23 +55,16 @@ def identity_pre(x: torch.Tensor) -> torch.Tensor:
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, hc, dim] -> (sub-block input [T, dim], post [T, hc], comb [T, hc, hc]); `partials`:
-    the mixes `hc_post` computed with next_fn = fn (then no pass of its own over x)."""
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hc, dim] -> (sub-block input [T, dim], post [T, hc], comb [T, hc, hc])."""
     if fn_in_kernels(x, fn):
-        return mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps, partials=partials)
+        return mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps)
     return mhc_pre(x, F.linear(x.flatten(1).float(), fn), scale, base, iters, eps, norm_eps)
 
 
-def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            next_fn: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-    """x'_k = post_k · f + Σ_j comb[j, k] · x_j. With `next_fn` (the fn of the site that reads x'
-    next): (x', its partial mixes for `hc_pre` / `hc_mixes_collapse`, or None where the kernels do
-    not make them: off the kernels' path, prefill sizes)."""
-    if next_fn is None:
-        return mhc_post(f, residual, post, comb)
-    both = mhc_post_mixes(f, residual, post, comb, next_fn)
-    return both if both is not None else (mhc_post(f, residual, post, comb), None)
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """x'_k = post_k · f + Σ_j comb[j, k] · x_j."""
+    return mhc_post(f, residual, post, comb)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,

@@ -117,12 +117,8 @@ class Transformer(nn.Module):
         share = CrossLayerShare()
         plan = ced.plan(self.config, batch) if self.single_pass and after_layer is None else None
         self.last_ced = plan
-        mixes = None       # the next block's partial mixes of h, where the last block's post made them
         for i, layer in enumerate(self.layers):
-            # (not where a hook may replace the stream the next block reads)
-            next_fn = self.layers[i + 1].hc_attn_fn if after_layer is None and i + 1 < len(self.layers) else None
             if plan is not None and i == plan.source:
-                mixes = None
                 # CED: the source's compressor over every row, the decoder over the plan's rows only
                 x = layer.attn_norm(hc_collapse(h, pre))
                 plan.comp = layer.attn.compress_rows(x, batch.positions)
@@ -131,11 +127,9 @@ class Transformer(nn.Module):
                 batch = plan.batch
                 batch.ced = plan
             if self.single_pass:
-                out = layer.forward_single_pass(h, pre, batch, input_ids, share, mixes=mixes, next_fn=next_fn)
-                h, pre, mixes = out if next_fn is not None else (*out, None)
+                h, pre = layer.forward_single_pass(h, pre, batch, input_ids, share)
             else:
-                out = layer(h, batch, input_ids, mixes=mixes, next_fn=next_fn)
-                h, mixes = out if next_fn is not None else (out, None)
+                h = layer(h, batch, input_ids)
             out, out_pre = h, pre
             if after_layer is not None:
                 replaced = after_layer(i, h, pre)

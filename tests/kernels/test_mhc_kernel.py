@@ -185,30 +185,3 @@ def test_v41_site_collapses_with_the_previous_mix(device, t, dim, dtype):
     assert rel_rms(y_ref, y.cpu().float()) <= (1e-6 if dtype == torch.float32 else 4e-3)   # y rounded to bf16
     for want, got in ((pre_ref, pre), (post_ref, post), (comb_ref, comb)):
         assert rel_rms(want, got.cpu()) <= 1e-4
-
-
-@pytest.mark.parametrize("t,dim,dtype", [(1, 512, torch.bfloat16), (3, 512, torch.float32), (70, 512, torch.bfloat16),
-                                         (2, 1000, torch.bfloat16)])
-def test_post_makes_the_next_sites_mixes(device, t, dim, dtype):
-    """`mhc_post` with next_fn: the stream it writes, and `mix_partials` of that stream for the next
-    site, bit for bit, in one launch where the column steps are the mix chunks (a split row at one
-    token, whole rows at three), else (a width that is no multiple of the chunk) from a second
-    launch; at prefill sizes `mhc_post_mixes` leaves the mixes to the next site."""
-    from hybridkv.ops.mhc import mhc_post_mixes
-    from hybridkv.ops.mhc import triton as kernels
-    hc = 4
-    x, fn, scale, base, f = [a.to(device) for a in _inputs(t, hc, dim, seed=8)]
-    x, f = x.to(dtype), f.to(dtype)
-    post = torch.rand(t, hc, device=device) + 0.5
-    comb = torch.softmax(torch.randn(t, hc, hc, device=device), -1)
-    assert kernels.post_mixes_fused(t, dim) == (dim % kernels.MIX_CHUNK == 0 and t <= kernels.MAX_PARTIAL_TOKENS)
-    if t > kernels.MAX_PARTIAL_TOKENS:
-        assert mhc_post_mixes(f, x, post, comb, fn) is None
-        return
-    out, part = kernels.mhc_post(f, x, post, comb, next_fn=fn)
-    assert torch.equal(out, kernels.mhc_post(f, x, post, comb))
-    m = fn.shape[0] + 1                    # the mixes and the sum of squares (the rest is padding)
-    assert torch.equal(part[..., :m], kernels.mix_partials(out.flatten(1), fn)[..., :m])
-    y = kernels.mhc_pre_fn(out, fn, scale, base, 20, 1e-6, 1e-6, partials=part)
-    for a, b in zip(y, kernels.mhc_pre_fn(out, fn, scale, base, 20, 1e-6, 1e-6)):
-        assert torch.equal(a, b)

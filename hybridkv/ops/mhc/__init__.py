@@ -33,17 +33,6 @@ def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
     return reference.mhc_post(f, residual, post, comb)
 
 
-def mhc_post_mixes(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                   next_fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`mhc_post` and the next site's partial mixes (what `mhc_pre_fn` and `mhc_mixes_collapse` take
-    as `partials` with fn = next_fn), for decode sizes where `fn_in_kernels(residual, next_fn)`:
-    in one launch where the columns allow (`triton.post_mixes_fused`), else two. None elsewhere."""
-    from hybridkv.ops.mhc import triton as kernels
-    if not (fn_in_kernels(residual, next_fn) and residual.shape[0] <= kernels.MAX_PARTIAL_TOKENS):
-        return None
-    return kernels.mhc_post(f, residual, post, comb, next_fn=next_fn)
-
-
 def fn_in_kernels(x: torch.Tensor, fn: torch.Tensor) -> bool:
     """Whether the mixes of x [T, hc, dim] with fn come from the kernels (`mhc_pre_fn`, `raw_mixes`;
     per-chunk partial sums, on the tensor cores beyond decode sizes): the Triton path, a float32 fn,
@@ -53,24 +42,21 @@ def fn_in_kernels(x: torch.Tensor, fn: torch.Tensor) -> bool:
 
 
 def mhc_pre_fn(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
-               norm_eps: float, partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`mhc_pre` with the raw mixes computed from fn [(2+hc)·hc, hc·dim] in the kernels (where
-    `fn_in_kernels`): two launches that read the stream row twice, or one given the `partials` of
-    `mhc_post_mixes`."""
+    `fn_in_kernels`): two launches that read the stream row twice."""
     from hybridkv.ops.mhc import triton as kernels
-    return kernels.mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps, partials=partials)
+    return kernels.mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps)
 
 
 def mhc_mixes_collapse(x: torch.Tensor, prev_pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-                       base: torch.Tensor, iters: int, eps: float, norm_eps: float,
-                       partials: torch.Tensor | None = None
+                       base: torch.Tensor, iters: int, eps: float, norm_eps: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """V4.1's single-pass mHC site in the kernels (where `fn_in_kernels`): x [T, hc, dim] collapsed
     with the previous sub-block's pre mix [T, hc], and this site's pre, post and comb from x's own
-    mixes: (y [T, dim], pre [T, hc], post [T, hc], comb [T, hc, hc]). Two launches, or one given
-    the `partials` of `mhc_post_mixes`."""
+    mixes: (y [T, dim], pre [T, hc], post [T, hc], comb [T, hc, hc]). Two launches."""
     from hybridkv.ops.mhc import triton as kernels
-    return kernels.mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps, partials=partials)
+    return kernels.mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps)
 
 
 def mhc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,

@@ -9,8 +9,7 @@ once, instead of a GEMM of a float32 copy and a pass per program over the row
 (`mix_partials_kernel` at decode sizes, `mixes_kernel` on the tensor cores for prefill).
 V4.1's single-pass mHC (`GIVEN_PRE`) collapses the stream with the pre mix the previous sub-block
 computed instead of its own, and stores its own for the next one (`mhc_mixes_collapse`).
-`post_kernel`: x'_k = post_k · f + Σ_j comb[j, k] x_j over its columns, and at decode sizes the
-next site's `mix_partials` of x' as it lands (`post_mixes_fused`): the next site is one launch. With few tokens (decode)
+`post_kernel`: x'_k = post_k · f + Σ_j comb[j, k] x_j over its columns. With few tokens (decode)
 the row's columns are split over programs so that the step's mHC is not a handful of SMs streaming
 a whole row each; every chunk's program repeats the (small, L2-resident) Sinkhorn, identically.
 """
@@ -154,12 +153,7 @@ def mixes_kernel(X, sx_t, FN, PART, T, K, KS, NCH, M, BT: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def post_kernel(F, R, POST, COMB, OUT, FN, PART, DIM, CHUNK, NCH, M, HC: tl.constexpr, BLOCK: tl.constexpr,
-                MIXES: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
-    """OUT [T, HC, DIM] over this program's columns. MIXES (BLOCK = MIX_CHUNK, DIM a multiple of
-    it): also the next site's `mix_partials` of OUT as stored, PART [T, NCH, MP] (chunk j·DIM/BLOCK +
-    c0/BLOCK holds copy j's columns c0.. c0 + BLOCK: `mix_partials_kernel`'s chunks, summed as it sums
-    them), so that the next site needs no pass of its own over the stream."""
+def post_kernel(F, R, POST, COMB, OUT, DIM, CHUNK, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * CHUNK
@@ -177,17 +171,6 @@ def post_kernel(F, R, POST, COMB, OUT, FN, PART, DIM, CHUNK, NCH, M, HC: tl.cons
             wj = tl.sum(tl.where(j[:, None] == jj, cm, 0.0), 0)                 # comb[jj, :]
             acc += wj[:, None] * xj[None, :]
         tl.store(OUT + t * HC * DIM + j[:, None] * DIM + c[None, :], acc.to(OUT.dtype.element_ty), mask=cmask)
-        if MIXES:
-            o = acc.to(OUT.dtype.element_ty).to(tl.float32)          # the stream as the next site reads it
-            m = tl.arange(0, MP)
-            for jj in tl.static_range(HC):
-                v = tl.sum(tl.where(j[:, None] == jj, o, 0.0), 0)    # copy jj's columns
-                w = tl.load(FN + m[:, None] * (HC * DIM) + jj * DIM + c[None, :],
-                            mask=(m < M)[:, None] & (c < last)[None, :], other=0.0)
-                part = tl.sum(w * v[None, :], 1)
-                part = tl.where(m == M, tl.sum(v * v, 0), part)
-                ch = jj * (DIM // BLOCK) + c0 // BLOCK
-                tl.store(PART + (t * NCH + ch) * MP + m, part, mask=m <= M)
 
 
 NUM_SMS_GUESS = 132     # H200; only sizes the column split
@@ -274,20 +257,19 @@ def mhc_pre(x, mixes_raw, scale, base, iters, eps, norm_eps):
     return _pre(x, mixes_raw, False, scale, base, iters, eps, norm_eps)
 
 
-def mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps, partials=None):
+def mhc_pre_fn(x, fn, scale, base, iters, eps, norm_eps):
     """`reference.mhc_pre` with the raw mixes flat(x) · fnᵀ computed here, in two launches:
     `mix_partials` (the mixes and the sum of squares in one pass over the stream), then `pre_kernel`
-    adding its partial sums; one where `partials` (`mhc_post`'s with next_fn = fn) are given."""
-    part = partials if partials is not None else mix_partials(x.flatten(1), fn)
-    return _pre(x, part, True, scale, base, iters, eps, norm_eps)
+    adding its partial sums."""
+    return _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps)
 
 
-def mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps, partials=None):
+def mhc_mixes_collapse(x, prev_pre, fn, scale, base, iters, eps, norm_eps):
     """V4.1's single-pass site: (Σ_j prev_pre_j x_j [T, dim], and this site's pre [T, hc], post,
-    comb from flat(x) · fnᵀ), in the two launches of `mhc_pre_fn` (one with `partials`)."""
+    comb from flat(x) · fnᵀ), in the two launches of `mhc_pre_fn`."""
     pre = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    part = partials if partials is not None else mix_partials(x.flatten(1), fn)
-    y, post, comb = _pre(x, part, True, scale, base, iters, eps, norm_eps, given=(prev_pre.float().contiguous(), pre))
+    y, post, comb = _pre(x, mix_partials(x.flatten(1), fn), True, scale, base, iters, eps, norm_eps,
+                         given=(prev_pre.float().contiguous(), pre))
     return y, pre, post, comb
 
 
@@ -315,31 +297,12 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None, head
     return y, post, comb
 
 
-def mhc_post(f, residual, post, comb, next_fn=None):
-    """`reference.mhc_post`; with `next_fn` [M, hc·dim] (float32) also `mix_partials(out.flatten(1),
-    next_fn)` for the next site, computed by the same launch where `post_mixes_fused` says so
-    (else by a second one): (out, partials)."""
+def mhc_post(f, residual, post, comb):
     t, hc, dim = residual.shape
     out = torch.empty(t, hc, dim, dtype=f.dtype, device=f.device)
-    fused = next_fn is not None and post_mixes_fused(t, dim)
-    part = None
-    if fused:
-        m, mp, nch = next_fn.shape[0], triton.next_power_of_2(next_fn.shape[0] + 1), hc * dim // MIX_CHUNK
-        part = torch.empty(t, nch, mp, dtype=torch.float32, device=f.device)
-        fn = next_fn.float().contiguous()
     if t:
         block, chunk, chunks = column_split(t, dim)
         post_kernel[(t, chunks)](f.contiguous(), residual.contiguous(), post.float().contiguous(),
-                                 comb.float().contiguous(), out, fn if fused else out, part if fused else out, dim,
-                                 chunk, nch if fused else 1, m if fused else 0, HC=hc, BLOCK=block, MIXES=fused,
-                                 MP=mp if fused else 1, num_warps=4, **triton_args(f))
-    if next_fn is None:
-        return out
-    return out, part if fused else mix_partials(out.flatten(1), next_fn)
-
-
-def post_mixes_fused(t: int, dim: int) -> bool:
-    """Whether `mhc_post` computes the next site's partial mixes in its own launch for t tokens of
-    dim columns: decode sizes (the partials `mix_partials_kernel` would make), where a program's
-    column steps are that kernel's chunks."""
-    return 0 < t <= MAX_PARTIAL_TOKENS and dim % MIX_CHUNK == 0 and column_split(t, dim)[0] == MIX_CHUNK
+                                 comb.float().contiguous(), out, dim, chunk, HC=hc, BLOCK=block, num_warps=4,
+                                 **triton_args(f))
+    return out
