@@ -68,6 +68,9 @@ for shape in ((3, 64, 512), (3, 512), (3, 64, 128)):
     for inverse in (False, True):
         attempt(f"rope {shape} inverse={inverse}",
                 lambda: rope_kernels.apply_rope(torch.zeros(*shape).bfloat16(), freqs, inverse))
+for shape, weighted in (((3, 64, 512), False), ((3, 512), True)):     # a V4 decode's query heads, its KV row
+    attempt(f"rms_norm_rope {shape}", lambda: norm_kernels.rms_norm_rope(
+        torch.zeros(*shape).bfloat16(), torch.zeros(shape[-1]) if weighted else None, 1e-6, freqs))
 
 from hybridkv.ops.compress import triton as compress_kernels  # noqa: E402
 from hybridkv.ops.hadamard import triton as hadamard_kernels  # noqa: E402
