@@ -129,10 +129,9 @@ class Attention(nn.Module):
         q_a, kv_a = paired_forward(self.wq_a, self.wkv, x)
         qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        if not self.v41:  # V4 RMS-normalises each query head (without a weight), over the projection's
-            q = rms_norm_rope(q, None, self.eps, freqs, in_place=True)    # own output (a fresh tensor)
-        else:
-            q = apply_rope_(q, freqs)              # (a fresh tensor: rotated where it lies)
+        # q is the projection's fresh output: normalised (V4: each query head, without a weight) and
+        # rotated where it lies
+        q = rms_norm_rope(q, None, self.eps, freqs, in_place=True) if not self.v41 else apply_rope_(q, freqs)
         kv = rms_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, freqs)
         if not self._window_rows_fused(batch):    # (the fused window stores round-trip the rows themselves)
             kv = (fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2) if self.v41 else

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
+from hybridkv.ops.rope.triton import launch_views
 
 MAX_ROW = 16384
 
@@ -92,20 +93,12 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, freq
     if d > MAX_ROW or rd > d or freqs.dim() != 2 or freqs.shape[0] not in (1, t):
         raise ValueError(f"rms_norm_rope kernel: rows of {d} values (at most {MAX_ROW}), {rd} rotated, "
                          f"{freqs.shape[0]} rotations for {t} tokens")
-    if in_place and not x.is_contiguous():
-        raise ValueError("rms_norm_rope in place needs a contiguous x")
-    x3 = x.reshape(t, -1, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
+    x3, y, f, f_stride = launch_views(x, freqs, in_place, "rms_norm_rope")
     m = x3.shape[1]
-    y = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    f = torch.view_as_real(freqs)
-    if f.stride(-1) != 1 or f.stride(-2) != 2:
-        f = f.contiguous()
     if t * m:
         block = triton.next_power_of_2(d)
         rms_norm_rope_kernel[(t * m,)](x3, weight if weight is not None else x3, f, y, m, d, rd, x3.stride(0),
-                                       x3.stride(1), f.stride(0) if freqs.shape[0] > 1 else 0, float(eps), HAS_W=weight is not None, BLOCK=block,
+                                       x3.stride(1), f_stride, float(eps), HAS_W=weight is not None, BLOCK=block,
                                        BLOCK_R=triton.next_power_of_2(max(rd // 2, 1)),
                                        num_warps=4 if block <= 2048 else 8, **triton_args(x3))
     return y

@@ -44,24 +44,32 @@ def rope_kernel(X, F, Y, M, D, RD, stride_xt, stride_xm, f_stride, INVERSE: tl.c
     tl.store(dst + base + 2 * j + 1, (x0 * sin + x1 * cos).to(Y.dtype.element_ty), mask=ok)
 
 
+def launch_views(x: torch.Tensor, freqs: torch.Tensor, in_place: bool, name: str):
+    """What a kernel rotating rows of x [T, ..., D] by freqs complex [T (or 1), rd/2] reads and writes:
+    (x as [T, M, D] with contiguous rows, the output (x itself `in_place`, which needs x contiguous),
+    the rotations as float32 (cos, sin) pairs, their row stride: 0 where one serves every token)."""
+    if in_place and not x.is_contiguous():
+        raise ValueError(f"{name} in place needs a contiguous x")
+    x3 = x.reshape(x.shape[0], -1, x.shape[-1])
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    y = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    f = torch.view_as_real(freqs.reshape(freqs.shape[0], -1))
+    if f.stride(-1) != 1 or f.stride(-2) != 2:
+        f = f.contiguous()
+    return x3, y, f, f.stride(0) if freqs.shape[0] > 1 else 0
+
+
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, in_place: bool = False) -> torch.Tensor:
     """`reference.apply_rope` in one launch: x [T, ..., D], freqs complex [T (or 1), rd/2]. `in_place`
     (x contiguous): rotate x's last rd values where they are and return x, reading and writing
     only those (a query's 64 rotated values of 512: an eighth of the bytes)."""
     rd = freqs.shape[-1] * 2
     t, d = x.shape[0], x.shape[-1]
-    if in_place and not x.is_contiguous():
-        raise ValueError("apply_rope in place needs a contiguous x")
-    x3 = x.reshape(t, -1, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
+    x3, y, f, f_stride = launch_views(x, freqs, in_place, "apply_rope")
     m = x3.shape[1]
-    y = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    f = torch.view_as_real(freqs.reshape(freqs.shape[0], -1))
-    if f.stride(-1) != 1 or f.stride(-2) != 2:
-        f = f.contiguous()
     if t * m:
-        rope_kernel[(t * m,)](x3, f, y, m, d, rd, x3.stride(0), x3.stride(1), f.stride(0) if freqs.shape[0] > 1 else 0,
+        rope_kernel[(t * m,)](x3, f, y, m, d, rd, x3.stride(0), x3.stride(1), f_stride,
                               INVERSE=inverse, BLOCK=triton.next_power_of_2(max(d - rd, 1)),
                               BLOCK_R=triton.next_power_of_2(max(rd // 2, 1)), IN_PLACE=in_place,
                               num_warps=1 if d <= 256 else 2, **triton_args(x3))
