@@ -20,12 +20,12 @@ def test_shipped_v41_model_is_a_v41_model_within_the_size_limit():
 
 
 def test_shipped_v41_model_answers_needles_in_its_packed_layout(tmp_path):
-    """Four pass keys and eight single needles at 4K, held-out prompts (seed 1000), the packed
-    layout, on the CPU: at least 11 of the 12 answered (its card: 95-100 % at 4K-16K on the H200)."""
+    """Three pass keys and six single needles at 4K, held-out prompts (seed 1000), the packed
+    layout, on the CPU: at least 8 of the 9 answered (its card: 95-100 % at 4K-16K on the H200)."""
     subprocess.run([sys.executable, "-m", "hybridkv.cli", "eval", str(MODEL), "--tasks",
-                    "passkey,niah_single_1,niah_single_2", "--lengths", "4096", "--samples", "4", "--seed", "1000",
+                    "passkey,niah_single_1,niah_single_2", "--lengths", "4096", "--samples", "3", "--seed", "1000",
                     "--kv-format", "v41", "--out", str(tmp_path)],
                    check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
     results = [(r["task"], r["depth"], r["score"], r["output"]) for r in run["results"]]
-    assert len(results) == 12 and sum(score for _, _, score, _ in results) >= 11, results
+    assert len(results) == 9 and sum(score for _, _, score, _ in results) >= 8, results
