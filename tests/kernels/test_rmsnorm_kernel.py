@@ -78,3 +78,18 @@ def test_norm_and_rope_off_the_kernels_is_the_reference_pair(monkeypatch):
     got = rms_norm_rope(x, w, 1e-6, freqs)
     assert torch.equal(got, rope_reference.apply_rope(reference.rms_norm(x, w, 1e-6), freqs))
     assert got.requires_grad
+
+
+def test_norm_and_rope_asked_in_place_on_strided_rows_stays_in_the_kernel(device, monkeypatch):
+    """`rms_norm_rope(..., in_place=True)` on strided rows: the kernel's values in a new tensor, x
+    untouched (not the reference pair)."""
+    from hybridkv.ops.rmsnorm import rms_norm_rope
+    from hybridkv.ops.rope import reference as rope_reference
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton" if device == "cpu" else "auto")
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(3, 1024, generator=g).to(device)
+    x, before = wide[:, :512], wide.clone()
+    freqs = rope_reference.rope_freqs(torch.arange(3), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)).to(device)
+    got = rms_norm_rope(x, None, 1e-6, freqs, in_place=True)
+    assert got.data_ptr() != x.data_ptr() and torch.equal(wide, before)
+    assert torch.equal(got, kernels.rms_norm_rope(x, None, 1e-6, freqs))

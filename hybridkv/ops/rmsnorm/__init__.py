@@ -29,11 +29,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, freqs: torch.Tensor,
                   in_place: bool = False) -> torch.Tensor:
     """`apply_rope(rms_norm(x, weight, eps), freqs)` (freqs complex [T or 1, rd/2]), bit for bit, in
-    one launch on the Triton path. `in_place`: written over x where it can (the Triton path, x
-    contiguous), for a tensor the caller no longer needs unnormalised (a V4 prefill chunk's query
-    heads: one [T, H, D] tensor instead of two); elsewhere a new tensor."""
-    if _kernel_ok(x, weight) and freqs.dim() == 2 and freqs.shape[0] in (1, x.shape[0]) and not (
-            in_place and not x.is_contiguous()):
+    one launch on the Triton path (strided rows too). `in_place`: written over x where it can (the
+    Triton path, x contiguous), for a tensor the caller no longer needs unnormalised (a V4 prefill
+    chunk's query heads: one [T, H, D] tensor instead of two); elsewhere a new tensor."""
+    if _kernel_ok(x, weight) and freqs.dim() == 2 and freqs.shape[0] in (1, x.shape[0]):
         from hybridkv.ops.rmsnorm import triton as kernels
-        return kernels.rms_norm_rope(x, weight, eps, freqs, in_place=in_place)
+        return kernels.rms_norm_rope(x, weight, eps, freqs, in_place=in_place and x.is_contiguous())
     return apply_rope(rms_norm(x, weight, eps), freqs)
