@@ -303,4 +303,20 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         model = Transformer(config, dtype=dtype, parallel=parallel or SINGLE)
     # a half-precision model is for inference: the release's bf16 float weights stay bf16
     model.bytes_loaded = load_state(model, model_dir, narrow_float=dtype in (torch.bfloat16, torch.float16))
+    model.compacted_fp8 = compact_exact_fp8_weights(model)
     return model.eval(), config
+
+
+def compact_exact_fp8_weights(model) -> int:
+    """On CUDA, each attention's `wo_a` whose bf16 values are FP8 (the release's, widened by its
+    conversion) goes back to e4m3 with its block scales (`Linear.compact_exact_fp8`): half the bytes
+    in memory and in every step, the same numbers. Off with `HYBRIDKV_DENSE_WEIGHTS=1` or
+    `HYBRIDKV_FP8_EXACT=0` (a benchmark baseline). Returns how many were."""
+    import os
+
+    from hybridkv.model.attention import Attention
+    from hybridkv.ops.backend import dense_weights
+    if dense_weights() or os.environ.get("HYBRIDKV_FP8_EXACT", "1") == "0":
+        return 0
+    return sum(m.wo_a.compact_exact_fp8() for m in model.modules()
+               if isinstance(m, Attention) and m.wo_a.weight.is_cuda)

@@ -106,6 +106,11 @@ def test_random_checkpoint_gives_finite_logits_at_v4_flash_width(tmp_path):
         logits = model.logits(model(ids, ForwardBatch.build([(ContiguousKV(cfg), 0, len(ids))])))
     assert bool(torch.isfinite(logits).all())
     assert 0 < logits.std().item() < 100
+    # wo_a as the release's conversion writes it: FP8 values widened to bf16, which pack back exactly
+    from hybridkv.model.attention import Attention
+    from hybridkv.ops.qgemm.fp8_exact import exact_fp8
+    wo_a = [m.wo_a.weight for m in model.modules() if isinstance(m, Attention)]
+    assert wo_a and all(exact_fp8(w) is not None for w in wo_a)
 
 
 def test_release_bf16_weights_stay_bf16_in_a_half_precision_model(tmp_path):

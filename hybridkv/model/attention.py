@@ -39,7 +39,7 @@ from hybridkv.distributed.sharding import attention_shard, record, record_linear
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
-from hybridkv.model.linear import Linear, pair_storage, paired_forward, stack_storage, stacked_forward
+from hybridkv.model.linear import Linear, grouped_output, pair_storage, paired_forward, stack_storage, stacked_forward
 from hybridkv.model.norm import RMSNorm
 from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
@@ -197,9 +197,7 @@ class Attention(nn.Module):
             r = wave.index()
             o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}, fused).to(o.dtype)
         o = (apply_rope_ if own else apply_rope)(o.to(x.dtype), freqs, inverse=True)
-        o = o.reshape(x.shape[0], self.groups, -1)
-        wo_a = self.wo_a.dense_weight().view(self.groups, self.o_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype))
+        o = grouped_output(o.reshape(x.shape[0], self.groups, -1), self.wo_a, self.groups)
         if self.parallel.single or self.parallel.ordered:
             return self.wo_b(o.flatten(1))
         if self.shard.by_group:    # wo_b split by its input: the ranks' outputs add up

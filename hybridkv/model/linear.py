@@ -5,6 +5,9 @@
            quantised to e4m3 per `block_in` values with power-of-two scales before the GEMM.
 - "fp4":   E2M1 pairs packed in int8 [out, in/2] (low nibble = even element) + e8m0 scale per 32
            inputs; the input is FP8-quantised per `act_block` values as for fp8.
+- "fp8_exact": a "float" weight that holds FP8 values (the release's `wo_a`, which its conversion
+           widened to bf16), stored back as e4m3 + e8m0 per 128×128 by `compact_exact_fp8` on CUDA;
+           the input is not quantised: the numbers are the float weight's (`ops.qgemm.fp8_exact`).
 On CUDA, FP8 weights with square blocks of 32, 64 or 128 run through GEMMs that read the e4m3 weight
 itself (`hybridkv.ops.qgemm`) and FP4 experts through the MoE's grouped kernels: no dense copy is
 made. Elsewhere (the CPU, other block sizes, `HYBRIDKV_DENSE_WEIGHTS=1`) the weight is dequantised
@@ -73,10 +76,28 @@ class Linear(nn.Module):
     def act_block(self) -> int:
         return self.block[1]
 
+    def compact_exact_fp8(self) -> bool:
+        """A "float" weight whose values are all FP8 with power-of-two 128×128 block scales is stored
+        as such ("fp8_exact": half of bf16's bytes, the same numbers); returns whether it was."""
+        from hybridkv.ops.qgemm.fp8_exact import BLOCK, exact_fp8
+        if self.fmt != "float" or self.compute_dtype not in (torch.bfloat16, torch.float16):
+            return False
+        with torch.no_grad():
+            packed = exact_fp8(self.weight)
+        if packed is None:
+            return False
+        self.weight = nn.Parameter(packed[0], requires_grad=False)
+        self.scale = nn.Parameter(packed[1], requires_grad=False)
+        self.fmt, self.block = "fp8_exact", (BLOCK, BLOCK)
+        return True
+
     def dense_weight(self) -> torch.Tensor:
-        """The weight as a dense [out, in] tensor of the compute dtype (cached for quantised formats)."""
+        """The weight as a dense [out, in] tensor of the compute dtype (cached for quantised formats;
+        made for the call for "fp8_exact", whose point is to hold no dense copy)."""
         if self.fmt == "float":
             return self.weight
+        if self.fmt == "fp8_exact":
+            return dequant_fp8_weight(self.weight, self.scale, self.block, self.compute_dtype)
         key = (self.weight.data_ptr(), self.weight._version, self.scale._version, self.weight.device)
         if self._dense is None or self._dense[0] != key:
             if self.fmt == "fp8":
@@ -91,6 +112,8 @@ class Linear(nn.Module):
         the weight's dtype."""
         if self.fmt == "float":
             return x if x.dtype == self.weight.dtype else x.to(self.weight.dtype)
+        if self.fmt == "fp8_exact":
+            return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
         x = act_quant_sim(x, self.act_block)
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
 
@@ -100,6 +123,8 @@ class Linear(nn.Module):
         linears once (the MoE's experts)."""
         if self.fmt == "float":
             return self.weight.dtype == self.compute_dtype
+        if self.fmt == "fp8_exact":
+            return True
         return not (self.fmt == "fp8" and fp8_kernel_ok(x, self.weight, self.block))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +137,17 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
+
+
+def grouped_output(x: torch.Tensor, linear: Linear, groups: int) -> torch.Tensor:
+    """x [T, G, in] through the grouped projection `linear` (weight [G·R, in], rows g·R.. for group g,
+    as V4's `wo_a`) -> [T, G, R] in x's dtype: the reference's einsum over the dense weight, or for an
+    "fp8_exact" weight `fp8_exact.grouped_rows`, which reads the e4m3 weight itself."""
+    if linear.fmt == "fp8_exact":
+        from hybridkv.ops.qgemm.fp8_exact import grouped_rows
+        return grouped_rows(x, linear.weight, linear.scale)
+    w = linear.dense_weight().view(groups, -1, x.shape[-1])
+    return torch.einsum("tgd,grd->tgr", x, w.to(x.dtype))
 
 
 def pair_storage(first: Linear, second: Linear) -> bool:

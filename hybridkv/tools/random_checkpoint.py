@@ -37,7 +37,7 @@ from hybridkv.config import ModelConfig
 from hybridkv.model import Transformer
 from hybridkv.model.transformer import weight_formats
 from hybridkv.model.linear import FP4_WEIGHT_BLOCK, Linear
-from hybridkv.ops.quant import E2M1_VALUES, quant_fp8_weight
+from hybridkv.ops.quant import E2M1_VALUES, dequant_fp8_weight, quant_fp8_weight
 from hybridkv.presets import PRESETS
 from hybridkv.train.init import init_weights
 from hybridkv.weights import INDEX_FILE, _ST_NAMES, commit_checkpoint
@@ -179,6 +179,9 @@ Producer = Callable[[], torch.Tensor]
 # float32 model parameters the release stores in bf16: the head, the compressors' projections, the
 # RMSNorm weights (the hc_* mixes, attention sinks and compressor position biases stay float32)
 RELEASE_BF16 = re.compile(r"(^head\.weight|compressor\.(wkv|wgate)\.weight|norm\.weight)$")
+# bf16 weights the release ships in FP8 and its conversion dequantises (the reference's convert.py):
+# their values are FP8 values times power-of-two 128×128 block scales
+RELEASE_FP8_WIDENED = re.compile(r"attn\.wo_a\.weight$")
 
 
 def _part_tensors(config: ModelConfig, float_part: _Part, release_part: _Part,
@@ -209,6 +212,9 @@ def _part_tensors(config: ModelConfig, float_part: _Part, release_part: _Part,
                 (lambda s=shape, sd=std: _fp4_scale(s, sd))
         elif isinstance(mod, Linear) and mod.fmt == "fp8":
             make = (lambda o=owner, b=mod.block, i=int(leaf == "scale"): fp8(o, b)[i])
+        elif RELEASE_FP8_WIDENED.search(name) and dtype == torch.bfloat16:
+            make = (lambda t=float_state[name]: dequant_fp8_weight(*quant_fp8_weight(t, (128, 128)), (128, 128),
+                                                                   torch.bfloat16))
         else:
             make = (lambda t=float_state[name], d=dtype: t.to(d))
         yield name, dtype, shape, make

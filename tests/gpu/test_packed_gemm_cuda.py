@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from hybridkv.engine import LLM, SamplingParams
+from hybridkv.model import ContiguousKV, ForwardBatch
+from hybridkv.model.attention import Attention
 from hybridkv.model.linear import Linear
 from hybridkv.model.moe import MoE
 from hybridkv.ops import grouped_moe
@@ -234,12 +236,61 @@ def test_no_dense_weight_copy_after_a_request(tmp_path, monkeypatch):
     assert out.error is None and len(out.output_ids) == 8
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.fmt != "float"]
     assert linears and all(m._dense is None for m in linears)
+    # the release's FP8 wo_a, which its conversion widens to bf16 (as the random checkpoint writes it),
+    # is FP8 again on the GPU
+    wo_a = [m.wo_a for m in llm.engine.model.modules() if isinstance(m, Attention)]
+    assert wo_a and all(w.fmt == "fp8_exact" and w.weight.dtype == torch.float8_e4m3fn for w in wo_a)
     packed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     grown = torch.cuda.memory_allocated() - before - loaded
     print(f"packed weights {packed / 2**20:.0f} MiB, loaded {loaded / 2**20:.0f} MiB, "
           f"grown after a request {grown / 2**20:.0f} MiB")
     # a dense bf16 copy of the quantised weights would be 2-4x their packed bytes
     assert grown < 0.5 * packed
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 256, 300])
+def test_grouped_fp8_output_projection_at_v4_flash_shape(rows):
+    """wo_a at V4-Flash's shape (8 groups of 1024 outputs over 4096 inputs) read as e4m3: the dense
+    einsum over the widened weight, to bf16 round-off (300 rows: the widened weight for the call)."""
+    from hybridkv.ops.qgemm import fp8_exact
+    from hybridkv.ops.quant import dequant_fp8_weight
+    q, s = quant_fp8_weight(torch.randn(8192, 4096, device=DEV) * 0.02)
+    w = dequant_fp8_weight(q, s, (128, 128), torch.bfloat16)
+    q2, s2 = fp8_exact.exact_fp8(w)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2.float(), s.float())
+    x = torch.randn(rows, 8, 4096, device=DEV).bfloat16()
+    got = fp8_exact.grouped_rows(x, q2, s2)
+    want = torch.einsum("tgd,grd->tgr", x, w.view(8, 1024, 4096))
+    assert got.dtype == torch.bfloat16 and rel_rms(want, got) < BF16_TOL
+
+
+def test_a_model_with_fp8_exact_wo_a_computes_the_dense_models_logits():
+    """The fp8 fixture with its wo_a put on the FP8 grid (as the release's are): loaded on CUDA each
+    one packs back to e4m3, and prefill and decode logits equal those of the same model with the bf16
+    wo_a to bf16 round-off."""
+    from hybridkv.ops.quant import dequant_fp8_weight
+    from hybridkv.weights import compact_exact_fp8_weights, load_model
+    fixture = Path(__file__).parents[1] / "fixtures" / "v4-tiny-fp8"
+    models = [load_model(fixture, device=DEV, dtype=torch.bfloat16)[0] for _ in range(2)]
+    assert models[0].compacted_fp8 == 0           # the reference's random wo_a is not FP8
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, Attention):
+                with torch.no_grad():
+                    m.wo_a.weight.copy_(dequant_fp8_weight(*quant_fp8_weight(m.wo_a.weight), (128, 128),
+                                                           torch.bfloat16))
+    n = compact_exact_fp8_weights(models[1])
+    assert n == sum(isinstance(m, Attention) for m in models[1].modules()) > 0
+    ids = torch.arange(3, 43, device=DEV)
+    logits = []
+    for model in models:
+        kv = ContiguousKV(model.config)
+        with torch.no_grad():
+            h = model(ids, ForwardBatch.build([(kv, 0, len(ids))]))
+            step = model(ids[:1], ForwardBatch.build([(kv, len(ids), 1)]))
+            logits.append((model.logits(h), model.logits(step)))
+    assert rel_rms(logits[0][0], logits[1][0]) < BF16_TOL
+    assert rel_rms(logits[0][1], logits[1][1]) < BF16_TOL
 
 
 def test_dense_flag_brings_back_the_cached_copies(monkeypatch):
