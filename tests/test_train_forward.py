@@ -43,6 +43,59 @@ def test_sparse_training_forward_matches_inference(tiny):
         assert rel(mtp[i, :-1], ref_mtp[:-1]) < 1e-3  # FP8 rounding flips of tiny differences
 
 
+def test_chained_mtp_pass_is_the_engines_second_draft(tiny):
+    """`mtp_chain`: the training forward's chained row t equals the inference MTP block run at t + 1
+    on its own output of row t and token t + 2, over a window holding its rows of positions 0..t
+    computed from the main model's streams (what the engine's chain reads), at positions inside the
+    first window, across a window boundary and past it."""
+    model, cfg = tiny
+    ids = torch.randint(2, cfg.vocab_size, (1, 300), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = train_forward(model, ids, TrainOptions(dense_indexer=False, qat_indexer=True, mtp_chain=1))
+        assert len(out.mtp_streams) == 2
+        chained = model.mtp_logits(out.mtp_streams[1])
+        seq = ids[0]
+        kv = ContiguousKV(model.config)
+        h = model(seq, ForwardBatch.build([(kv, 0, seq.shape[0])]))
+        nxt = torch.cat([seq[1:], seq[:1] * 0])
+        for t in (5, 127, 128, 200, 296):
+            mkv = ContiguousKV(model.config)
+            first = model.mtp_forward(h[: t + 1], nxt[: t + 1], ForwardBatch.build([(mkv, 0, t + 1)]))
+            second = model.mtp_forward(first[t:], seq[t + 2: t + 3], ForwardBatch.build([(mkv, t + 1, 1)]))
+            ref = model.mtp_logits(second)[0]
+            assert rel(chained[t], ref) < 1e-3, t     # FP8 rounding flips of tiny differences
+            assert chained[t].argmax() == ref.argmax()
+
+
+def test_chained_mtp_pass_trains_only_what_it_reads(tiny):
+    """With only the MTP block trainable (`train.loop.freeze_all_but`) and the trunk run without
+    gradients, the chained pass's loss alone reaches the MTP block's parameters, the attention's
+    among them (through its own row and through the rows of the pass before)."""
+    from hybridkv.train.loop import freeze_all_but
+    from hybridkv.train.losses import LossWeights, compute_losses
+    model, cfg = tiny
+    model = model.train()
+    ids = torch.randint(2, cfg.vocab_size, (2, 200), generator=torch.Generator().manual_seed(4))
+    trainable = freeze_all_but(model, "mtp.")
+    try:
+        out = train_forward(model, ids, TrainOptions(dense_indexer=False, mtp_chain=1, frozen_trunk=True))
+        assert not out.stream.requires_grad
+        _, logs = compute_losses(model, ids, torch.zeros_like(ids, dtype=torch.bool), out, LossWeights())
+        assert {"mtp0", "mtp1"} <= set(logs) and logs["mtp1"] > 0
+        chained = torch.nn.functional.cross_entropy(model.mtp_logits(out.mtp_streams[1]).view(2, 200, -1)[:, :-3]
+                                                    .flatten(0, 1), ids[:, 3:].flatten())
+        chained.backward()
+        grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert all(n.startswith("mtp.") for n in grads), sorted(grads)[:5]
+        assert {"mtp.0.attn.wkv.weight", "mtp.0.e_proj.weight", "mtp.0.h_proj.weight"} <= grads
+        assert trainable == {n for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        model.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.eval()
+
+
 def test_gradients_reach_every_trained_parameter(tiny):
     """LM + MTP + indexer KL: every float parameter gets a finite gradient; the indexer gets its
     gradient from the KL only (its inputs are detached)."""

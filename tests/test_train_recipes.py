@@ -44,7 +44,12 @@ def test_the_shipped_lineage_is_the_one_its_card_and_log_record():
     # continuations of the shipped model with the V4.1 twin (not yet trained)
     assert set(RECIPES) == {name for name, *_ in chain} | {"tiny-v41", "smoke", "smoke-v41", "tiny-v4-prose",
                                                            "tiny-v4-prose-keys", "tiny-v4-prose-uuid",
-                                                           "tiny-v41-prose", "tiny-v41-wide", "tiny-v41-needles"}
+                                                           "tiny-v4-mtp-chain", "tiny-v41-prose", "tiny-v41-wide",
+                                                           "tiny-v41-needles"}
+    # the shipped MTP block: trained alone on the last recipe's export, also as the engine chains it
+    mtp = get_recipe("tiny-v4-mtp-chain")
+    assert (mtp.base, mtp.trains, mtp.mtp_chain, mtp.loss.mtp, mtp.steps, round(mtp.tokens() / 1e6, 1)) == \
+        ("tiny-v4-prose-uuid", "mtp.", 1, 1.0, 400, 1.6)
 
 
 def test_the_shipped_v41_lineage_is_the_one_its_card_records():

@@ -10,7 +10,8 @@ math on dense batched tensors with autograd:
 - storage round trips (FP8 KV) always, FP4 of the indexer QK path and of the experts when asked,
   as straight-through estimators, so that what is trained is what is served;
 - the indexer reads detached inputs and learns only from its KL to the main attention (the DSA
-  recipe), on `kl_queries` sampled query positions per sequence.
+  recipe), on `kl_queries` sampled query positions per sequence;
+- with `mtp_chain`, the last MTP block once more on its own output, as the engine chains it.
 `tests/test_train_forward.py` checks the logits against the inference model.
 """
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.config import KV_FP8_BLOCK
+from hybridkv.errors import TrainingError
 from hybridkv.model.attention import Attention
 from hybridkv.model.compressor import Compressor
 from hybridkv.model.moe import MoE
@@ -39,6 +41,10 @@ class TrainOptions:
     reuse_layers_train_indexer: bool = False  # V4.1 Reuse layers' attention in the KL of the top-k they read
     query_tile: int = 2048       # queries per tile when the indexer selects top-k (bounds memory)
     capture_indexer: bool = False  # keep each V4 CSA layer's indexer inputs in `Aux.captured` (labels)
+    # the last MTP block once more on its own output stream, as the engine chains it for a second draft
+    # (`mtp_chain_pass`): 0 or 1
+    mtp_chain: int = 0
+    frozen_trunk: bool = False   # the main layers run without gradients (a recipe that trains only the MTP)
 
 
 @dataclass
@@ -68,6 +74,10 @@ class _Ctx:
         self.v41_indexer: tuple[Attention, torch.Tensor, torch.Tensor] | None = None
         self.v41_topk: torch.Tensor | None = None
         self.v41_pool: list[torch.Tensor] | None = None
+        # the chained MTP pass: each window layer's rows from the pass before (by layer id), and the
+        # rows the layer now running reads at the positions before its own
+        self.window_rows: dict[int, torch.Tensor] | None = None
+        self.chain_rows: dict[int, torch.Tensor] | None = None
 
     def freqs(self, attn: Attention) -> torch.Tensor:
         """[B·S, rope/2] rotations of the flat batch for this layer's rope kind."""
@@ -191,6 +201,24 @@ def _window_logits(q: torch.Tensor, kv: torch.Tensor, window: int, scale: float)
     return logits.view(b, c * window, h, 2 * window)[:, :s], keys
 
 
+def _chained_window_logits(q: torch.Tensor, earlier: torch.Tensor, own: torch.Tensor, window: int, scale: float):
+    """`_window_logits` where each query's own position holds its own row `own` [B, S, D] and the
+    positions before it the rows `earlier` [B, S, D] of another pass. Returns (logits, keys of
+    `earlier`, a function of the window probabilities giving what the own rows add to the output
+    beyond the `earlier` rows at those positions)."""
+    b, s, h, d = q.shape
+    logits, keys = _window_logits(q, earlier, window, scale)
+    diag = (torch.arange(s, device=q.device) % window + window).view(1, s, 1, 1).expand(b, s, h, 1)
+    mine = torch.einsum("bshd,bsd->bsh", q.float(), own.float()).unsqueeze(-1) * scale
+    logits = logits.scatter(-1, diag, mine)
+    delta = (own.float() - earlier.float()).unsqueeze(2)                    # [B, S, 1, D]
+
+    def own_output(p: torch.Tensor) -> torch.Tensor:
+        return p.gather(-1, diag) * delta
+
+    return logits, keys, own_output
+
+
 def _window_output(p: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
     b, s, h, _ = p.shape
     c = keys.shape[1]
@@ -287,7 +315,14 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
         kv = torch.cat([fp8_round_trip_ste(nope, KV_FP8_BLOCK, attn.kv_pow2), kv[..., -rd:]], -1)
 
     qb = q.view(b, s, h, d)
-    logits_w, keys_w = _window_logits(qb, kv.view(b, s, d), attn.window, attn.scale)
+    if ctx.window_rows is not None:
+        ctx.window_rows[attn.layer_id] = kv
+    earlier = None if ctx.chain_rows is None else ctx.chain_rows[attn.layer_id]
+    if earlier is None:
+        logits_w, keys_w = _window_logits(qb, kv.view(b, s, d), attn.window, attn.scale)
+    else:
+        logits_w, keys_w, own_w = _chained_window_logits(qb, earlier.view(b, s, d), kv.view(b, s, d), attn.window,
+                                                         attn.scale)
     parts = [logits_w]
     entries = sel = None
     if attn.ratio and attn.v41:
@@ -340,6 +375,8 @@ def attention_train(attn: Attention, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor
     sink = attn.attn_sink.float().view(1, 1, h, 1).expand(b, s, h, 1)
     p = torch.cat([*parts, sink], -1).softmax(-1)
     o = _window_output(p[..., : 2 * attn.window], keys_w, attn.window)
+    if earlier is not None:
+        o = o + own_w(p[..., : 2 * attn.window])
     if attn.ratio:
         p_c = p[..., 2 * attn.window: -1]
         o = o + torch.einsum("bshn,bnd->bshd", p_c, entries)
@@ -446,14 +483,50 @@ def train_forward(model, ids: torch.Tensor, opts: TrainOptions | None = None,
         for layer in model.layers:
             h, pre = block_train_single_pass(layer, h, pre, flat, ctx)
         return TrainOutput(hc_collapse(h, pre), [], aux)
-    for layer in model.layers:
-        h = block_train(layer, h, flat, ctx)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not opts.frozen_trunk):
+        for layer in model.layers:
+            h = block_train(layer, h, flat, ctx)
     mtp = []
     cur, nxt = h, ids
+    if opts.mtp_chain not in (0, 1):
+        raise TrainingError(f"mtp_chain {opts.mtp_chain}: the training forward chains the last MTP block once (0 or 1)")
+    if opts.mtp_chain and not model.mtp:
+        raise TrainingError("mtp_chain: this model has no MTP block to chain")
     for depth, m in enumerate(model.mtp):
         nxt = F.pad(nxt[:, 1:], (0, 1))                                      # token t + 1 + depth at row t
-        e = m.enorm(model.embed(nxt.reshape(-1)))
-        x = m.e_proj(e).unsqueeze(1) + m.h_proj(m.hnorm(cur))
-        cur = block_train(m, x, nxt.reshape(-1), ctx)
+        last = depth == len(model.mtp) - 1
+        ctx.window_rows = {} if opts.mtp_chain and last else None
+        cur = block_train(m, _mtp_input(model, m, cur, nxt), nxt.reshape(-1), ctx)
         mtp.append(cur)
+    if opts.mtp_chain:
+        mtp.append(mtp_chain_pass(model, cur, nxt, ctx))
+    ctx.window_rows = ctx.chain_rows = None
     return TrainOutput(h, mtp, aux)
+
+
+def _mtp_input(model, m, stream: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    e = m.enorm(model.embed(next_ids.reshape(-1)))
+    return m.e_proj(e).unsqueeze(1) + m.h_proj(m.hnorm(stream))
+
+
+def mtp_chain_pass(model, stream: torch.Tensor, prev_ids: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """The last MTP block once more, as the engine chains it for draft 2 (`MTPDrafter._chain`).
+    stream [B·S, hc, dim] is that block's output (row t predicts token t + 1 + depth, prev_ids [B, S]
+    holding the token before it). The engine runs the chained row one position on, t + 1, where its
+    window holds the block's own rows of the positions before (computed from the main model's
+    streams) and its own row. Here every row t runs at t + 1 (rows shifted by one, row 0 a
+    placeholder) with the window rows the block's last pass left (`ctx.window_rows`) at the earlier
+    positions. Returns the output stream with row t at t again (the last row a placeholder)."""
+    m = model.mtp[-1]
+    if m.attn.ratio:
+        raise TrainingError(f"mtp_chain: MTP layer {m.layer_id} compresses (ratio {m.attn.ratio}); only a window "
+                            f"layer chains")
+    b, s = prev_ids.shape
+    nxt = F.pad(prev_ids[:, 1:], (0, 1))
+    x = _mtp_input(model, m, stream, nxt)
+    shifted = F.pad(x.view(b, s, *x.shape[1:])[:, :-1], (0, 0, 0, 0, 1, 0)).flatten(0, 1)
+    shifted_ids = F.pad(nxt[:, :-1], (1, 0))
+    ctx.chain_rows, ctx.window_rows = ctx.window_rows, None
+    out = block_train(m, shifted, shifted_ids.reshape(-1), ctx)
+    ctx.chain_rows = None
+    return F.pad(out.view(b, s, *out.shape[1:])[:, 1:], (0, 0, 0, 0, 0, 1)).flatten(0, 1)

@@ -49,6 +49,18 @@ class _Clip:
         return torch.nn.utils.clip_grad_norm_(self.rest, self.clip)
 
 
+def freeze_all_but(model: torch.nn.Module, prefix: str) -> set[str]:
+    """Only the parameters named with `prefix` train (a recipe's `trains`); returns their names."""
+    names = set()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(prefix))
+        if name.startswith(prefix):
+            names.add(name)
+    if not names:
+        raise TrainingError(f"no parameter of this model is named {prefix}*: nothing would train")
+    return names
+
+
 def _rewarm_steps(recipe: Recipe) -> int:
     """Steps of the linear lr re-warm-up after resuming without optimizer moments."""
     return max(1, recipe.warmup // 5)
@@ -76,7 +88,7 @@ def plot_log(log_path: Path, png: Path) -> None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     steps = [r["step"] for r in rows]
-    for key in ("lm", "answer", "answer_end", "mtp0", "indexer_kl"):
+    for key in ("lm", "answer", "answer_end", "mtp0", "mtp1", "indexer_kl"):
         if key in rows[0]:
             axes[0].plot(steps, [r.get(key, math.nan) for r in rows], label=key)
     axes[0].set_yscale("log")
@@ -186,7 +198,12 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
     base_identity = None
     if init_from is not None and not resume:
         base_identity = load_base_model(model, Path(init_from))
-    for layer in [*model.layers, *model.mtp]:      # the selection bias moves by the balance rule only
+    if recipe.trains is not None:
+        freeze_all_but(model, recipe.trains)
+    # the selection bias moves by the balance rule only, and only in the layers that train
+    balanced = [layer for layer in [*model.layers, *model.mtp]
+                if any(p.requires_grad for p in layer.parameters())]
+    for layer in [*model.layers, *model.mtp]:
         if layer.ffn.gate.bias is not None:
             layer.ffn.gate.bias.requires_grad_(False)
     optimizers = build_optimizers(model, recipe.lr)
@@ -244,7 +261,8 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             _set_lr(optimizers, lr)
             opts = TrainOptions(dense_indexer=st.dense_indexer, qat_experts=st.qat_experts, qat_indexer=True,
                                 kl_queries=recipe.kl_queries,
-                                reuse_layers_train_indexer=recipe.reuse_layers_train_indexer)
+                                reuse_layers_train_indexer=recipe.reuse_layers_train_indexer,
+                                mtp_chain=recipe.mtp_chain, frozen_trunk=recipe.trains == "mtp.")
             if autocast is not None:
                 with autocast:
                     out = train_forward(model, ids, opts, gen)
@@ -257,7 +275,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            logs.update(update_gate_biases(model, out.aux.expert_counts, recipe.bias_rate))
+            logs.update(update_gate_biases(model, out.aux.expert_counts, recipe.bias_rate, balanced))
             progress["step"] += 1
             progress["tokens"] += ids.numel()
             window_tokens += ids.numel()
@@ -273,6 +291,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
                 echo(f"step {logs['step']:5d}  len {st.seq_len:5d}  loss {logs['loss']:.3f}  lm {logs['lm']:.3f}  "
                      f"answer {logs['answer']:.3f}  exact {logs['answer_exact']:.2f}  end {logs['answer_end_acc']:.2f}  "
                      f"kl {logs.get('indexer_kl', 0):.3f}  load {logs['expert_max_over_mean']:.2f}  "
+                     + "".join(f"{k} {logs[k]:.3f}  " for k in ("mtp0", "mtp1") if k in logs) +
                      f"lr {lr:.2e}  {logs['tok_per_s'] / 1e3:.0f}K tok/s")
             out_of_time = ((deadline is not None and time.perf_counter() > deadline)
                            or (stop_at_step is not None and progress["step"] >= stop_at_step))

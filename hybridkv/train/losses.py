@@ -5,7 +5,7 @@
 - answer-end loss: the completion's closing tokens (the period after the value, then EOS) once more,
   for a model that copies a value but does not stop after it; their teacher-forced accuracy is
   logged whatever the weight;
-- MTP loss: the MTP block at row t predicts token t + 2;
+- MTP loss: the MTP block at row t predicts token t + 2 (a chained pass of it, t + 3);
 - indexer KL: the DSA signal, mean over the CSA layers' terms the forward left;
 - aux-loss-free balance: after each step every non-hash gate's selection bias moves by ±rate
   towards the mean load (DeepSeek-V3/V4); hash layers have no bias.
@@ -69,7 +69,8 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
         ahead = 2 + depth
         if s <= ahead:
             continue
-        mlog = model.mtp_logits(h, depth).view(b, s, -1)[:, :-ahead]
+        # a chained pass (`mtp_chain`) reads the last block's head, as the engine's chain does
+        mlog = model.mtp_logits(h, min(depth, len(model.mtp) - 1)).view(b, s, -1)[:, :-ahead]
         mtp = _ce_rows(mlog.reshape(-1, mlog.shape[-1]), ids[:, ahead:].reshape(-1)).mean()
         total = total + weights.mtp * mtp
         logs[f"mtp{depth}"] = float(mtp.detach())
@@ -82,10 +83,11 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
 
 
 @torch.no_grad()
-def update_gate_biases(model, counts: dict[int, torch.Tensor], rate: float) -> dict[str, float]:
-    """bias_e += rate · sign(mean load − load_e) on every biased gate; returns load statistics
-    (max/mean expert load, averaged over layers) for the log."""
-    layers = list(model.layers) + list(model.mtp)
+def update_gate_biases(model, counts: dict[int, torch.Tensor], rate: float, layers: list | None = None) -> dict[str, float]:
+    """bias_e += rate · sign(mean load − load_e) on every biased gate (of `layers`, default every
+    layer and MTP block); returns load statistics (max/mean expert load, averaged over them) for the
+    log."""
+    layers = list(model.layers) + list(model.mtp) if layers is None else layers
     imbalance = []
     for layer in layers:
         c = counts.get(layer.layer_id)

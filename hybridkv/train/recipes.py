@@ -21,7 +21,11 @@ optimisation settings.
 - `tiny-v4-prose-keys`: continues the `tiny-v4-prose` export with multi-key needles and their
   hard drill over half the rows (`--init-from` that export).
 - `tiny-v4-prose-uuid`: continues the `tiny-v4-prose-keys` export with UUID needles over a third
-  of the rows, 2K to 16K, multi-key kept. Its export is the shipped model (`models/tiny-v4`).
+  of the rows, 2K to 16K, multi-key kept.
+- `tiny-v4-mtp-chain`: continues the `tiny-v4-prose-uuid` export training only its MTP block
+  (`trains`), also as the engine chains it for a second draft (`mtp_chain`); the main model's values
+  stay as they were. The shipped model (`models/tiny-v4`) is the `tiny-v4-prose-uuid` export with
+  this one's MTP tensors.
 
 The recipes tried and dropped, with their results, are in docs/training-log.md.
 """
@@ -81,6 +85,11 @@ class Recipe:
     next_document: int = 0
     # this share of every task's weight goes to its real-text variant (`with_realtext`), in every stage
     realtext_share: float = 0.0
+    # only the parameters named with this prefix train ("mtp.": the MTP block, the rest frozen and
+    # run without gradients); None: all of them
+    trains: str | None = None
+    # the last MTP block also trained as the engine chains it for a second draft (`train.forward`)
+    mtp_chain: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.realtext_share <= 1.0:
@@ -227,14 +236,19 @@ class _Continuation:
     answer_weight: float = 1.0
     next_document: int = 0
     realtext_share: float = 0.0
+    trains: str | None = None
+    mtp_chain: int = 0
+    mtp_weight: float = 0.3
+    warmup: int = 30
 
     def recipe(self, name: str) -> Recipe:
         stages = [Stage(until, seq_len, batch, dense_indexer=False, qat_experts=True)
                   for until, seq_len, batch in self.schedule]
         return Recipe(name=name, model=self.model or TINY_V4_MODEL, vocab_size=4096, tokenizer_texts=20000,
-                      steps=stages[-1].until, stages=stages, lr=self.lr, warmup=30, log_every=20,
+                      steps=stages[-1].until, stages=stages, lr=self.lr, warmup=self.warmup, log_every=20,
                       task_weights=self.mix, base=self.base, seed=self.seed, filler_seed=self.filler_seed,
-                      loss=LossWeights(answer=self.answer_weight), hex_chars=self.hex_chars or self.adds_hex_chars,
+                      loss=LossWeights(answer=self.answer_weight, mtp=self.mtp_weight),
+                      hex_chars=self.hex_chars or self.adds_hex_chars, trains=self.trains, mtp_chain=self.mtp_chain,
                       adds_hex_chars=self.adds_hex_chars, next_document=self.next_document,
                       realtext_share=self.realtext_share,
                       reuse_layers_train_indexer=self.reuse_layers_train_indexer, indexer_clip=self.indexer_clip)
@@ -299,6 +313,15 @@ _PROSE_CONTINUATIONS = {
                                          "niah_multiquery": 0.1},
                                         seed=17, lr=2e-4, hex_chars=True, filler_seed=9, answer_weight=4.0,
                                         next_document=128, realtext_share=0.5),
+    # the shipped model's MTP block alone (the rest frozen: the main model's outputs stay bit for bit),
+    # trained on the shipped model's mix also as the engine chains it for a second draft, which its
+    # depth-0 training never showed it
+    "tiny-v4-mtp-chain": _Continuation("tiny-v4-prose-uuid", ((400, 2048, 2),),
+                                       {"passkey": 0.1, "niah_single_1": 0.05, "niah_single_2": 0.1,
+                                        "niah_single_3": 0.35, "niah_multikey_1": 0.2, "niah_multikey_hard": 0.1,
+                                        "niah_multiquery": 0.1},
+                                       seed=23, lr=5e-4, hex_chars=True, filler_seed=9, next_document=128,
+                                       realtext_share=0.5, trains="mtp.", mtp_chain=1, mtp_weight=1.0),
 }
 
 
