@@ -116,6 +116,12 @@ from hybridkv.ops.mhc import triton as mhc_kernels  # noqa: E402
 from hybridkv.ops.qgemm import float_rows  # noqa: E402
 from hybridkv.ops.sampling import triton as sampling_kernels  # noqa: E402
 
+from hybridkv.ops.qgemm import fp8_exact  # noqa: E402
+
+for rows in (1, 64, 256):      # wo_a read as e4m3 at V4-Flash's shape: split K, one m-tile, several
+    attempt(f"grouped_rows fp8_exact rows={rows}", lambda: fp8_exact.grouped_rows(
+        torch.zeros(rows, 8, 4096).bfloat16(), torch.zeros(8192, 4096, dtype=torch.float8_e4m3fn),
+        torch.zeros(64, 32, dtype=torch.float8_e8m0fnu), force_kernel=True))
 for wdtype in (torch.bfloat16, torch.float32):   # stacked projections (tensor cores), float32 weights (IEEE)
     attempt(f"rows_linear weight={wdtype}", lambda: float_rows.rows_linear(torch.zeros(2, 4096).bfloat16(),
                                                                          torch.zeros(200, 4096, dtype=wdtype)))
