@@ -257,7 +257,7 @@ def test_grouped_fp8_output_projection_at_v4_flash_shape(rows):
     q, s = quant_fp8_weight(torch.randn(8192, 4096, device=DEV) * 0.02)
     w = dequant_fp8_weight(q, s, (128, 128), torch.bfloat16)
     q2, s2 = fp8_exact.exact_fp8(w)
-    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2.float(), s.float())
+    assert torch.equal(dequant_fp8_weight(q2, s2, (128, 128), torch.bfloat16), w)   # the same values
     x = torch.randn(rows, 8, 4096, device=DEV).bfloat16()
     got = fp8_exact.grouped_rows(x, q2, s2)
     want = torch.einsum("tgd,grd->tgr", x, w.view(8, 1024, 4096))
@@ -284,10 +284,10 @@ def test_a_model_with_fp8_exact_wo_a_computes_the_dense_models_logits():
     ids = torch.arange(3, 43, device=DEV)
     logits = []
     for model in models:
-        kv = ContiguousKV(model.config)
+        kv = ContiguousKV(model.config, torch.bfloat16, DEV)
         with torch.no_grad():
-            h = model(ids, ForwardBatch.build([(kv, 0, len(ids))]))
-            step = model(ids[:1], ForwardBatch.build([(kv, len(ids), 1)]))
+            h = model(ids, ForwardBatch.build([(kv, 0, len(ids))], DEV))
+            step = model(ids[:1], ForwardBatch.build([(kv, len(ids), 1)], DEV))
             logits.append((model.logits(h), model.logits(step)))
     assert rel_rms(logits[0][0], logits[1][0]) < BF16_TOL
     assert rel_rms(logits[0][1], logits[1][1]) < BF16_TOL
