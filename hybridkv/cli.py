@@ -226,7 +226,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.export:
         from hybridkv.train.export import export_model
 
-        out = export_model(recipe, run_dir, a.export)
+        out = export_model(recipe, run_dir, a.export, base=a.init_from)
         print(f"exported {out}", file=sys.stderr)
     return 0
 

@@ -83,26 +83,37 @@ def test_resume_continues_the_same_run(smoke_run, tmp_path):
 
 
 def test_a_recipe_that_trains_the_mtp_block_leaves_the_rest_as_it_was(smoke_run, tmp_path):
-    """`trains="mtp."` with `mtp_chain`: after the steps every tensor outside the MTP block (gate
-    biases included) is the initial one bit for bit, the MTP block's have moved, and both MTP
-    losses were logged."""
+    """`trains="mtp."` with `mtp_chain`, continuing an exported model: the MTP block's tensors move,
+    both MTP losses are logged, and the export keeps every other tensor of the base byte for byte
+    (it refuses to export without the base)."""
+    from safetensors import safe_open
+
+    from hybridkv.errors import TrainingError
+
     recipe, run, _ = smoke_run
     if recipe.name != "smoke":
         pytest.skip("the loop is the same for every model family; checked once")
-    mtp_only = replace(recipe, steps=4, trains="mtp.", mtp_chain=1)
-    (tmp_path / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes())
-    train(mtp_only, tmp_path, echo=lambda *_: None)
-    trained = torch.load(tmp_path / "state.pt", weights_only=False)["model"]
-    from hybridkv.train.init import init_weights
-    torch.manual_seed(mtp_only.seed)
-    fresh = Transformer(model_config(mtp_only, TaskTokenizer.load(tmp_path / "tokenizer.json").vocab_size),
-                        dtype=torch.float32)
-    init_weights(fresh, mtp_only.seed)
-    initial = fresh.state_dict()
-    moved = {k for k in trained if not torch.equal(trained[k], initial[k])}
-    assert moved and all(k.startswith("mtp.") for k in moved), sorted(moved)[:5]
-    assert any(k.startswith("mtp.0.attn.") for k in moved)
-    assert {"mtp0", "mtp1"} <= set(_log(tmp_path)[-1])
+    base = export_model(recipe, run, tmp_path / "base")
+    mtp_only = replace(recipe, steps=4, base="smoke", trains="mtp.", mtp_chain=1)
+    train(mtp_only, tmp_path / "run", init_from=base, echo=lambda *_: None)
+    assert {"mtp0", "mtp1"} <= set(_log(tmp_path / "run")[-1])
+    with pytest.raises(TrainingError, match="--init-from"):
+        export_model(mtp_only, tmp_path / "run", tmp_path / "nobase")
+    out = export_model(mtp_only, tmp_path / "run", tmp_path / "out", base=base)
+
+    def tensors(d):
+        got = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                got.update({k: h.get_tensor(k) for k in h.keys()})
+        return got
+
+    before, after = tensors(base), tensors(out)
+    assert before.keys() == after.keys()
+    same = {k for k in before if before[k].dtype == after[k].dtype
+            and torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))}
+    assert {k for k in before if not k.startswith("mtp.")} <= same
+    assert any(k.startswith("mtp.0.attn.") and k not in same for k in before)
 
 
 def test_export_is_the_trained_model(smoke_run, tmp_path):

@@ -43,6 +43,31 @@ def float_model(model_dir: str | Path) -> Transformer:
 
 
 @torch.no_grad()
+def _frozen_from(base: Path, trains: str, trained: dict[str, torch.Tensor],
+                 state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's tensors outside `trains`*, as its files hold them; a TrainingError where the
+    run's float values of one differ from the base's (a run of another base, or one that trained it)."""
+    from hybridkv.weights import load_model
+    if not (base / "config.json").is_file():
+        raise TrainingError(f"--init-from {base}: not a model directory (no config.json)")
+    held = load_model(base, dtype=torch.bfloat16)[0].state_dict()
+    floats = float_model(base).state_dict()
+    kept = {}
+    for name in state:
+        if name.startswith(trains):
+            continue
+        if name not in held or held[name].shape != state[name].shape:
+            raise TrainingError(f"--init-from {base}: no {name} of shape {tuple(state[name].shape)} there")
+        kept[name] = held[name]
+    changed = [n for n, t in trained.items() if not n.startswith(trains) and n in floats
+               and not torch.equal(t.float(), floats[n].float())]
+    if changed:
+        raise TrainingError(f"the run changed {len(changed)} tensors outside {trains}* (e.g. {changed[0]}) from "
+                            f"--init-from {base}: it did not continue that model")
+    return kept
+
+
+@torch.no_grad()
 def release_state(float_state: dict[str, torch.Tensor], release: Transformer) -> dict[str, torch.Tensor]:
     """The state dict of `release` (a model of the release config) from a float model's weights:
     FP8 linears quantised with e8m0 block scales, FP4 experts packed (exactly what QAT simulated),
@@ -65,14 +90,25 @@ def release_state(float_state: dict[str, torch.Tensor], release: Transformer) ->
 
 
 @torch.no_grad()
-def export_model(recipe: Recipe, run_dir: str | Path, out_dir: str | Path) -> Path:
+def export_model(recipe: Recipe, run_dir: str | Path, out_dir: str | Path, base: str | Path | None = None) -> Path:
+    """The run in run_dir as a release-format model in out_dir. A recipe that trains one part only
+    (`Recipe.trains`) needs `base`, the model it continued: every tensor outside that part is written
+    as the base holds it, byte for byte (an FP4 block re-packed from the same values may choose
+    another power-of-two scale), after checking that the run left those tensors' values as they
+    were."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if recipe.trains is not None and base is None:
+        raise TrainingError(f"recipe {recipe.name!r} trains {recipe.trains}* only: pass --init-from, the model it "
+                            f"continued, whose other tensors the export keeps byte for byte")
     trained = load_run_weights(run_dir)
     tok = prepare_tokenizer(recipe, run_dir)
     config = model_config(recipe, tok.vocab_size, release=True)
     release = Transformer(config, dtype=torch.bfloat16)
     try:
-        release.load_state_dict(release_state(trained, release))
+        state = release_state(trained, release)
+        if recipe.trains is not None:
+            state.update(_frozen_from(Path(base), recipe.trains, trained, state))
+        release.load_state_dict(state)
     except (KeyError, RuntimeError) as e:   # a missing tensor, or one of another shape
         raise TrainingError(f"the run in {run_dir} does not hold a {recipe.name!r} model (its weights do not fit "
                             f"that recipe's: {mismatch(e)}); export it with the recipe it was "

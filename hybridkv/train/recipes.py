@@ -23,9 +23,8 @@ optimisation settings.
 - `tiny-v4-prose-uuid`: continues the `tiny-v4-prose-keys` export with UUID needles over a third
   of the rows, 2K to 16K, multi-key kept.
 - `tiny-v4-mtp-chain`: continues the `tiny-v4-prose-uuid` export training only its MTP block
-  (`trains`), also as the engine chains it for a second draft (`mtp_chain`); the main model's values
-  stay as they were. The shipped model (`models/tiny-v4`) is the `tiny-v4-prose-uuid` export with
-  this one's MTP tensors.
+  (`trains`), also as the engine chains it for a second draft (`mtp_chain`); its export keeps the
+  base's other tensors byte for byte. Its export is the shipped model (`models/tiny-v4`).
 
 The recipes tried and dropped, with their results, are in docs/training-log.md.
 """
