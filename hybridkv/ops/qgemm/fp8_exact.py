@@ -25,8 +25,9 @@ import triton.language as tl
 from hybridkv.ops.backend import interpreting, is_deterministic, use_triton
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
+from hybridkv.ops.qgemm import float_rows
 from hybridkv.ops.qgemm.layout import _e8m0
-from hybridkv.ops.qgemm.triton import NUM_SMS_GUESS, _arrivals, _split_k_arrive, _split_k_total
+from hybridkv.ops.qgemm.triton import _arrivals, _split_k_arrive, _split_k_total
 from hybridkv.ops.quant.reference import dequant_fp8_weight
 
 BLOCK = 128                   # the release's FP8 block (both ways)
@@ -96,16 +97,9 @@ def grouped_rows_kernel(X, W, S, Y, P, CNT, M, N, K, GROUP_N, stride_xt, stride_
 
 
 def rows_config(m: int, n: int, k: int) -> dict:
-    """[16–64]-row tiles of 64 weight rows, 128 deep (one scale block), K split until the tiles
-    cover every SM twice."""
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn, bk = 64, BLOCK
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    n_kb = triton.cdiv(k, bk)
-    split = 1
-    while split * 2 <= n_kb // 2 and tiles * split < 2 * NUM_SMS_GUESS:
-        split *= 2
-    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=4, num_stages=3)
+    """`float_rows`' tiles for a narrow weight: [16–64]-row tiles of 64 weight rows, 128 deep (one
+    scale block), K split until the tiles cover every SM twice."""
+    return float_rows.rows_config(m, n, k, weight_bytes=1)
 
 
 def kernel_ok(x: torch.Tensor) -> bool:
