@@ -38,21 +38,27 @@ GEMV_BN, GEMV_BK, GEMV_WARPS = 2, 1024, 4      # weight rows a program, K chunk,
 
 
 @triton.jit
+def split_tile(M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's [BM, BN] tile of a split-K launch (grid: tiles, SPLIT_K) and its share of the
+    BK-deep blocks: (tile, pid_k, rows, columns, first block, end block)."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BN)
+    rm = (pid // num_n) * BM + tl.arange(0, BM)
+    rn = (pid % num_n) * BN + tl.arange(0, BN)
+    n_kb = tl.cdiv(K, BK)
+    per = tl.cdiv(n_kb, SPLIT_K)
+    kb0 = pid_k * per
+    return pid, pid_k, rm, rn, kb0, tl.minimum(kb0 + per, n_kb)
+
+
+@triton.jit
 def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
                      IEEE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_n = tl.cdiv(N, BN)
-    pid_m, pid_n = pid // num_n, pid % num_n
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    pid, pid_k, rm, rn, kb0, kb1 = split_tile(M, N, K, BM, BN, BK, SPLIT_K)
     rk = tl.arange(0, BK)
     m_ok, n_ok = rm < M, rn < N
-    n_kb = tl.cdiv(K, BK)
-    per = tl.cdiv(n_kb, SPLIT_K)
-    kb0 = pid_k * per
-    kb1 = tl.minimum(kb0 + per, n_kb)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb0, kb1):
         k = kb * BK + rk

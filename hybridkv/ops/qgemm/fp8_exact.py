@@ -26,6 +26,7 @@ from hybridkv.ops.backend import interpreting, is_deterministic, use_triton
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.qgemm import float_rows
+from hybridkv.ops.qgemm.float_rows import split_tile
 from hybridkv.ops.qgemm.layout import _e8m0
 from hybridkv.ops.qgemm.triton import _arrivals, _split_k_arrive, _split_k_total
 from hybridkv.ops.quant.reference import dequant_fp8_weight
@@ -63,18 +64,10 @@ def grouped_rows_kernel(X, W, S, Y, P, CNT, M, N, K, GROUP_N, stride_xt, stride_
     """Y[t, n] = Σ_k X[t, n // GROUP_N, k] · W[n, k] · 2^S[n // BK, k // BK]: a [BM, BN] tile per
     program (BN divides GROUP_N and BK), its K range the pid_k-th of SPLIT_K."""
     wait_then_release(PDL)
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_n = tl.cdiv(N, BN)
-    pid_m, pid_n = pid // num_n, pid % num_n
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    pid, pid_k, rm, rn, kb0, kb1 = split_tile(M, N, K, BM, BN, BK, SPLIT_K)
     rk = tl.arange(0, BK)
     m_ok, n_ok = rm < M, rn < N
-    xg = X + ((pid_n * BN) // GROUP_N).to(tl.int64) * stride_xg
-    n_kb = tl.cdiv(K, BK)
-    per = tl.cdiv(n_kb, SPLIT_K)
-    kb0 = pid_k * per
-    kb1 = tl.minimum(kb0 + per, n_kb)
+    xg = X + (tl.min(rn, 0) // GROUP_N).to(tl.int64) * stride_xg
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb0, kb1):
         k = kb * BK + rk
