@@ -52,6 +52,21 @@ def split_tile(M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP
 
 
 @triton.jit
+def store_split_tile(Y, stride_y, acc, P, CNT, pid, pid_k, rm, rn, M, N, SPLIT_K: tl.constexpr,
+                     FENCE: tl.constexpr):
+    """Y[rm, rn] = the tile's sum: this program's `acc` where K is not split, else its share stored
+    and, by the last program of the tile to arrive, the shares added in split order."""
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    out = Y + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=ok)
+    else:
+        at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        if _split_k_arrive(P, CNT, pid, pid_k, at, acc, ok, M, N, SPLIT_K, FENCE):
+            tl.store(out, _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, FENCE), mask=ok)
+
+
+@triton.jit
 def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
                      IEEE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
@@ -71,14 +86,7 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    ok = m_ok[:, None] & n_ok[None, :]
-    out = Y + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=ok)
-    else:
-        at = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        if _split_k_arrive(P, CNT, pid, pid_k, at, acc, ok, M, N, SPLIT_K, FENCE):
-            tl.store(out, _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, FENCE), mask=ok)
+    store_split_tile(Y, stride_y, acc, P, CNT, pid, pid_k, rm, rn, M, N, SPLIT_K, FENCE)
 
 
 

@@ -26,9 +26,9 @@ from hybridkv.ops.backend import interpreting, is_deterministic, use_triton
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
 from hybridkv.ops.qgemm import float_rows
-from hybridkv.ops.qgemm.float_rows import split_tile
+from hybridkv.ops.qgemm.float_rows import split_tile, store_split_tile
 from hybridkv.ops.qgemm.layout import _e8m0
-from hybridkv.ops.qgemm.triton import _arrivals, _split_k_arrive, _split_k_total
+from hybridkv.ops.qgemm.triton import _arrivals
 from hybridkv.ops.quant.reference import dequant_fp8_weight
 
 BLOCK = 128                   # the release's FP8 block (both ways)
@@ -79,14 +79,7 @@ def grouped_rows_kernel(X, W, S, Y, P, CNT, M, N, K, GROUP_N, stride_xt, stride_
         else:
             d = tl.dot(x, tl.trans(w.to(tl.bfloat16)))
         acc += d * s[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    out = Y + rm.to(tl.int64)[:, None] * stride_yt + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=ok)
-    else:
-        at = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        if _split_k_arrive(P, CNT, pid, pid_k, at, acc, ok, M, N, SPLIT_K, FENCE):
-            tl.store(out, _split_k_total(P, CNT, pid, at, ok, M, N, SPLIT_K, FENCE), mask=ok)
+    store_split_tile(Y, stride_yt, acc, P, CNT, pid, pid_k, rm, rn, M, N, SPLIT_K, FENCE)
 
 
 def rows_config(m: int, n: int, k: int) -> dict:
