@@ -327,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--init-from", default=None,
                    help="start from this exported model (recipes that continue another, e.g. tiny-v4-needles); "
-                        "a --resume continues the run's own state instead")
+                        "a --resume continues the run's own state instead; a recipe that trains one part "
+                        "(tiny-v4-mtp-chain) also needs it to --export, which keeps the other tensors as it "
+                        "holds them")
     t.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
     t.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     t.add_argument("--seed", type=int, default=None,
