@@ -23,9 +23,13 @@ SHARD_BYTES = 15 << 20
 def float_model(model_dir: str | Path) -> Transformer:
     """A release-format model as a float model the training forward can run and train (FP8/FP4
     linears dequantised, no activation quantisation): the inverse of `release_state`."""
-    from hybridkv.config import ModelConfig
     from hybridkv.weights import load_model
-    release, cfg = load_model(model_dir)
+    return _float_of(*load_model(model_dir))
+
+
+def _float_of(release: Transformer, cfg) -> Transformer:
+    """`float_model` of a release model already loaded (float32)."""
+    from hybridkv.config import ModelConfig
     d = cfg.to_dict()
     d.pop("quantization_config", None)
     d["expert_dtype"] = "bf16"
@@ -50,8 +54,9 @@ def _frozen_from(base: Path, trains: str, trained: dict[str, torch.Tensor],
     from hybridkv.weights import load_model
     if not (base / "config.json").is_file():
         raise TrainingError(f"--init-from {base}: not a model directory (no config.json)")
-    held = load_model(base, dtype=torch.bfloat16)[0].state_dict()
-    floats = float_model(base).state_dict()
+    release, cfg = load_model(base)                 # packed tensors as stored; bf16 ones widened exactly
+    held = release.state_dict()
+    floats = _float_of(release, cfg).state_dict()
     kept = {}
     for name in state:
         if name.startswith(trains):
