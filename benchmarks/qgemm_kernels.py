@@ -6,7 +6,9 @@ dense-copy path runs) and the prefill path through torch's block-scaled matmul
 (`hybridkv.ops.qgemm.scaled`, its activation quantisation included); then the routed experts (256 × 2048, top-6) as the two
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected;
 then the widened decode linears (`--float-rows`: the bf16 compressor stacks and the MoE gate, float32
-out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--block 32` times the FP8 linears at
+out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--fp8-exact` times `wo_a` (the grouped output projection packed back to FP8,
+`hybridkv.ops.qgemm.fp8_exact.grouped_rows`) against the widened weight's einsum, `--sweep` with it
+its tiles. `--block 32` times the FP8 linears at
 V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM against the FP8 tensor-core kernel,
 which decode runs unless `HYBRIDKV_FP8_MMA=0`).
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
@@ -17,6 +19,7 @@ does: `--cold` times each FP8 linear over copies of its weight that together exc
 times, one launch a copy, so that every launch reads its weight from DRAM as in the engine.
 
     python benchmarks/qgemm_kernels.py [--rows 1,8,64,4096] [--sweep] [--cold] [--block 32] [--float-rows]
+        [--fp8-exact] [--no-fp8] [--no-moe]
     python benchmarks/qgemm_kernels.py --smoke     # small shapes in Triton's interpreter (CPU)
 """
 
@@ -165,6 +168,50 @@ def sweep_fp8_mma(x, weights: list[tuple], out_dtype, block: int = 128) -> None:
     best.sort(key=lambda tc: tc[0])
     for t, cfg in best[:3]:
         print(f"    sweep fp8_mma {m}×{n}×{k}: {t:.4f} ms {cfg} (default {fp8_mma.config(n, k, block)})")
+
+
+# V4-Flash's wo_a: 8 groups of 1024 output rows, each over its 4096 inputs (8 heads × 512)
+WO_A = (8, 1024, 4096)
+
+
+def fp8_exact_rows(a, cuda: bool, dev: str) -> None:
+    """wo_a through `grouped_rows` (its default tiles, and with --sweep a grid) against the einsum of
+    the widened bf16 weight, each over weight copies beyond L2 (--cold) or one weight."""
+    from hybridkv.ops.qgemm import fp8_exact
+    g, r, k = (2, 128, 256) if a.smoke else WO_A
+    dt = torch.bfloat16 if cuda else torch.float32
+    q, s = quant_fp8_weight(torch.randn(g * r, k, device=dev) * 0.02, (128, 128))
+    dense = dequant_fp8_weight(q, s, (128, 128), dt).view(g, r, k)
+    packed_copies, dense_copies = copies((q, s), a.cold and cuda), copies((dense,), a.cold and cuda)
+    print("\n| wo_a (grouped, FP8 packed back) | G × R × K | rows | grouped_rows ms | GB/s (weight) | default tiles | "
+          "best ms | GB/s | best tiles | bf16 einsum ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for m in a.rows:
+        x = torch.randn(m, g, k, device=dev).to(dt)
+        default = fp8_exact.rows_config(m, g * r, k)
+
+        def run(w, cfg=None):
+            return fp8_exact.grouped_rows(x, w[0], w[1], config=cfg, force_kernel=True)
+        t = bench_each(run, packed_copies, cuda)
+        t_d = bench_each(lambda w: torch.einsum("tgd,grd->tgr", x, w[0]), dense_copies, cuda)
+        best = (t, default)
+        if a.sweep and m in a.sweep_rows:
+            bm = default["BM"]
+            for bn, split, warps, stages in itertools.product([32, 64, 128], [1, 2, 4, 8, 16], [4, 8], [3, 4]):
+                if split > (k // 128) // 2:
+                    continue
+                cfg = dict(BM=bm, BN=bn, BK=128, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                try:
+                    tc = bench_each(lambda w: run(w, cfg), packed_copies, cuda)
+                except Exception as e:  # out of shared memory and the like: not a candidate
+                    print(f"    {cfg}: {type(e).__name__}")
+                    continue
+                if tc < best[0]:
+                    best = (tc, cfg)
+        short = {key: v for key, v in default.items() if key in ("BN", "SPLIT_K", "num_warps", "num_stages")}
+        bshort = {key: v for key, v in best[1].items() if key in ("BN", "SPLIT_K", "num_warps", "num_stages")}
+        print(f"| wo_a | {g} × {r} × {k} | {m} | {t:.4f} | {q.nbytes / t / 1e6:.0f} | {short} | {best[0]:.4f} | "
+              f"{q.nbytes / best[0] / 1e6:.0f} | {bshort} | {t_d:.4f} |", flush=True)
 
 
 def moe_rows(a, cuda: bool, dev: str) -> None:
@@ -325,6 +372,8 @@ def main() -> int:
                     help="the FP8 linears' scale tiles (32: V4.1-Flash's shapes and tiles)")
     ap.add_argument("--float-rows", action="store_true", help="also the widened decode linears (float_rows)")
     ap.add_argument("--no-moe", action="store_true", help="skip the grouped FP4 experts")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 linears")
+    ap.add_argument("--fp8-exact", action="store_true", help="also wo_a packed back to FP8 (grouped_rows)")
     a = ap.parse_args()
     a.fp4_dots = [int(m) for m in a.fp4_dots.split(",") if m]
     a.rows = [int(r) for r in a.rows.split(",") if r]
@@ -338,7 +387,10 @@ def main() -> int:
     dev = "cuda" if cuda else "cpu"
     print(f"# {torch.cuda.get_device_name() if cuda else 'CPU interpreter (smoke: not a result)'}, "
           f"torch {torch.__version__}; command: python benchmarks/qgemm_kernels.py {' '.join(sys.argv[1:])}")
-    fp8_rows(a, cuda, dev)
+    if not a.no_fp8:
+        fp8_rows(a, cuda, dev)
+    if a.fp8_exact:
+        fp8_exact_rows(a, cuda, dev)
     if not a.no_moe:
         moe_rows(a, cuda, dev)
     if a.float_rows:
