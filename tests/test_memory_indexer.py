@@ -83,8 +83,9 @@ def test_a_recalls_requests_ranked_together_keep_what_each_keeps_alone():
     probabilities make common) going to the lower block as there."""
     from hybridkv.memory.policies import PolicyContext
     g = torch.Generator().manual_seed(11)
-    for budget, tail in ((0.15, FlashMemory.DEFAULT_TAIL_SHARE), (0.3, 0.2), (0.5, 0.0), (1.0, 0.5)):
-        policy = FlashMemory(budget, tail_share=tail)
+    for budget, tail, rank in ((0.15, FlashMemory.DEFAULT_TAIL_SHARE, "max"), (0.15, FlashMemory.DEFAULT_TAIL_SHARE, "count"),
+                               (0.3, 0.2, "max"), (0.5, 0.0, "count"), (1.0, 0.5, "max")):
+        policy = FlashMemory(budget, tail_share=tail, rank=rank)
         ctxs, alone = [], []
         for r in range(40):
             bc = 4
@@ -93,10 +94,10 @@ def test_a_recalls_requests_ranked_together_keep_what_each_keeps_alone():
             n_blocks = -(-visible // bc) + int(torch.randint(0, 2, (1,), generator=g))   # maybe one block opened since
             extra = {"chunk_probs": probs, "block_chunks": bc}
             alone.append(policy.resident(PolicyContext(str(r), n_blocks, visible * 4, 16, 64, extra=extra)))
-            ranks = FlashMemory.block_ranks(probs, visible // bc, bc).numpy()
+            ranks = policy.block_ranks(probs, visible // bc, bc).numpy()
             ctxs.append(PolicyContext(str(r), n_blocks, visible * 4, 16, 64,
                                       extra={"block_ranks": ranks, "visible_chunks": visible, "block_chunks": bc}))
-        assert policy.resident_many(ctxs) == alone, (budget, tail)
+        assert policy.resident_many(ctxs) == alone, (budget, tail, rank)
 
 
 def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget():
@@ -145,6 +146,37 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
                        ("random-0.1-tail0.5", "unknown memory policy"), ("random-0.1.2", "not a number")):
         with pytest.raises(ConfigError, match=match):
             parse_policy(bad)
+
+
+def test_flashmemory_ranks_blocks_by_their_most_probable_chunk_or_by_the_papers_count():
+    """The default ranks a block by its most probable chunk (a needle: one chunk far above the rest),
+    `-count` by its chunks above 0.5 as FlashMemory's paper does; each breaks ties by the summed
+    probability, and the engine's per-block keys give the same blocks."""
+    from hybridkv.memory.policies import PolicyContext
+    visible = 40                      # 10 complete blocks of 4 chunks
+    probs = torch.zeros(visible)
+    probs[8] = 0.95                   # block 2: one chunk, the most probable
+    probs[20:23] = 0.6                # block 5: three chunks a little above 0.5
+    probs[28] = probs[32] = 0.7       # blocks 7 and 8: the same largest chunk, block 8 more mass
+    probs[33] = 0.3
+    by_max, by_count = parse_policy("flashmemory-0.3"), parse_policy("flashmemory-0.3-count")
+    assert (by_max.rank, by_count.rank, str(by_count)) == ("max", "count", "flashmemory-0.3-count")
+    assert str(parse_policy("flashmemory-0.3-tail0.5-count")) == "flashmemory-0.3-tail0.5-count"
+    assert parse_policy("flashmemory-count").rank == "count" and str(parse_policy("flashmemory")) == "flashmemory-0.15"
+    # budget 3 blocks: the newest (9), then two by the ranking
+    assert torch.nonzero(by_max.blocks(probs, visible, 4)).flatten().tolist() == [2, 8, 9]
+    assert torch.nonzero(by_count.blocks(probs, visible, 4)).flatten().tolist() == [5, 8, 9]
+    for policy in (by_max, by_count):
+        ranks = policy.block_ranks(probs, visible // 4, 4).numpy()
+        ctx = PolicyContext("r", 11, visible * 4, 16, 64,
+                            extra={"block_ranks": ranks, "visible_chunks": visible, "block_chunks": 4})
+        alone = policy.resident(PolicyContext("r", 11, visible * 4, 16, 64,
+                                              extra={"chunk_probs": probs, "block_chunks": 4}))
+        assert policy.resident(ctx) == alone
+    with pytest.raises(ConfigError, match="ranks blocks by"):
+        FlashMemory(rank="sum")
+    with pytest.raises(ConfigError, match="unknown memory policy"):
+        parse_policy("recency-100-count")
 
 
 def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp_path):

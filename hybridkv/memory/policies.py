@@ -19,8 +19,10 @@ being filled is always resident. Policies run when a request's prefill ends and 
   32, positions, the two rankings taking turns, three blocks from the mean for one from the last
   row) and every 64 decode steps from the last position; the newest blocks (a share of the budget,
   `tail_share`, default a twelfth, at least one; `flashmemory-B-tailT` sets it) stay, then the
-  blocks with the most chunks above 0.5 (ties: the larger summed probability) up to the budget;
-  FlashMemory's pages of 64 chunks are these blocks of 32. The engine supplies the probabilities
+  blocks whose most probable chunk is the most probable (ties: the larger summed probability) up to
+  the budget; `flashmemory-B-count` ranks them as FlashMemory's paper does, by their count of
+  chunks above 0.5 (ties: the summed probability). FlashMemory's pages of 64 chunks are these
+  blocks of 32. The engine supplies the probabilities
   (`PolicyContext.extra["chunk_probs"]`), or for a decode recall each block's ranking key
   (`"block_ranks"`, `FlashMemory.block_ranks`, with `"visible_chunks"`).
 """
@@ -124,21 +126,31 @@ class FlashMemory(MemoryPolicy):
     # the newest blocks' share of the budget (a twelfth: at 32K 72.5 % against a third's 65.0 %,
     # the same at 8K and 16K; docs/training-log.md)
     DEFAULT_TAIL_SHARE = 1 / 12
+    # how a block's chunk probabilities rank it: "max", its most probable chunk (a needle is a few
+    # chunks of a block; at 32K a needle's block has one or two chunks near 0.8 where other blocks
+    # have many a little above 0.5, docs/training-log.md), or "count", the paper's count above 0.5
+    RANKINGS = ("max", "count")
+    # the summed probability breaks ties under "max" at this weight: below any difference of two
+    # float32 probabilities of a block worth keeping, within float64's precision
+    TIE_WEIGHT = 2.0 ** -48
 
-    def __init__(self, budget: float = 0.15, tail_share: float = DEFAULT_TAIL_SHARE, turns: tuple[int, ...] = (1, 3)):
+    def __init__(self, budget: float = 0.15, tail_share: float = DEFAULT_TAIL_SHARE, turns: tuple[int, ...] = (1, 3),
+                 rank: str = "max"):
         """tail_share: the share of the budget kept as the newest blocks before any ranking takes one.
         turns: with several scores (the first recall: the prompt's last row, then the mean over its
         last rows), how many blocks each ranking takes in a turn (1 and 3: the mean found the most
-        needles at 32K, docs/training-log.md)."""
+        needles at 32K, docs/training-log.md). rank: one of `RANKINGS`."""
+        if rank not in self.RANKINGS:
+            raise ConfigError(f"flashmemory ranks blocks by {' or '.join(self.RANKINGS)}, not {rank!r}")
         if not 0 < budget <= 1:
             raise ConfigError(f"flashmemory needs a resident share in (0, 1], got {budget}")
         if not turns or min(turns) < 0 or not sum(turns):
             raise ConfigError(f"flashmemory's turns must be counts ≥ 0, not all 0, got {turns}")
         if not 0 <= tail_share <= 1:
             raise ConfigError(f"flashmemory's tail share must be in [0, 1], got {tail_share}")
-        self.budget, self.tail_share, self.turns = budget, tail_share, tuple(turns)
-        self.name = f"flashmemory-{budget:g}" + (f"-tail{tail_share:.4g}" if tail_share != self.DEFAULT_TAIL_SHARE
-                                                  else "")
+        self.budget, self.tail_share, self.turns, self.rank = budget, tail_share, tuple(turns), rank
+        self.name = (f"flashmemory-{budget:g}" + (f"-tail{tail_share:.4g}" if tail_share != self.DEFAULT_TAIL_SHARE
+                                                  else "") + ("-count" if rank == "count" else ""))
         self.scorer = None          # the memory indexer, attached by the engine
 
     def blocks(self, probs: torch.Tensor, visible: int, block_chunks: int) -> torch.Tensor:
@@ -147,13 +159,15 @@ class FlashMemory(MemoryPolicy):
         (the engine's first recall), whose block rankings then take turns filling the budget."""
         return torch.from_numpy(self._keep(probs, visible, block_chunks))
 
-    @staticmethod
-    def block_ranks(probs: torch.Tensor, blocks: int, block_chunks: int) -> torch.Tensor:
+    def block_ranks(self, probs: torch.Tensor, blocks: int, block_chunks: int) -> torch.Tensor:
         """float64 [..., blocks]: the ranking key of the first `blocks` blocks from chunk probabilities
-        [..., ≥ blocks · block_chunks]: the count of chunks above 0.5 first, their summed probability
-        breaking ties. The engine computes it on the device for every due request at once, so that a
-        recall moves a key per block to the host, not a probability per chunk."""
+        [..., ≥ blocks · block_chunks]: the largest chunk probability ("max") or the count of chunks
+        above 0.5 ("count") first, their summed probability breaking ties. The engine computes it on
+        the device for every due request at once, so that a recall moves a key per block to the
+        host, not a probability per chunk."""
         p = probs[..., :blocks * block_chunks].reshape(*probs.shape[:-1], blocks, block_chunks).double()
+        if self.rank == "max":
+            return p.amax(-1) + p.sum(-1) * self.TIE_WEIGHT
         return (p > 0.5).sum(-1).double() * (block_chunks + 1) + p.sum(-1)
 
     def _shares(self, complete: int) -> tuple[int, int, int]:
@@ -237,20 +251,21 @@ class FlashMemory(MemoryPolicy):
 
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
     """'full', 'recency-2048', 'random-0.1', 'oracle-0.1', 'oracle-8' (blocks), 'flashmemory',
-    'flashmemory-0.15' or 'flashmemory-0.15-tail0.333' (the share of the budget kept as the newest
-    blocks, default a twelfth)."""
+    'flashmemory-0.15', 'flashmemory-0.15-tail0.333' (the share of the budget kept as the newest
+    blocks, default a twelfth) and a '-count' after either (blocks ranked by their count of chunks
+    above 0.5, the paper's ranking, instead of by their most probable chunk)."""
     if isinstance(spec, MemoryPolicy):
         return spec
     t = (spec or "full").strip().lower()
     if t == "full":
         return MemoryPolicy()
-    if t == "flashmemory":
-        return FlashMemory()
-    m = re.fullmatch(r"(recency|random|oracle|flashmemory)[-:=(]?([0-9.]+[km]?)\)?(?:-tail([0-9.]+))?", t)
-    if not m or (m.group(3) is not None and m.group(1) != "flashmemory"):
+    if t in ("flashmemory", "flashmemory-count"):
+        return FlashMemory(rank="count" if t.endswith("-count") else "max")
+    m = re.fullmatch(r"(recency|random|oracle|flashmemory)[-:=(]?([0-9.]+[km]?)\)?(?:-tail([0-9.]+))?(-count)?", t)
+    if not m or ((m.group(3) is not None or m.group(4) is not None) and m.group(1) != "flashmemory"):
         raise ConfigError(f"unknown memory policy {spec!r}; use full, recency-N, random-p, oracle-K or "
-                          "flashmemory[-B[-tailT]]")
-    kind, value, tail = m.groups()
+                          "flashmemory[-B[-tailT]][-count]")
+    kind, value, tail, count = m.groups()
     try:
         number = float(value.rstrip("km"))
         tail_share = FlashMemory.DEFAULT_TAIL_SHARE if tail is None else float(tail)
@@ -261,5 +276,5 @@ def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
     if kind == "random":
         return RandomBlocks(number)
     if kind == "flashmemory":
-        return FlashMemory(number, tail_share=tail_share)
+        return FlashMemory(number, tail_share=tail_share, rank="count" if count else "max")
     return OracleTopK(number)

@@ -86,4 +86,4 @@ def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_ke
         assert float((got - want).abs().max()) < 5e-4 and 0 < float(got.std())
         key, visible_chunks = ranks[rid]
         assert visible_chunks == visible and key.shape == (visible // 32,)
-        assert np.array_equal(key, FlashMemory.block_ranks(got, visible // 32, 32).numpy())
+        assert np.array_equal(key, eng.memory.block_ranks(got, visible // 32, 32).numpy())
