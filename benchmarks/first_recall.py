@@ -1,12 +1,13 @@
 """Where FlashMemory's first recall puts each evaluation prompt's needle: the engine prefills the
-prompts of the evaluation's task generators under `flashmemory-B` (two output tokens: a request its first token ends recalls nothing), the chunk
-probabilities of the first recall (the prompt's last row and the mean over its last 32 rows) are
-kept, the needle is located by its answer's tokens in the prompt, and each block ranking ("max":
-a block's most probable chunk; "count": its chunks above 0.5, FlashMemory's paper) with each
-division of the budget between the two scores ("turns") is applied to the same probabilities.
-Prints, per prompt, the needle's blocks and their place under each score, then how many prompts
-keep all of their needle's blocks under each variant. A kept block is not an answer: the engine's
-evaluation (`hybridkv eval --memory-policy ...`) is the measure; this says why a recall lost one.
+prompts of the evaluation's task generators under `flashmemory-B` (two output tokens: a request
+that its first token ends recalls nothing), the chunk probabilities of the first recall (the
+prompt's last row and the mean over its last 32 rows) are kept, the needle is located by its
+answer's tokens in the prompt, and each block ranking ("max": a block's most probable chunk;
+"count": its chunks above 0.5, FlashMemory's paper) with each division of the budget between the
+two scores ("turns") is applied to the same probabilities. Prints, per prompt, the needle's
+blocks and their place under each score, then how many prompts keep all of their needle's blocks
+under each variant. A kept block is not an answer: the engine's evaluation (`hybridkv eval
+--memory-policy ...`) is the measure; this says why a recall lost one.
 
     python benchmarks/first_recall.py --model models/tiny-v4 --tasks passkey,niah_single_2,niah_multikey_1 \\
         --length 32768 --samples 16 --seed 3000 [--device cuda] [--budget 0.15]
@@ -56,10 +57,6 @@ def needle_positions(prompt: list[int], answer: str, tok: TaskTokenizer) -> list
     return []
 
 
-def kept_blocks(policy: FlashMemory, probs: torch.Tensor, block_chunks: int) -> np.ndarray:
-    return policy.blocks(probs, probs.shape[-1], block_chunks).numpy()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-v4"))
@@ -81,6 +78,7 @@ def main() -> int:
     block_chunks = block_tokens // llm.engine.model.layers[recorder.scorer.config.layers[0]].attn.ratio
     variants = {(rank, turns): FlashMemory(a.budget, rank=rank, turns=TURNS[turns])
                 for rank in FlashMemory.RANKINGS for turns in TURNS}
+    rankings = {rank: variants[(rank, "1:3")] for rank in FlashMemory.RANKINGS}
     kept = {v: 0 for v in variants}
     print(f"# {a.model}, {a.length} tokens, budget {a.budget}, seed {a.seed}, {len(samples)} prompts")
     print("| task | depth | needle blocks | of | place by max (last row / mean) | place by count (last row / mean) | "
@@ -93,13 +91,13 @@ def main() -> int:
         blocks = sorted({p // block_tokens for p in needle_positions(sample.prompt, sample.references[0], tok)
                          if p // block_tokens < complete})
         places = {}
-        for rank in FlashMemory.RANKINGS:
-            keys = FlashMemory(a.budget, rank=rank).block_ranks(probs, complete, block_chunks).numpy()
+        for rank, policy in rankings.items():
+            keys = policy.block_ranks(probs, complete, block_chunks).numpy()
             orders = [np.argsort(-k, kind="stable") for k in keys]
             places[rank] = " / ".join(",".join(str(int(np.flatnonzero(o == b)[0])) for b in blocks) for o in orders)
         marks = []
         for v, policy in variants.items():
-            keep = kept_blocks(policy, probs, block_chunks)
+            keep = policy.blocks(probs, probs.shape[-1], block_chunks).numpy()
             ok = bool(blocks) and all(keep[b] for b in blocks)
             kept[v] += ok
             marks.append("yes" if ok else "no")

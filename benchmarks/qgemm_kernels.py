@@ -6,9 +6,9 @@ dense-copy path runs) and the prefill path through torch's block-scaled matmul
 (`hybridkv.ops.qgemm.scaled`, its activation quantisation included); then the routed experts (256 × 2048, top-6) as the two
 grouped FP4 launches for 1 to 4096 tokens, against the bytes of the experts those tokens selected;
 then the widened decode linears (`--float-rows`: the bf16 compressor stacks and the MoE gate, float32
-out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--fp8-exact` times `wo_a` (the grouped output projection packed back to FP8,
-`hybridkv.ops.qgemm.fp8_exact.grouped_rows`) against the widened weight's einsum, `--sweep` with it
-its tiles. `--block 32` times the FP8 linears at
+out, `hybridkv.ops.qgemm.float_rows`) against torch's GEMM. `--fp8-exact` times `wo_a` (the grouped
+output projection packed back to FP8, `hybridkv.ops.qgemm.fp8_exact.grouped_rows`) against the
+widened weight's einsum, `--sweep` with it its tiles. `--block 32` times the FP8 linears at
 V4.1-Flash's shapes with its 32×32 scale tiles (the Triton GEMM against the FP8 tensor-core kernel,
 which decode runs unless `HYBRIDKV_FP8_MMA=0`).
 `--sweep` also times a grid of tile configurations at the `--sweep-rows` row counts and prints the
@@ -183,8 +183,8 @@ def fp8_exact_rows(a, cuda: bool, dev: str) -> None:
     q, s = quant_fp8_weight(torch.randn(g * r, k, device=dev) * 0.02, (128, 128))
     dense = dequant_fp8_weight(q, s, (128, 128), dt).view(g, r, k)
     packed_copies, dense_copies = copies((q, s), a.cold and cuda), copies((dense,), a.cold and cuda)
-    print("\n| wo_a (grouped, FP8 packed back) | G × R × K | rows | grouped_rows ms | GB/s (weight) | default tiles | "
-          "best ms | GB/s | best tiles | bf16 einsum ms |")
+    print("\n| wo_a (grouped, FP8 packed back) | G × R × K | rows | grouped_rows ms | GB/s (weight) | "
+          "default tiles | best ms | GB/s | best tiles | bf16 einsum ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in a.rows:
         x = torch.randn(m, g, k, device=dev).to(dt)

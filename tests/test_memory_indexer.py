@@ -83,8 +83,9 @@ def test_a_recalls_requests_ranked_together_keep_what_each_keeps_alone():
     probabilities make common) going to the lower block as there."""
     from hybridkv.memory.policies import PolicyContext
     g = torch.Generator().manual_seed(11)
-    for budget, tail, rank in ((0.15, FlashMemory.DEFAULT_TAIL_SHARE, "max"), (0.15, FlashMemory.DEFAULT_TAIL_SHARE, "count"),
-                               (0.3, 0.2, "max"), (0.5, 0.0, "count"), (1.0, 0.5, "max")):
+    twelfth = FlashMemory.DEFAULT_TAIL_SHARE
+    for budget, tail, rank in ((0.15, twelfth, "max"), (0.15, twelfth, "count"), (0.3, 0.2, "max"),
+                               (0.5, 0.0, "count"), (1.0, 0.5, "max")):
         policy = FlashMemory(budget, tail_share=tail, rank=rank)
         ctxs, alone = [], []
         for r in range(40):

@@ -83,7 +83,8 @@ def compute_losses(model, ids: torch.Tensor, supervised: torch.Tensor, out: Trai
 
 
 @torch.no_grad()
-def update_gate_biases(model, counts: dict[int, torch.Tensor], rate: float, layers: list | None = None) -> dict[str, float]:
+def update_gate_biases(model, counts: dict[int, torch.Tensor], rate: float,
+                       layers: list | None = None) -> dict[str, float]:
     """bias_e += rate · sign(mean load − load_e) on every biased gate (of `layers`, default every
     layer and MTP block); returns load statistics (max/mean expert load, averaged over them) for the
     log."""
