@@ -200,6 +200,8 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
         base_identity = load_base_model(model, Path(init_from))
     if recipe.trains is not None:
         freeze_all_but(model, recipe.trains)
+    # no main layer trains (a recipe that trains only the MTP block): the forward runs them without gradients
+    trunk_frozen = not any(p.requires_grad for layer in model.layers for p in layer.parameters())
     # the selection bias moves by the balance rule only, and only in the layers that train
     balanced = [layer for layer in [*model.layers, *model.mtp]
                 if any(p.requires_grad for p in layer.parameters())]
@@ -262,7 +264,7 @@ def train(recipe: Recipe, run_dir: str | Path, device: str = "cpu", max_minutes:
             opts = TrainOptions(dense_indexer=st.dense_indexer, qat_experts=st.qat_experts, qat_indexer=True,
                                 kl_queries=recipe.kl_queries,
                                 reuse_layers_train_indexer=recipe.reuse_layers_train_indexer,
-                                mtp_chain=recipe.mtp_chain, frozen_trunk=recipe.trains == "mtp.")
+                                mtp_chain=recipe.mtp_chain, frozen_trunk=trunk_frozen)
             if autocast is not None:
                 with autocast:
                     out = train_forward(model, ids, opts, gen)
