@@ -227,7 +227,7 @@ def test_fixed_shape_forward_is_refused_where_the_paged_path_does_not_run(fp8_ll
         eng.store.kernel_formats = None
 
 
-@pytest.mark.parametrize("policy", ["recency-256", "flashmemory-0.3"])
+@pytest.mark.parametrize("policy", ["recency-256", "flashmemory-0.5"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_offloading_policies_decode_through_the_fixed_shape_forward(fixtures, warm_start_indexer, policy,
                                                                     async_scheduling, monkeypatch):

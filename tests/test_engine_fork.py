@@ -33,7 +33,7 @@ def run_all(eng):
     eng.store.pool.check()
 
 
-@pytest.mark.parametrize("policy,paged", [("full", False), ("recency-256", False), ("flashmemory-0.3", True)])
+@pytest.mark.parametrize("policy,paged", [("full", False), ("recency-256", False), ("flashmemory-0.5", True)])
 def test_forks_decode_what_the_request_decodes(fixtures, warm_start_indexer, policy, paged):
     ids = prompts_of([PROMPT], seed=4)[0]
     params = SamplingParams(max_tokens=DECODED, ignore_eos=True)

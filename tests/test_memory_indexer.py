@@ -102,7 +102,7 @@ def test_a_recalls_requests_ranked_together_keep_what_each_keeps_alone():
 
 
 def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget():
-    policy = FlashMemory(0.3)
+    policy = FlashMemory(0.4)
     visible = 42                      # 10 complete blocks of 4 chunks, block 10 being filled
     probs = torch.zeros(visible)
     probs[4:7] = 0.9                  # block 1: three chunks above 0.5
@@ -111,11 +111,11 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     probs[28:32] = 0.4
     keep = policy.chunks(probs, visible, 4)
     blocks = sorted({i // 4 for i in torch.nonzero(keep).flatten().tolist()})
-    # budget 3 blocks of 10: the newest (a twelfth of the budget, at least one), the two densest, the filling block
+    # budget 4 blocks of 11: the newest (a twelfth of the budget, at least one), the two densest, the filling block
     assert blocks == [1, 5, 9, 10]
     assert keep.numel() == visible and int(keep.sum()) == 3 * 4 + 2
     # ties in the count go to the larger summed probability: block 7 (4 × 0.4) over block 3 (empty)
-    tie = FlashMemory(0.5, tail_share=0.2)
+    tie = FlashMemory(0.55, tail_share=0.2)            # 6 of 11 blocks: 5 complete ones, 1 the newest
     blocks = sorted({i // 4 for i in torch.nonzero(tie.chunks(probs, visible, 4)).flatten().tolist()})
     assert blocks == [1, 5, 6, 7, 9, 10]
     # two scores (the engine's first recall: the prompt's last row, the mean over its last rows): their
@@ -123,13 +123,13 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     other = torch.zeros(visible)
     other[32:36] = 0.9                # block 8 first, then block 1 (also the first score's best)
     other[4:6] = 0.6
-    two = FlashMemory(0.5, tail_share=0.2, turns=(1, 1))     # 5 blocks: the newest and four from the rankings
+    two = FlashMemory(0.55, tail_share=0.2, turns=(1, 1))    # 5 blocks: the newest and four from the rankings
     keep = two.chunks(torch.stack([probs, other]), visible, 4)
     blocks = sorted({i // 4 for i in torch.nonzero(keep).flatten().tolist()})
     # 1 (first), 8 (second), 5 (first), then the second's next: its 1 is taken, its zeros go in block order
     assert blocks == [0, 1, 5, 8, 9, 10]
     # the default turns take one block from the first ranking, then three from the second: 1; 8, 0, 2
-    blocks = torch.nonzero(FlashMemory(0.5, tail_share=0.2).blocks(torch.stack([probs, other]), visible, 4))
+    blocks = torch.nonzero(FlashMemory(0.55, tail_share=0.2).blocks(torch.stack([probs, other]), visible, 4))
     assert blocks.flatten().tolist() == [0, 1, 2, 8, 9, 10]
     with pytest.raises(ConfigError, match="turns"):
         FlashMemory(turns=(0, 0))
@@ -139,8 +139,8 @@ def test_flashmemory_keeps_the_newest_then_the_densest_blocks_up_to_its_budget()
     with pytest.raises(ConfigError, match="resident share"):
         parse_policy("flashmemory-1.5")
     # the tail share by name: the newest blocks a recall keeps whatever the scores say
-    tail = parse_policy("flashmemory-0.5-tail0.7")      # 4 of the 5 blocks the newest (6-9), then block 1
-    assert (tail.budget, tail.tail_share, str(tail)) == (0.5, 0.7, "flashmemory-0.5-tail0.7")
+    tail = parse_policy("flashmemory-0.55-tail0.7")      # 4 of the 5 blocks the newest (6-9), then block 1
+    assert (tail.budget, tail.tail_share, str(tail)) == (0.55, 0.7, "flashmemory-0.55-tail0.7")
     assert torch.nonzero(tail.blocks(probs, visible, 4)).flatten().tolist() == [1, 6, 7, 8, 9, 10]
     for bad, match in (("flashmemory-0.15-tail1.5", "tail share"), ("flashmemory-0.15-tail1.2.3", "not a number"),
                        ("flashmemory-0.15-tail", "unknown memory policy"),
@@ -160,11 +160,11 @@ def test_flashmemory_ranks_blocks_by_their_most_probable_chunk_or_by_the_papers_
     probs[20:23] = 0.6                # block 5: three chunks a little above 0.5
     probs[28] = probs[32] = 0.7       # blocks 7 and 8: the same largest chunk, block 8 more mass
     probs[33] = 0.3
-    by_max, by_count = parse_policy("flashmemory-0.3"), parse_policy("flashmemory-0.3-count")
-    assert (by_max.rank, by_count.rank, str(by_count)) == ("max", "count", "flashmemory-0.3-count")
+    by_max, by_count = parse_policy("flashmemory-0.4"), parse_policy("flashmemory-0.4-count")
+    assert (by_max.rank, by_count.rank, str(by_count)) == ("max", "count", "flashmemory-0.4-count")
     assert str(parse_policy("flashmemory-0.3-tail0.5-count")) == "flashmemory-0.3-tail0.5-count"
     assert parse_policy("flashmemory-count").rank == "count" and str(parse_policy("flashmemory")) == "flashmemory-0.15"
-    # budget 3 blocks: the newest (9), then two by the ranking
+    # budget 4 blocks of 11 with the one the next chunk opens: the newest (9), then two by the ranking
     assert torch.nonzero(by_max.blocks(probs, visible, 4)).flatten().tolist() == [2, 8, 9]
     assert torch.nonzero(by_count.blocks(probs, visible, 4)).flatten().tolist() == [5, 8, 9]
     for policy in (by_max, by_count):

@@ -40,7 +40,33 @@ def test_policies_choose_blocks():
     assert Recency(300).resident(ctx) == {7, 8, 9}
     assert OracleTopK(2).resident(ctx) == {1, 3, 9}            # top mass among complete blocks + newest
     r = RandomBlocks(0.34).resident(ctx)
-    assert len(r) == 4 and 9 in r and r == RandomBlocks(0.34).resident(ctx)
+    assert len(r) == 3 and 9 in r and r == RandomBlocks(0.34).resident(ctx)
+
+
+def test_a_share_of_the_blocks_counts_the_one_being_filled():
+    """`-p` below 1 keeps ⌊p·n⌋ of a request's n blocks, the one being filled among them, under every
+    policy: at 32K (256 blocks) 0.15 keeps 38, 14.8 % of `full`'s CSA main entries, not 39."""
+    from hybridkv.memory.policies import FlashMemory, complete_blocks_kept
+    assert [complete_blocks_kept(0.15, c) for c in (255, 15, 5, 0)] == [37, 1, 0, 0]
+    assert complete_blocks_kept(0.15, 19) == 2          # 0.15 · 20 is 3 however the product rounds
+    ctx = PolicyContext("r", num_blocks=256, position=32700, block_tokens=128, decode_steps=0,
+                        attention_mass=torch.arange(256.0))
+    for policy in (parse_policy("recency-0.15"), RandomBlocks(0.15), OracleTopK(0.15)):
+        kept = policy.resident(ctx)
+        assert len(kept) == 38 and 255 in kept, policy
+    assert parse_policy("recency-0.15").resident(ctx) == set(range(218, 256))
+    assert OracleTopK(0.15).resident(ctx) == set(range(218, 256))   # the most mass: the highest complete blocks
+    assert str(parse_policy("recency-0.15")) == "recency-0.15" and str(parse_policy("recency-1k")) == "recency-1024"
+    with pytest.raises(ConfigError, match="share in"):
+        Recency(share=1.0)
+    probs = torch.rand(256 * 32, generator=torch.Generator().manual_seed(0))
+    assert int(FlashMemory(0.15).blocks(probs, 255 * 32 + 7, 32).sum()) == 38
+    # 2K (15 complete blocks): one complete block, which the ranking chooses, not the newest
+    probs = torch.zeros(15 * 32 + 3)
+    probs[3 * 32 + 5] = 0.9
+    assert torch.nonzero(FlashMemory(0.15).blocks(probs, probs.numel(), 32)).flatten().tolist() == [3, 15]
+    # a budget of two complete blocks still keeps the newest, and the ranking's best
+    assert torch.nonzero(FlashMemory(0.2).blocks(probs, probs.numel(), 32)).flatten().tolist() == [3, 14, 15]
 
 
 def test_offload_with_everything_resident_matches_full(fixtures):
@@ -85,7 +111,7 @@ def test_oracle_uses_prompt_end_attention(fixtures):
     assert seq.device_kv_bytes["CSA main"] == 3 * llm.engine.store.page_bytes()  # top 2 + newest
 
 
-@pytest.mark.parametrize("policy", ["recency-512", "flashmemory-0.3"])
+@pytest.mark.parametrize("policy", ["recency-512", "flashmemory-0.5"])
 def test_a_prefix_hit_under_an_offloading_policy_equals_the_request_computed_whole(fixtures, policy,
                                                                                    warm_start_indexer):
     """A second request over the same prompt takes its blocks from the prefix cache: their CSA
@@ -138,12 +164,12 @@ def test_flashmemory_recalls_what_its_scorer_names_at_its_cadence(fixtures, warm
             p[160:192] = 0.9                   # block 5's
         return p
     monkeypatch.setattr(EngineCore, "_memory_scores", scores)
-    ids = prompt(1500, seed=2)                 # 12 blocks: 11 complete, budget 0.2 -> 2 blocks
-    llm, seq = run(fixtures, "flashmemory-0.2", ids, max_tokens=70, memory_indexer=str(warm_start_indexer))
+    ids = prompt(1500, seed=2)                 # 12 blocks: 11 complete, budget 0.25 -> 3 blocks
+    llm, seq = run(fixtures, "flashmemory-0.25", ids, max_tokens=70, memory_indexer=str(warm_start_indexer))
     assert calls == [(1, 375), (65, 391)]      # the prefill's end, then 64 decode steps later
     store = llm.engine.store
-    # first call: 11 complete blocks, budget round(0.2 * 11) = 2: block 10 (newest) and block 5, plus
-    # block 11 being filled: 9 evicted. Second: 12 complete, blocks 11 and 2 and the filling 12:
+    # first call: 11 complete blocks and the one being filled, budget ⌊0.25 · 12⌋ = 3: block 10 (newest),
+    # block 5 and block 11 being filled: 9 evicted. Second: ⌊0.25 · 13⌋ = 3, blocks 11 and 2 and the filling 12:
     # block 2 comes back from host memory, 10 and 5 leave
     assert llm.engine.stats.pages_evicted == 9 + 2 and llm.engine.stats.pages_loaded == 1
     assert seq.device_kv_bytes["CSA main"] == 3 * store.page_bytes()
@@ -174,8 +200,8 @@ def test_the_first_recall_scores_from_the_prompts_last_rows_however_it_was_chunk
     monkeypatch.setattr(FlashMemory, "resident", spy)
     ids = prompt(778, seed=8)
     kw = dict(memory_indexer=str(warm_start_indexer), max_tokens=66)
-    run(fixtures, "flashmemory-0.3", ids, max_num_batched_tokens=1024, **kw)
-    run(fixtures, "flashmemory-0.3", ids, max_num_batched_tokens=384, **kw)     # chunks of 384, 384, 10
+    run(fixtures, "flashmemory-0.5", ids, max_num_batched_tokens=1024, **kw)
+    run(fixtures, "flashmemory-0.5", ids, max_num_batched_tokens=384, **kw)     # chunks of 384, 384, 10
     assert [c[0] for c in calls] == [list(range(746, 778)), [841]] * 2
     (_, whole, _), (_, one_row, _), (_, chunked, _) = calls[0], calls[1], calls[2]
     assert all(x.shape[0] == 1 for x in one_row.values())
@@ -186,7 +212,7 @@ def test_the_first_recall_scores_from_the_prompts_last_rows_however_it_was_chunk
     assert torch.allclose(policy_probs[0][1], calls[0][2].mean(0), atol=1e-6)     # the mean over 32
     assert torch.allclose(policy_probs[0], policy_probs[2], atol=1e-5)
 
-    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=1, memory_policy="flashmemory-0.3",
+    llm = LLM(fixtures / "v4-tiny", num_blocks=32, max_num_seqs=1, memory_policy="flashmemory-0.5",
               memory_indexer=str(warm_start_indexer))
     assert llm.engine.prefix.compute_tail == 32
     for n in range(2):

@@ -56,7 +56,8 @@ class EngineConfig:
     snapshot_bytes: int = 256 << 20      # window-state snapshots kept for prefix hits
     enable_prefix_caching: bool | None = None   # default: on (with an offloading memory policy too)
     max_model_len: int | None = None     # longest request (default: max_position_embeddings)
-    # the CSA KV kept on the device: full | recency-N | random-p | oracle-K | flashmemory[-B[-tailT]][-count]
+    # the CSA KV kept on the device:
+    # full | recency-N | recency-p | random-p | oracle-K | flashmemory[-B[-tailT]][-count]
     memory_policy: str = "full"
     memory_indexer: str | None = None    # flashmemory: its weights (default: MODEL_DIR/memory_indexer.safetensors)
     resident_pages: int | None = None    # device pages for resident CSA KV when the policy offloads
@@ -178,9 +179,9 @@ class EngineConfig:
         g.add_argument("--snapshot-bytes", type=_size, default=d.snapshot_bytes,
                        help="memory for window-state snapshots kept for prefix hits (e.g. 256M; default 256M)")
         g.add_argument("--memory-policy", default=d.memory_policy,
-                       help="the CSA KV kept on the device while decoding: full | recency-N | random-p | oracle-K | "
-                            "flashmemory[-B[-tailT]][-count] (eval: a comma-separated list, run in turn; default: "
-                            "%(default)s)")
+                       help="the CSA KV kept on the device while decoding: full | recency-N | recency-p | random-p | "
+                            "oracle-K | flashmemory[-B[-tailT]][-count] (eval: a comma-separated list, run in turn; "
+                            "default: %(default)s)")
         g.add_argument("--memory-indexer", default=d.memory_indexer,
                        help="flashmemory: the memory indexer's weights (default: MODEL_DIR/memory_indexer.safetensors, "
                             "written by hybridkv train-memory-indexer)")

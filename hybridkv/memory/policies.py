@@ -7,18 +7,23 @@ the window and compressor state always stay on the device (FlashMemory's split t
 being filled is always resident. Policies run when a request's prefill ends and then every
 `interval` decode steps.
 
+A share p of the blocks (the `-p` of `recency`, `random`, `oracle` and `flashmemory` below 1) counts
+the block being filled: a request holding n blocks keeps ⌊p·n⌋ of them, at least the one being
+filled, so that its resident CSA main entries are at most that share of `full`'s.
+
 - `full`: every block (no offload).
-- `recency-N`: the blocks holding the last N tokens.
-- `random-p`: a random fraction p of the complete blocks, redrawn every interval, plus the newest.
-- `oracle-K`: the K blocks (K < 1: that fraction of the complete blocks) with the highest
+- `recency-N`: the blocks holding the last N tokens; `recency-p` (p < 1): the newest share p.
+- `random-p`: a random share p of the blocks, redrawn every interval, the one being filled always.
+- `oracle-K`: the K complete blocks (K < 1: a share of the blocks) with the highest
   attention mass from the prompt's final query tokens with full attention (an upper bound that
   reads the question).
 - `flashmemory-B` (FlashMemory's lookahead recall; B, default 0.15, the resident share of the
-  complete blocks): the memory indexer (`memory.indexer`) scores every existing chunk at the end of
+  blocks): the memory indexer (`memory.indexer`) scores every existing chunk at the end of
   the prefill (twice: from the prompt's last position and as the mean over its last `query_rows`,
   32, positions, the two rankings taking turns, three blocks from the mean for one from the last
   row) and every 64 decode steps from the last position; the newest blocks (a share of the budget,
-  `tail_share`, default a twelfth, at least one; `flashmemory-B-tailT` sets it) stay, then the
+  `tail_share`, default a twelfth, at least one where the budget holds two complete blocks;
+  `flashmemory-B-tailT` sets it) stay, then the
   blocks whose most probable chunk is the most probable (ties: the larger summed probability) up to
   the budget; `flashmemory-B-count` ranks them as FlashMemory's paper does, by their count of
   chunks above 0.5 (ties: the summed probability). FlashMemory's pages of 64 chunks are these
@@ -29,6 +34,7 @@ being filled is always resident. Policies run when a request's prefill ends and 
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -53,6 +59,14 @@ class PolicyContext:
     extra: dict = field(default_factory=dict)
 
 
+def complete_blocks_kept(share: float, complete: int) -> int:
+    """The complete blocks a resident `share` of a request's blocks allows: ⌊share·(complete + 1)⌋
+    blocks with the one being filled, which is always resident (at 32K, 256 blocks at 0.15: 37
+    complete blocks and the one being filled, 14.8 %)."""
+    # the tolerance keeps a product that is an integer in exact arithmetic (0.15 · 20) from flooring below it
+    return max(1, math.floor(share * (complete + 1) + 1e-9)) - 1
+
+
 class MemoryPolicy:
     name = "full"
     interval = 64
@@ -74,13 +88,22 @@ class MemoryPolicy:
 class Recency(MemoryPolicy):
     offloads = True
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int = 0, share: float | None = None):
+        """The blocks holding the last `tokens` tokens, or the newest `share` of the blocks."""
+        if share is not None:
+            if not 0 < share < 1:
+                raise ConfigError(f"recency needs a share in (0, 1), got {share}")
+            self.tokens, self.share, self.name = 0, share, f"recency-{share:g}"
+            return
         if tokens <= 0:
             raise ConfigError(f"recency needs a positive token count, got {tokens}")
-        self.tokens, self.name = tokens, f"recency-{tokens}"
+        self.tokens, self.share, self.name = tokens, None, f"recency-{tokens}"
 
     def resident(self, ctx: PolicyContext) -> set[int]:
-        first = max(0, (ctx.position - self.tokens) // ctx.block_tokens)
+        if self.share is not None:
+            first = ctx.num_blocks - 1 - complete_blocks_kept(self.share, ctx.num_blocks - 1)
+        else:
+            first = max(0, (ctx.position - self.tokens) // ctx.block_tokens)
         return set(range(first, ctx.num_blocks)) | {ctx.num_blocks - 1}
 
 
@@ -95,7 +118,7 @@ class RandomBlocks(MemoryPolicy):
     def resident(self, ctx: PolicyContext) -> set[int]:
         complete = ctx.num_blocks - 1
         rng = random.Random(f"{ctx.seed}/{ctx.request_id}/{ctx.decode_steps // self.interval}")
-        k = round(self.fraction * complete)
+        k = complete_blocks_kept(self.fraction, complete)
         return set(rng.sample(range(complete), k)) | {ctx.num_blocks - 1}
 
 
@@ -113,7 +136,7 @@ class OracleTopK(MemoryPolicy):
         complete = ctx.num_blocks - 1
         if mass is None:
             raise RuntimeError("oracle policy without captured attention mass")
-        k = round(self.k * complete) if self.k < 1 else int(self.k)
+        k = complete_blocks_kept(self.k, complete) if self.k < 1 else int(self.k)
         top = torch.topk(mass[:complete].float(), min(k, complete)).indices.tolist() if complete else []
         return set(top) | {ctx.num_blocks - 1}
 
@@ -171,9 +194,15 @@ class FlashMemory(MemoryPolicy):
         return (p > 0.5).sum(-1).double() * (block_chunks + 1) + p.sum(-1)
 
     def _shares(self, complete: int) -> tuple[int, int, int]:
-        """(budget, newest blocks kept, blocks the ranking chooses) of a request with `complete` blocks."""
-        budget = max(1, round(self.budget * complete)) if complete else 0
-        tail = min(budget, max(1, round(self.tail_share * budget))) if complete else 0
+        """(complete blocks kept, the newest of them, those the ranking chooses) of a request with
+        `complete` blocks and the one being filled. The newest take at least one block only where
+        the budget leaves the ranking one too: at 2K, 16 blocks at 0.15 keep one complete block,
+        and the ranking chooses it."""
+        budget = complete_blocks_kept(self.budget, complete)
+        tail = round(self.tail_share * budget)
+        if budget >= 2:
+            tail = max(1, tail)
+        tail = min(budget, tail)
         return budget, tail, min(budget - tail, complete)
 
     def _keep(self, probs: torch.Tensor, visible: int, block_chunks: int) -> np.ndarray:
@@ -250,10 +279,11 @@ class FlashMemory(MemoryPolicy):
 
 
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
-    """'full', 'recency-2048', 'random-0.1', 'oracle-0.1', 'oracle-8' (blocks), 'flashmemory',
-    'flashmemory-0.15', 'flashmemory-0.15-tail0.333' (the share of the budget kept as the newest
-    blocks, default a twelfth) and a '-count' after either (blocks ranked by their count of chunks
-    above 0.5, the paper's ranking, instead of by their most probable chunk)."""
+    """'full', 'recency-2048', 'recency-0.15' (a share of the blocks), 'random-0.1', 'oracle-0.1',
+    'oracle-8' (blocks), 'flashmemory', 'flashmemory-0.15', 'flashmemory-0.15-tail0.333' (the share
+    of the budget kept as the newest blocks, default a twelfth) and a '-count' after either (blocks
+    ranked by their count of chunks above 0.5, the paper's ranking, instead of by their most
+    probable chunk)."""
     if isinstance(spec, MemoryPolicy):
         return spec
     t = (spec or "full").strip().lower()
@@ -272,6 +302,8 @@ def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
     except ValueError:
         raise ConfigError(f"memory policy {spec!r}: {value!r} or {tail!r} is not a number") from None
     if kind == "recency":
+        if number < 1 and value[-1] not in "km":
+            return Recency(share=number)
         return Recency(int(number * {"k": 1024, "m": 1 << 20}.get(value[-1], 1)))
     if kind == "random":
         return RandomBlocks(number)

@@ -51,7 +51,7 @@ def test_flashmemory_scores_the_recalls_due_in_a_step_at_once_over_the_stored_ke
     from hybridkv.presets import load_config
     path = MemoryIndexer.random(load_config(FP8_FIXTURE)).save(tmp_path)
     eng = LLM(FP8_FIXTURE, num_blocks=32, max_num_seqs=2, max_num_batched_tokens=1024, kv_format="fp8",
-              memory_policy="flashmemory-0.3", memory_indexer=str(path)).engine
+              memory_policy="flashmemory-0.5", memory_indexer=str(path)).engine
     g = torch.Generator().manual_seed(5)
     seqs = [eng.add_request(torch.randint(10, 500, (n,), generator=g).tolist(),
                             SamplingParams(max_tokens=66, ignore_eos=True)) for n in (509, 430)]
