@@ -56,6 +56,16 @@ def test_a_share_of_the_blocks_counts_the_one_being_filled():
         assert len(kept) == 38 and 255 in kept, policy
     assert parse_policy("recency-0.15").resident(ctx) == set(range(218, 256))
     assert OracleTopK(0.15).resident(ctx) == set(range(218, 256))   # the most mass: the highest complete blocks
+    # a prompt that ends a block (32,768 tokens): 256 complete blocks, and the one the first decoded
+    # token opens counts towards the share: 37 of them now, 38 blocks with it
+    ended = PolicyContext("r", num_blocks=256, position=32768, block_tokens=128, decode_steps=0,
+                          attention_mass=torch.arange(256.0))
+    for policy in (parse_policy("recency-0.15"), RandomBlocks(0.15), OracleTopK(0.15)):
+        assert len(policy.resident(ended)) == 37, policy
+    assert parse_policy("recency-0.15").resident(ended) == set(range(219, 256))
+    ranked = FlashMemory(0.15)
+    ended.extra = {"chunk_probs": torch.rand(256 * 32, generator=torch.Generator().manual_seed(1)), "block_chunks": 32}
+    assert len(ranked.resident(ended)) == 37
     assert str(parse_policy("recency-0.15")) == "recency-0.15" and str(parse_policy("recency-1k")) == "recency-1024"
     with pytest.raises(ConfigError, match="share in"):
         Recency(share=1.0)

@@ -50,7 +50,8 @@ class PolicyContext:
     """What a policy may look at for one request."""
 
     request_id: str
-    num_blocks: int            # blocks the request holds (the last one is being filled)
+    # blocks the request holds: the last one is being filled, or complete where `position` ends a block
+    num_blocks: int
     position: int              # positions computed so far
     block_tokens: int
     decode_steps: int          # decode steps since the prefill ended
@@ -84,6 +85,17 @@ class MemoryPolicy:
     def __str__(self) -> str:
         return self.name
 
+    @staticmethod
+    def complete_blocks(ctx: PolicyContext) -> int:
+        """The request's complete blocks: all it holds when its positions end a block (the next one,
+        to be filled, is not yet allocated and counts towards a share when it is)."""
+        return min(ctx.position // ctx.block_tokens, ctx.num_blocks)
+
+    @classmethod
+    def filling_blocks(cls, ctx: PolicyContext) -> set[int]:
+        """The block being filled, always resident (none until the next one is allocated)."""
+        return set(range(cls.complete_blocks(ctx), ctx.num_blocks))
+
 
 class Recency(MemoryPolicy):
     offloads = True
@@ -101,10 +113,11 @@ class Recency(MemoryPolicy):
 
     def resident(self, ctx: PolicyContext) -> set[int]:
         if self.share is not None:
-            first = ctx.num_blocks - 1 - complete_blocks_kept(self.share, ctx.num_blocks - 1)
+            complete = self.complete_blocks(ctx)
+            first = complete - complete_blocks_kept(self.share, complete)
         else:
             first = max(0, (ctx.position - self.tokens) // ctx.block_tokens)
-        return set(range(first, ctx.num_blocks)) | {ctx.num_blocks - 1}
+        return set(range(first, ctx.num_blocks)) | self.filling_blocks(ctx)
 
 
 class RandomBlocks(MemoryPolicy):
@@ -116,10 +129,10 @@ class RandomBlocks(MemoryPolicy):
         self.fraction, self.name = fraction, f"random-{fraction:g}"
 
     def resident(self, ctx: PolicyContext) -> set[int]:
-        complete = ctx.num_blocks - 1
+        complete = self.complete_blocks(ctx)
         rng = random.Random(f"{ctx.seed}/{ctx.request_id}/{ctx.decode_steps // self.interval}")
         k = complete_blocks_kept(self.fraction, complete)
-        return set(rng.sample(range(complete), k)) | {ctx.num_blocks - 1}
+        return set(rng.sample(range(complete), k)) | self.filling_blocks(ctx)
 
 
 class OracleTopK(MemoryPolicy):
@@ -133,12 +146,12 @@ class OracleTopK(MemoryPolicy):
 
     def resident(self, ctx: PolicyContext) -> set[int]:
         mass = ctx.attention_mass
-        complete = ctx.num_blocks - 1
+        complete = self.complete_blocks(ctx)
         if mass is None:
             raise RuntimeError("oracle policy without captured attention mass")
         k = complete_blocks_kept(self.k, complete) if self.k < 1 else int(self.k)
         top = torch.topk(mass[:complete].float(), min(k, complete)).indices.tolist() if complete else []
-        return set(top) | {ctx.num_blocks - 1}
+        return set(top) | self.filling_blocks(ctx)
 
 
 class FlashMemory(MemoryPolicy):
@@ -265,7 +278,7 @@ class FlashMemory(MemoryPolicy):
         chosen = above | (at & (np.cumsum(at, axis=1) <= (need - above.sum(1))[:, None]))
         for row, (i, (complete, tail, _, n_blocks)) in enumerate(zip(ranked, shapes)):
             out[i] = set(np.flatnonzero(chosen[row]).tolist()) | set(range(complete - tail, n_blocks)) \
-                | {ctxs[i].num_blocks - 1}
+                | self.filling_blocks(ctxs[i])
         return out
 
     def resident(self, ctx: PolicyContext) -> set[int]:
@@ -275,7 +288,7 @@ class FlashMemory(MemoryPolicy):
         if probs is None:
             raise RuntimeError("flashmemory policy without memory-indexer scores")
         keep = self._keep(probs, probs.shape[-1], ctx.extra["block_chunks"])
-        return set(np.flatnonzero(keep).tolist()) | {ctx.num_blocks - 1}
+        return set(np.flatnonzero(keep).tolist()) | self.filling_blocks(ctx)
 
 
 def parse_policy(spec: str | MemoryPolicy | None) -> MemoryPolicy:
