@@ -261,11 +261,13 @@ def config(n: int, k: int, block: int = SCALE_BLOCK) -> dict:
     """MT (16-row tiles per block) and WK (warps splitting K) for an [n, k] weight with `block`×`block`
     scale tiles.
 
-    128 (V4): more rows a block for wide weights, each warp two of the 128-input chunks, at most 16
-    warps over the block's tiles (MT·WK ≤ 16). Fitted on the H100 with cold weights at V4-Flash's
-    FP8 linears (`benchmarks/qgemm_kernels.py --sweep --cold --families fp8-mma`, 1 and 8 rows): wkv
-    4.1 -> 3.5 µs, the shared expert's w1/w3 5.2 -> 4.8 and w2 4.8 -> 4.0 at one row, wo_b's
-    unchanged (docs/training-log.md).
+    128 (V4): more rows a block for wide weights; each warp two of the 128-input chunks, at most 16
+    warps over a block's tiles (MT·WK ≤ 16), except where the weight is wide enough (MT 4) that its
+    blocks alone fill the SMs: four chunks a warp. The fastest configuration at every V4-Flash FP8
+    linear on an H100 with cold weights (`benchmarks/qgemm_kernels.py --sweep --cold --families
+    fp8-mma`, 1 and 8 rows; one row: wkv 4.2 -> 3.5 µs, the shared expert's w1/w3 5.2 -> 4.8, its
+    w2 and the indexer's wq_b from over 4.8 and 4.5 to 4.1 and 3.9, wq_a, wq_b and wo_b as the
+    former fit); the engine's step did not move (docs/training-log.md).
 
     32 (V4.1, whose 8-byte weight loads per block keep fewer bytes in flight a warp): one 16-row tile
     a block (wq_b's 32768 rows: four, two warps), four warps over K, sixteen where that leaves fewer
@@ -280,7 +282,7 @@ def config(n: int, k: int, block: int = SCALE_BLOCK) -> dict:
     mt = 4 if n >= 16384 else (2 if n >= 4096 else 1)
     while n % (16 * mt):
         mt //= 2
-    return {"MT": mt, "WK": max(1, min(16 // mt, chunks // 2))}
+    return {"MT": mt, "WK": max(1, min(16 // mt, chunks // (4 if mt == 4 else 2)))}
 
 
 def source(x_dtype: torch.dtype, y_dtype: torch.dtype, mt: int, wk: int, block: int = SCALE_BLOCK,
