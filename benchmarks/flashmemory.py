@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridkv.cli import _parse_count  # noqa: E402
+from hybridkv.memory.policies import complete_blocks_kept  # noqa: E402
 from decode_context import sync  # noqa: E402  (this folder is on sys.path)
 from engine_gpu import collect_rows, emit, ensure_checkpoint, fmt, fmt_bytes  # noqa: E402
 
@@ -83,7 +84,7 @@ def sizing(costs: dict[str, int], policy: str, share: float, context: int, token
     else:
         # the policy's blocks, the one being filled, one opened since the last recall, and two for a
         # recall whose copies are in flight while a block opens (else a request would be preempted)
-        pages = max(1, round(share * (blocks - 1))) + 4
+        pages = complete_blocks_kept(share, blocks - 1) + 4
         per_request = blocks * (costs["block"] - costs["csa_main"]) + pages * costs["page"] + costs["slot"]
     n = budget // per_request
     return dict(blocks=blocks, pages=pages, per_request=per_request, requests=n,
@@ -272,7 +273,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="128k,512k,1m")
     ap.add_argument("--kv-budget", type=_parse_count, default=_parse_count("2g"),
                     help="device bytes for the KV store (blocks, pages, request slots), e.g. 8g, 512m")
-    ap.add_argument("--share", type=float, default=0.1, help="flashmemory's resident share of the complete blocks")
+    ap.add_argument("--share", type=float, default=0.1, help="flashmemory's resident share of the blocks")
     ap.add_argument("--policies", default="full,flashmemory")
     ap.add_argument("--steps", type=int, default=2 * INTERVAL + 64, help="decode steps a window (≥ 2 recalls)")
     ap.add_argument("--chunk", type=int, default=16384, help="prefill tokens per engine step")

@@ -241,6 +241,14 @@ def cmd_train_memory_indexer(a: argparse.Namespace) -> int:
     model_dir = Path(a.model_dir)
     if not (model_dir / "tokenizer.json").is_file():
         raise TrainingError(f"{model_dir}: no tokenizer.json (a model directory that --export wrote)")
+    labels = a.labels or f"runs/memory-labels/{model_dir.resolve().name}"
+    if a.validate_only:
+        from hybridkv.train.memory_training import revalidate_memory_indexer
+        report = revalidate_memory_indexer(model_dir, a.out or model_dir, labels, a.device,
+                                           echo=lambda *x: print(*x, file=sys.stderr))
+        print(f"rewrote the measures of {Path(a.out or model_dir)}'s memory indexer report "
+              f"(under {report['policy']})", file=sys.stderr)
+        return 0
     overrides = {k: getattr(a, k) for k in ("docs", "val_docs", "vote", "stride", "steps", "batch_positions",
                                             "lr", "budget", "seed", "top_p", "window") if getattr(a, k) is not None}
     if a.length is not None:
@@ -257,7 +265,6 @@ def cmd_train_memory_indexer(a: argparse.Namespace) -> int:
     if min(cfg.lengths) < 1:
         raise TrainingError(f"--length {a.length}: every length must be at least 1")
     layers = [int(x) for x in a.layers.split(",")] if a.layers else None
-    labels = a.labels or f"runs/memory-labels/{model_dir.resolve().name}"
     report = train_memory_indexer(model_dir, a.out or model_dir, cfg, labels, a.device, layers,
                                   echo=lambda *x: print(*x, file=sys.stderr))
     print(f"wrote {report['path']}", file=sys.stderr)
@@ -362,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in (("docs", int), ("val-docs", int), ("vote", int), ("stride", int), ("steps", int),
                       ("batch-positions", int), ("lr", float), ("budget", float), ("seed", int)):
         m.add_argument(f"--{name}", type=typ, default=None)
+    m.add_argument("--validate-only", action="store_true",
+                   help="measure the weights at --out again on the validation documents their report names, "
+                        "under the serving policy as it is now, and rewrite the report's measures (no training)")
     m.set_defaults(func=cmd_train_memory_indexer)
 
     d = sub.add_parser("demo", help="the main job on the shipped model: chunked prefill, greedy decode, KV accounting")

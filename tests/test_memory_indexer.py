@@ -201,9 +201,23 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
     assert set(report["by_length"]) == {"1024", "2048"}
     assert report["by_length"]["2048"]["trained"]["resident_share"] > 0
     assert MemoryIndexer.load(out).config.layers == [1, 3, 5]
-    # the labels are reused: a second run labels nothing
-    import io
+    assert report["policy"] == "flashmemory-0.15"
+    # measured again under the serving policy: only the validation documents are labelled, and the
+    # same weights on the same documents under the same policy measure what training reported
+    assert main(["train-memory-indexer", str(SHIPPED), "--out", str(out), "--labels", str(tmp_path / "val-labels"),
+                 "--validate-only"]) == 0
+    assert sorted(p.name for p in (tmp_path / "val-labels").glob("*.safetensors")) == [
+        "doc00003-2048.safetensors", "doc00004-1024.safetensors"]
+    again = json.loads((out / "memory_indexer.json").read_text())
+    for k in ("native", "oracle", "init", "trained", "by_length", "train_seconds", "final_loss", "policy"):
+        assert again[k] == report[k], k
     import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["train-memory-indexer", str(SHIPPED), "--out", str(tmp_path), "--validate-only"]) == 2
+    assert "no training report" in err.getvalue()
+    # the labels are reused: a second run labels nothing
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert main([*argv, "--steps", "1"]) == 0

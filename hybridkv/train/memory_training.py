@@ -89,12 +89,14 @@ class Documents:
         return task, s.prompt + s.completion
 
 
-def build_labels(model, model_dir: str | Path, out_dir: Path, cfg: MemoryTrainConfig, echo=print) -> list[Path]:
-    """Label files for the training and validation documents, reusing those already in `out_dir`."""
+def build_labels(model, model_dir: str | Path, out_dir: Path, cfg: MemoryTrainConfig, echo=print,
+                 indices: range | None = None) -> list[Path]:
+    """Label files for the training and validation documents (or the documents `indices`), reusing
+    those already in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     docs, paths = None, []
     total = cfg.docs + cfg.val_docs
-    for i in range(total):
+    for i in (range(total) if indices is None else indices):
         length = document_length(cfg, i)
         path = out_dir / f"doc{i:05d}-{length}.safetensors"
         paths.append(path)
@@ -207,6 +209,57 @@ def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int =
             "resident_share": round(res / max(1, vis_sum), 4)}
 
 
+def memory_indexer_probs(mi: MemoryIndexer, docs: _Docs, device):
+    """score_fn for `validate`: the memory indexer's probabilities."""
+    def f(i, pos):
+        d = docs.labels[i]
+        return mi.probabilities({L: d.x[L][pos].to(device) for L in mi.config.layers}, pos.to(device), docs.keys(i))
+    return f
+
+
+def native_probs(model, layers: list[int], docs: _Docs, device):
+    """score_fn for `validate`: the sigmoid of the native indexers' logits at `layers`, their max."""
+    from hybridkv.ops.hadamard import rope_hadamard_fp4
+    from hybridkv.ops.indexer_topk.reference import index_scores
+    from hybridkv.ops.rope import rope_freqs
+
+    native = {L: model.layers[L].attn for L in layers}
+
+    def f(i, pos):
+        d, out = docs.labels[i], []
+        for L, attn in native.items():
+            x = d.x[L][pos].to(device).float()
+            qr = attn.q_norm(attn.wq_a(x))
+            q = rope_hadamard_fp4(attn.indexer.wq_b(qr).unflatten(-1, (attn.indexer.n_heads, attn.indexer.head_dim)),
+                                  rope_freqs(pos.to(device), attn.inv_freq))
+            out.append(index_scores(q, attn.indexer.head_weights(x), docs.keys(i)[L]).sigmoid())
+        return torch.stack(out).amax(0)
+    return f
+
+
+def oracle_probs(docs: _Docs, cfg: MemoryTrainConfig):
+    """score_fn for `validate`: the labels themselves."""
+    def f(i, pos):
+        d = docs.labels[i]
+        n = d.keys[d.layers[0]].shape[0]
+        p = torch.zeros(len(pos), n)
+        for r, t in enumerate(pos.tolist()):
+            p[r, window_targets(d, t, cfg.vote, cfg.window)] = 1.0
+        return p
+    return f
+
+
+def validate_by_length(model, mi: MemoryIndexer, docs: _Docs, cfg: MemoryTrainConfig, device) -> dict:
+    """`validate` of the native indexer and the memory indexer over the validation documents of
+    each length (documents `cfg.docs` on)."""
+    out = {}
+    for length in cfg.lengths:
+        ids = {j for j in range(len(docs.labels)) if document_length(cfg, cfg.docs + j) == length}
+        out[length] = {"native": validate(native_probs(model, mi.config.layers, docs, device), docs, cfg, only=ids),
+                       "trained": validate(memory_indexer_probs(mi, docs, device), docs, cfg, only=ids)}
+    return out
+
+
 def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrainConfig, label_dir: str | Path,
                          device: str = "cpu", layers: list[int] | None = None, echo=print) -> dict:
     """Label (or reuse labels), train, validate, save. Returns the report (also written beside the
@@ -220,45 +273,12 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
     if not train_docs.labels or not val_docs.labels:
         raise TrainingError("train-memory-indexer needs at least one training and one validation document")
     mi = MemoryIndexer.from_native(model, layers).to(device)
-    native = {L: model.layers[L].attn for L in mi.config.layers}
-
-    def mi_probs(docs: _Docs):
-        def f(i, pos):
-            d = docs.labels[i]
-            return mi.probabilities({L: d.x[L][pos].to(device) for L in mi.config.layers}, pos.to(device), docs.keys(i))
-        return f
-
-    def native_probs(docs: _Docs):
-        from hybridkv.ops.hadamard import rope_hadamard_fp4
-        from hybridkv.ops.indexer_topk.reference import index_scores
-        from hybridkv.ops.rope import rope_freqs
-
-        def f(i, pos):
-            d, out = docs.labels[i], []
-            for L, attn in native.items():
-                x = d.x[L][pos].to(device).float()
-                qr = attn.q_norm(attn.wq_a(x))
-                q = rope_hadamard_fp4(attn.indexer.wq_b(qr).unflatten(-1, (attn.indexer.n_heads, attn.indexer.head_dim)),
-                                      rope_freqs(pos.to(device), attn.inv_freq))
-                out.append(index_scores(q, attn.indexer.head_weights(x), docs.keys(i)[L]).sigmoid())
-            return torch.stack(out).amax(0)
-        return f
-
-    def oracle(docs: _Docs):
-        def f(i, pos):
-            d = docs.labels[i]
-            n = d.keys[d.layers[0]].shape[0]
-            p = torch.zeros(len(pos), n)
-            for r, t in enumerate(pos.tolist()):
-                p[r, window_targets(d, t, cfg.vote, cfg.window)] = 1.0
-            return p
-        return f
-
     report = {"config": {k: v for k, v in cfg.__dict__.items() if k != "extra"}, "layers": mi.config.layers,
               "heads": mi.config.heads, "rank": mi.config.rank}
-    report["native"] = validate(native_probs(val_docs), val_docs, cfg)
-    report["oracle"] = validate(oracle(val_docs), val_docs, cfg)
-    report["init"] = validate(mi_probs(val_docs), val_docs, cfg)
+    report["policy"] = str(FlashMemory(cfg.budget))
+    report["native"] = validate(native_probs(model, mi.config.layers, val_docs, device), val_docs, cfg)
+    report["oracle"] = validate(oracle_probs(val_docs, cfg), val_docs, cfg)
+    report["init"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
     echo(f"native indexer: {report['native']}\noracle labels:  {report['oracle']}\nwarm start:     {report['init']}")
     opt = torch.optim.AdamW(mi.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
@@ -280,15 +300,11 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
         if (step + 1) % max(1, cfg.steps // 10) == 0:
             echo(f"step {step + 1}/{cfg.steps}  loss {sum(losses[-20:]) / len(losses[-20:]):.4f}  "
                  f"{time.perf_counter() - t0:.0f}s")
-    report["trained"] = validate(mi_probs(val_docs), val_docs, cfg)
+    report["trained"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
     if len(cfg.lengths) > 1:
-        by_length = {}
-        for length in cfg.lengths:
-            ids = {j for j in range(len(val_docs.labels)) if document_length(cfg, cfg.docs + j) == length}
-            by_length[length] = {name: validate(f(val_docs), val_docs, cfg, only=ids)
-                                 for name, f in (("native", native_probs), ("trained", mi_probs))}
-            echo(f"at {length} tokens: {by_length[length]}")
-        report["by_length"] = by_length
+        report["by_length"] = validate_by_length(model, mi, val_docs, cfg, device)
+        for length, measures in report["by_length"].items():
+            echo(f"at {length} tokens: {measures}")
     report["train_seconds"] = round(time.perf_counter() - t0, 1)
     report["final_loss"] = round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)
     echo(f"trained:        {report['trained']}")
@@ -296,4 +312,42 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
     path = mi.save(out)
     path.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     report["path"] = str(path)
+    return report
+
+
+def revalidate_memory_indexer(model_dir: str | Path, weights: str | Path, label_dir: str | Path, device: str = "cpu",
+                              echo=print) -> dict:
+    """Measure a trained memory indexer again, on the validation documents its report names, under
+    the serving policy as it is now (after a change of the policy's ranking or budget): labels only
+    those documents (reusing label files), and rewrites the report's measures beside the weights,
+    keeping its training figures. Returns the report."""
+    from hybridkv.memory.indexer import FILENAME
+    from hybridkv.train.export import float_model
+
+    weights = Path(weights)
+    if weights.is_dir():
+        weights = weights / FILENAME
+    report_path = weights.with_suffix(".json")
+    try:
+        report = json.loads(report_path.read_text())
+        config = {**report["config"], "lengths": tuple(report["config"]["lengths"])}
+        cfg = MemoryTrainConfig(**config)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainingError(f"{report_path}: no training report to take the validation documents from "
+                            f"({type(e).__name__}: {e})") from None
+    mi = MemoryIndexer.load(weights, device)
+    model = float_model(model_dir).to(device).eval()
+    paths = build_labels(model, model_dir, Path(label_dir), cfg, echo,
+                         indices=range(cfg.docs, cfg.docs + cfg.val_docs))
+    val_docs = _Docs(paths, device)
+    init = MemoryIndexer.from_native(model, mi.config.layers, heads=mi.config.heads, rank=mi.config.rank).to(device)
+    report["policy"] = str(FlashMemory(cfg.budget))
+    report["native"] = validate(native_probs(model, mi.config.layers, val_docs, device), val_docs, cfg)
+    report["oracle"] = validate(oracle_probs(val_docs, cfg), val_docs, cfg)
+    report["init"] = validate(memory_indexer_probs(init, val_docs, device), val_docs, cfg)
+    report["trained"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
+    if len(cfg.lengths) > 1:
+        report["by_length"] = validate_by_length(model, mi, val_docs, cfg, device)
+    echo(f"under {report['policy']}: native {report['native']}\ntrained {report['trained']}")
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
     return report
