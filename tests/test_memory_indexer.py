@@ -200,6 +200,10 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
     assert report["config"]["lengths"] == [1024, 2048]
     assert set(report["by_length"]) == {"1024", "2048"}
     assert report["by_length"]["2048"]["trained"]["resident_share"] > 0
+    # 1,024 tokens are 8 blocks, of which 15 % is no complete block: no position counts where blocks
+    # are kept; 2,048 tokens' last positions keep one
+    assert report["by_length"]["1024"]["trained"]["policy_recall_where_kept"] is None
+    assert 0 < report["by_length"]["2048"]["trained"]["policy_recall_where_kept"] <= 1
     assert MemoryIndexer.load(out).config.layers == [1, 3, 5]
     assert report["policy"] == "flashmemory-0.15"
     # measured again under the serving policy: only the validation documents are labelled, and the

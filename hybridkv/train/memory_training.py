@@ -176,11 +176,16 @@ def _loss_for(mi: MemoryIndexer, d: DocumentLabels, keys: dict, positions: list[
 def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int = 64,
              only: set[int] | None = None) -> dict:
     """score_fn(doc index, positions tensor) -> probabilities [T, N]. Micro F1 at 0.5 and recall
-    under the flashmemory policy, with the resident share; recency at the same budget beside it.
+    under the flashmemory policy, with the resident share; recency at the same budget beside it;
+    both recalls also over the positions whose budget keeps a complete block (`_where_kept`: a
+    document's first positions hold many targets and, at a share of their few blocks, none).
     `only`: the documents to score (default: all)."""
+    from hybridkv.memory.policies import complete_blocks_kept
+
     policy, newest = FlashMemory(cfg.budget), FlashMemory(cfg.budget, tail_share=1.0)
     tp = fp = fn = 0
     hit = total = res = vis_sum = rec_hit = 0
+    kept_hit = kept_rec_hit = kept_total = 0
     for i, d in enumerate(docs.labels):
         if only is not None and i not in only:
             continue
@@ -201,12 +206,19 @@ def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int =
             hit += int((keep & tg).sum())
             rec_hit += int((recency & tg).sum())
             total += int(tg.sum())
+            if complete_blocks_kept(cfg.budget, vis // cfg.block_chunks):
+                kept_hit += int((keep & tg).sum())
+                kept_rec_hit += int((recency & tg).sum())
+                kept_total += int(tg.sum())
             res += int(keep.sum())
             vis_sum += vis
     f1 = 2 * tp / max(1, 2 * tp + fp + fn)
     return {"f1": round(f1, 4), "precision": round(tp / max(1, tp + fp), 4), "recall_at_0.5": round(tp / max(1, tp + fn), 4),
             "policy_recall": round(hit / max(1, total), 4), "recency_recall": round(rec_hit / max(1, total), 4),
-            "resident_share": round(res / max(1, vis_sum), 4)}
+            "resident_share": round(res / max(1, vis_sum), 4),
+            # None where no position's budget keeps a complete block
+            "policy_recall_where_kept": round(kept_hit / kept_total, 4) if kept_total else None,
+            "recency_recall_where_kept": round(kept_rec_hit / kept_total, 4) if kept_total else None}
 
 
 def memory_indexer_probs(mi: MemoryIndexer, docs: _Docs, device):
