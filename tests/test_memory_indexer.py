@@ -213,6 +213,7 @@ def test_train_memory_indexer_labels_trains_validates_and_writes_its_weights(tmp
     assert sorted(p.name for p in (tmp_path / "val-labels").glob("*.safetensors")) == [
         "doc00003-2048.safetensors", "doc00004-1024.safetensors"]
     again = json.loads((out / "memory_indexer.json").read_text())
+    assert not list(out.glob("*.partial"))                 # the report replaced whole
     for k in ("native", "oracle", "init", "trained", "by_length", "train_seconds", "final_loss", "policy"):
         assert again[k] == report[k], k
     import contextlib

@@ -23,13 +23,12 @@ filled, so that its resident CSA main entries are at most that share of `full`'s
   32, positions, the two rankings taking turns, three blocks from the mean for one from the last
   row) and every 64 decode steps from the last position; the newest blocks (a share of the budget,
   `tail_share`, default a twelfth, at least one where the budget holds two complete blocks;
-  `flashmemory-B-tailT` sets it) stay, then the
-  blocks whose most probable chunk is the most probable (ties: the larger summed probability) up to
-  the budget; `flashmemory-B-count` ranks them as FlashMemory's paper does, by their count of
-  chunks above 0.5 (ties: the summed probability). FlashMemory's pages of 64 chunks are these
-  blocks of 32. The engine supplies the probabilities
-  (`PolicyContext.extra["chunk_probs"]`), or for a decode recall each block's ranking key
-  (`"block_ranks"`, `FlashMemory.block_ranks`, with `"visible_chunks"`).
+  `flashmemory-B-tailT` sets it) stay, then the blocks whose most probable chunk is the most
+  probable (ties: the larger summed probability) up to the budget; `flashmemory-B-count` ranks
+  them as FlashMemory's paper does, by their count of chunks above 0.5 (ties: the summed
+  probability). FlashMemory's pages of 64 chunks are these blocks of 32. The engine supplies the
+  probabilities (`PolicyContext.extra["chunk_probs"]`), or for a decode recall each block's
+  ranking key (`"block_ranks"`, `FlashMemory.block_ranks`, with `"visible_chunks"`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import torch
 
 from hybridkv.errors import TrainingError
 from hybridkv.memory.indexer import MemoryIndexer
-from hybridkv.memory.policies import FlashMemory
+from hybridkv.memory.policies import FlashMemory, complete_blocks_kept
 from hybridkv.train.memory_labels import (TOP_P, WINDOW, DocumentLabels, label_sequence, labels_top_p, load_labels,
                                           save_labels, window_targets)
 
@@ -180,8 +180,6 @@ def validate(score_fn, docs: _Docs, cfg: MemoryTrainConfig, max_positions: int =
     both recalls also over the positions whose budget keeps a complete block (`_where_kept`: a
     document's first positions hold many targets and, at a share of their few blocks, none).
     `only`: the documents to score (default: all)."""
-    from hybridkv.memory.policies import complete_blocks_kept
-
     policy, newest = FlashMemory(cfg.budget), FlashMemory(cfg.budget, tail_share=1.0)
     tp = fp = fn = 0
     hit = total = res = vis_sum = rec_hit = 0
@@ -361,5 +359,8 @@ def revalidate_memory_indexer(model_dir: str | Path, weights: str | Path, label_
     if len(cfg.lengths) > 1:
         report["by_length"] = validate_by_length(model, mi, val_docs, cfg, device)
     echo(f"under {report['policy']}: native {report['native']}\ntrained {report['trained']}")
-    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    # the report replaced whole or not at all: an interrupted write leaves the former one
+    partial = report_path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(report, indent=1) + "\n")
+    partial.replace(report_path)
     return report
