@@ -31,10 +31,12 @@ import time
 import torch
 import triton
 
+from hybridkv.ops.hadamard import hadamard_transform
 from hybridkv.ops.indexer_topk import reference as idx_ref
 from hybridkv.ops.indexer_topk import triton as idx_k
 from hybridkv.ops.kv_formats import index_block_rows, unpack_index_fp4, unpack_main_fp8
 from hybridkv.ops.paged import PagedBatch
+from hybridkv.ops.quant import fp4_round_trip
 from hybridkv.ops.sparse_attn import reference as attn_ref
 from hybridkv.ops.sparse_attn import triton as attn_k
 
@@ -79,10 +81,17 @@ def main_pool(n: int) -> torch.Tensor:
 
 
 def index_pool(blocks: int) -> torch.Tensor:
-    """Blocks of 32 random FP4 keys (sane ue8m0 scales), in the pool's block layout: codes, then scales."""
+    """Blocks of 32 random FP4 keys in the pool's block layout (codes, then scales), with the scales of
+    Hadamard-rotated keys: each key's four 32-blocks within a binade of each other."""
     x = torch.randint(0, 256, (blocks, 32 * IDX_B), dtype=torch.uint8, device=DEV)
-    x[:, 32 * 64:] = torch.randint(122, 130, (blocks, 32 * 4), dtype=torch.uint8, device=DEV)
+    base = torch.randint(122, 129, (blocks, 32, 1), dtype=torch.uint8, device=DEV)
+    x[:, 32 * 64:] = (base + torch.randint(0, 2, (blocks, 32, 4), dtype=torch.uint8, device=DEV)).view(blocks, -1)
     return x.view(blocks, 32, IDX_B)
+
+
+def index_queries(t: int) -> torch.Tensor:
+    """t indexer queries as the model makes them: Hadamard-rotated, through their FP4 round trip, bf16."""
+    return fp4_round_trip(hadamard_transform(torch.randn(t, HI, DI, device=DEV)), 32).bfloat16()
 
 
 class Decode:
@@ -95,7 +104,7 @@ class Decode:
         self.batch = PagedBatch.build([(r, ctx - 1, 1, perm[r]) for r in range(b)], 128, DEV)
         self.vis = ctx // 4
         self.q = torch.randn(b, H, D, device=DEV).bfloat16()
-        self.qi = torch.randn(b, HI, DI, device=DEV).bfloat16()
+        self.qi = index_queries(b)
         self.wi = torch.randn(b, HI, device=DEV) * HI ** -0.5
         self.sink = torch.randn(H, device=DEV)
         self.new, self.ring = main_pool(b), main_pool(b * W).view(b, W, MAIN_B)
@@ -107,7 +116,7 @@ class Decode:
 
     def indexer(self):
         self.sel = idx_k.indexer_topk_paged(self.qi, self.wi, self.batch, self.ipool, TOPK, 4, "fp4", DI,
-                                            max_visible=self.vis)
+                                            max_visible=self.vis, fp4_queries=True)
         return self.sel
 
     def csa(self, cfg=None):
@@ -223,7 +232,7 @@ class Prefill:
                                ent(blocks).view(blocks, 1, -1))
         self.csa_flops = 4 * t * H * (W + TOPK) * D
         self.hca_flops = 4 * H * D * sum(W + (p + 1) // 128 for p in range(ctx - t, ctx))
-        self.qi = torch.randn(t, HI, DI, device=DEV).bfloat16()
+        self.qi = index_queries(t)
         self.wi = torch.randn(t, HI, device=DEV)
         self.ipool = index_pool(blocks)
 
@@ -239,7 +248,7 @@ class Prefill:
 
     def indexer(self):
         return idx_k.indexer_topk_paged(self.qi, self.wi, self.batch, self.ipool, TOPK, 4, "fp4", DI,
-                                        max_visible=self.ctx // 4)
+                                        max_visible=self.ctx // 4, fp4_queries=True)
 
 
 def prefill_rows(ctx: int, t: int, rows: list) -> None:

@@ -271,3 +271,18 @@ def test_paged_indexer_topk_in_row_slices_equals_each_request_at_once():
             scores[:, 5 * per:6 * per] = float("-inf")
         want = causal_topk(scores, visible, 64)
         assert torch.equal(got[rows, :want.shape[1]], want)
+
+
+def test_indexer_mma_switch(monkeypatch):
+    """The integer tensor-core scoring of FP4 indexer keys is opt-in, its switch validated, and never
+    taken for tensors off CUDA."""
+    from hybridkv.ops.indexer_topk import score_mma
+    monkeypatch.delenv("HYBRIDKV_INDEXER_MMA", raising=False)
+    assert not score_mma.enabled()
+    monkeypatch.setenv("HYBRIDKV_INDEXER_MMA", "1")
+    assert score_mma.enabled()
+    i32 = torch.zeros(2, dtype=torch.int32)
+    assert not score_mma.usable(torch.zeros(2, 64, 128), torch.zeros(2, 64), 128, True, 32, i32.view(2, 1), i32, i32)
+    monkeypatch.setenv("HYBRIDKV_INDEXER_MMA", "yes")
+    with pytest.raises(ValueError, match="HYBRIDKV_INDEXER_MMA"):
+        score_mma.enabled()

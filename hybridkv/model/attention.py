@@ -299,7 +299,8 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 idx = indexer_topk_paged(rows["idx_q"], rows["idx_w"], kargs.batch, kargs.pool(lid, "index"),
                                          self.indexer.topk, self.ratio, kargs.index_format, self.indexer.head_dim,
-                                         max_visible=(kargs.max_pos + 1) // self.ratio, resident=kargs.resident(lid))
+                                         max_visible=(kargs.max_pos + 1) // self.ratio, resident=kargs.resident(lid),
+                                         fp4_queries=True)
         return sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored_rows, kargs.ring(lid), pool, idx,
                                  self.ratio, kargs.main_format, self.head_dim, self.rope_dim, self.window,
                                  max_pos=kargs.max_pos, tables=tables, out_dtype=out_dtype, out=out)
@@ -449,10 +450,10 @@ class Attention(nn.Module):
                         # (int32 ids, ascending, −1 padded), the entries `select_scored` would choose
                         sel, published = indexer_topk_paged(rows["idx_q"], rows["idx_w"], kargs.batch, index_pool,
                                                             ind.topk, self.ratio, kargs.index_format, ind.head_dim,
-                                                            max_visible=n_max), None
+                                                            max_visible=n_max, fp4_queries=True), None
                     else:
                         scores = paged_scores(rows["idx_q"], rows["idx_w"], kargs.batch, index_pool, self.ratio,
-                                              kargs.index_format, ind.head_dim, max_visible=n_max)
+                                              kargs.index_format, ind.head_dim, max_visible=n_max, fp4_queries=True)
                         sel, published = ind.select_scored(scores, pos, pool)
                 if published is not None:
                     share.candidates[DECODE_GROUP] = published

@@ -126,7 +126,7 @@ def test_indexer_topk(fmt, case):
     keys = fp4_round_trip(hadamard_transform(torch.randn(nblk * 32, DI, device=DEV)), 32)
     pool = index_rows_to_blocks(pack_index_fp4(keys).view(nblk, 32, -1), DI) if fmt == "fp4" else \
         keys.bfloat16().view(nblk, 32, -1)
-    idx = idx_k.indexer_topk_paged(q, w, batch, pool, TOPK, 4, fmt, DI).long()
+    idx = idx_k.indexer_topk_paged(q, w, batch, pool, TOPK, 4, fmt, DI, fp4_queries=True).long()
     vis = (batch.positions.long() + 1) // 4
     n = int(vis.max())
     for tok in range(0, t, max(1, t // 16)):
@@ -139,6 +139,76 @@ def test_indexer_topk(fmt, case):
         want = s.topk(sel.numel()).values
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
         assert torch.equal(sel, sel.sort().values)                                   # ascending entry order
+
+
+def _fp4_index_pool(nblk, spread=False):
+    """FP4 indexer keys (float32 values and their packed pool); `spread`: each key's 32-blocks scaled
+    by 2^-k, k from 0 to 20 across the keys (the scoring kernel's scale tables and their rounding)."""
+    x = hadamard_transform(torch.randn(nblk * 32, DI, device=DEV))
+    if spread:
+        k = torch.arange(x.shape[0], device=DEV) % 21
+        blk = torch.arange(DI, device=DEV) // 32
+        x = x * torch.exp2(-(k[:, None] * (blk[None, :] == (torch.arange(x.shape[0], device=DEV) % 4)[:, None])))
+    keys = fp4_round_trip(x, 32)
+    return keys, index_rows_to_blocks(pack_index_fp4(keys).view(nblk, 32, -1), DI)
+
+
+@pytest.mark.parametrize("heads,qdtype,wdtype,spread,qspread", [(64, torch.bfloat16, torch.float32, False, False),
+                                                                 (64, torch.bfloat16, torch.float32, True, False),
+                                                                 (64, torch.bfloat16, torch.float32, False, True),
+                                                                 (32, torch.float32, torch.bfloat16, True, False),
+                                                                 (12, torch.bfloat16, torch.float32, False, False)])
+def test_indexer_mma_scoring(heads, qdtype, wdtype, spread, qspread, monkeypatch):
+    """The decode scoring of FP4 keys and queries on the integer tensor cores (`score_mma`) against
+    float64 scores of the same queries and keys and against the Triton kernel; each tile maximum is
+    its keys' largest, and nothing past a row's visible entries is written. `spread`: key blocks up to
+    20 binades below their key's largest (the block-by-block path); `qspread`: one query head's block
+    8 binades below the others (every subtile block by block)."""
+    from hybridkv.ops.indexer_topk import score_mma
+    monkeypatch.setenv("HYBRIDKV_INDEXER_MMA", "1")
+    segs = [(2**20 - 1, 1), (70000 + 3, 1), (5000, 1), (100, 1), (7, 1)]
+    batch, nblk = batch_for(segs)
+    t = batch.num_tokens
+    x = hadamard_transform(torch.randn(t, heads, DI, device=DEV))
+    if qspread:
+        x[:, heads // 2, 64:96] *= 2.0 ** -8
+    q = fp4_round_trip(x, 32).to(qdtype)
+    w = (torch.randn(t, heads, device=DEV) * heads ** -0.5).to(wdtype)
+    keys, pool = _fp4_index_pool(nblk, spread)
+    flat, fp4, words, epb, n_max = idx_k._paged_pool(q, batch, pool, 4, "fp4", DI, None)
+    assert fp4 and words and score_mma.usable(q, w, DI, words, epb, batch.block_tables, batch.token_req,
+                                              batch.positions)
+    vis = (batch.positions.long() + 1) // 4
+    common = (flat, flat.stride(0), batch.block_tables, batch.block_tables.stride(0), batch.token_req,
+              batch.positions)
+    for per_max in (64, 32, 16):
+        sentinel = 0x5A5A5A5A
+        out = torch.full((t, n_max), sentinel, dtype=torch.int32, device=DEV)
+        tmax = torch.full((t, -(-n_max // per_max)), sentinel, dtype=torch.int32, device=DEV)
+        idx_k._score_decode(q, w, common, out, tmax, n_max, per_max, DI, True, True, True, epb, 4, True)
+        u = out.long() & 0xFFFFFFFF
+        for tok in range(t):
+            v = int(vis[tok])
+            assert (out[tok, v:] == sentinel).all()
+            tiles = -(-v // per_max)
+            assert (tmax[tok, tiles:] == sentinel).all()
+            pad = torch.nn.functional.pad(u[tok, :v], (0, tiles * per_max - v))
+            assert torch.equal(tmax[tok, :tiles].long() & 0xFFFFFFFF, pad.view(tiles, per_max).amax(1))
+    got = idx_k.paged_scores(q, w, batch, pool, 4, "fp4", DI, fp4_queries=True)
+    monkeypatch.setenv("HYBRIDKV_INDEXER_MMA", "0")
+    tri = idx_k.paged_scores(q, w, batch, pool, 4, "fp4", DI, fp4_queries=True)
+    worst = {"mma": 0.0, "triton": 0.0}
+    for tok in range(t):
+        v = int(vis[tok])
+        cols = torch.arange(v, device=DEV)
+        rows = entry_rows(batch, torch.full_like(cols, int(batch.token_req[tok])), cols, 32)
+        s = torch.einsum("hd,nd->hn", q[tok].double(), keys[rows].double()).relu()
+        ref = (s * w[tok].double()[:, None]).sum(0)
+        scale = float(ref.abs().max())
+        worst["mma"] = max(worst["mma"], float((got[tok, :v].double() - ref).abs().max()) / scale)
+        worst["triton"] = max(worst["triton"], float((tri[tok, :v].double() - ref).abs().max()) / scale)
+    print(f"indexer scoring, largest error / row's largest score: {worst}")
+    assert worst["mma"] <= 1e-5
 
 
 def test_kernels_batch_invariant():
@@ -158,7 +228,7 @@ def test_kernels_batch_invariant():
     kw = dict(fmt="fp8", head_dim=D, rope_dim=ROPE, window=W)
 
     def run(rows, b):
-        idx = idx_k.indexer_topk_paged(qi[rows], wi[rows], b, ipool, TOPK, 4, "fp4", DI)
+        idx = idx_k.indexer_topk_paged(qi[rows], wi[rows], b, ipool, TOPK, 4, "fp4", DI, fp4_queries=True)
         csa = attn_k.sparse_attn_paged(q[rows], sink, D ** -0.5, b, new_kv[rows], ring, pool, idx, 4, **kw)
         hca = attn_k.sparse_attn_paged(q[rows], sink, D ** -0.5, b, new_kv[rows], ring, hpool, None, 128, **kw)
         return idx, csa, hca

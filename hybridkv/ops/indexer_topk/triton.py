@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from hybridkv.ops.backend import is_deterministic
+from hybridkv.ops.indexer_topk import score_mma
 from hybridkv.ops.indexer_topk.select import visible_entries, gather_candidates_kernel, select_final_kernel, select_kernel
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.pdl import triton_args
@@ -333,14 +334,22 @@ def _chunk(tokens: int, n_max: int, bn: int, device: torch.device) -> int:
     return min(8192, max(4 * bn, triton.next_power_of_2(want)))
 
 
-def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged, epb, vis_ratio):
+def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged, epb, vis_ratio,
+                  fp4_queries=False):
     """The decode scoring launch: one token's keys per program (chunks of them over the GPU), each
     score's order-preserving key into `keys` [T, n_max], each tile's largest into `tmax`. `common`:
-    (pool, its row stride, block tables and their stride, token requests, visibility)."""
+    (pool, its row stride, block tables and their stride, token requests, visibility). FP4 keys with
+    `fp4_queries` (queries on the FP4 grid) take the integer tensor-core kernel of `score_mma` where
+    it runs."""
     t, h, _ = q.shape
     cfg = DECODE_CFG
     assert cfg["BN"] % TILE == 0, "decode scoring tiles must hold whole maxima tiles"
     chunk = _chunk(t, n_max, cfg["BN"], q.device)
+    pool, _, tables, _, token_req, vis = common
+    if fp4 and fp4_queries and score_mma.usable(q, weights, head_dim, words, epb, tables, token_req, vis):
+        score_mma.score_decode(q, weights, pool, tables, token_req, vis, keys, tmax, n_max, chunk, per_max, epb,
+                               vis_ratio)
+        return
     score_decode_kernel[(t, triton.cdiv(n_max, chunk))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), *common, keys, keys.stride(0), tmax, tmax.stride(0),
         h, D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(h)), BN=cfg["BN"], CHUNK=chunk, TILE_N=per_max,
@@ -349,7 +358,7 @@ def _score_decode(q, weights, common, keys, tmax, n_max, per_max, head_dim, fp4,
 
 
 def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max, fp4, paged, epb, head_dim,
-         block_t=None, words=False, vis_ratio=0, host_token_req=None):
+         block_t=None, words=False, vis_ratio=0, host_token_req=None, fp4_queries=False):
     """vis: [T] visible entries per token, or with vis_ratio > 0 the tokens' positions (the kernels
     compute (position + 1) // vis_ratio themselves). `host_token_req`: token_req on the host, from
     which the prefill tiles are made (without it the device is read once)."""
@@ -388,7 +397,7 @@ def _run(q, weights, pool, row_stride, block_tables, token_req, vis, topk, n_max
         common = (pool, row_stride, bt, bt.stride(0), token_req[a:b], vis[a:b])
         if block_t == 1:
             _score_decode(q[a:b], weights[a:b], common, keys, tmax, n_max, per_max, head_dim, fp4, words, paged,
-                          epb, vis_ratio)
+                          epb, vis_ratio, fp4_queries)
         else:
             tile_t0, tile_n = _tiles(host_token_req[a:b], block_t, dev)
             chunk = TILE_CFG["CHUNK"]
@@ -448,7 +457,7 @@ def _paged_pool(q, batch: PagedBatch, pool, ratio, fmt, head_dim, max_visible):
 
 
 def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
-                       resident=None):
+                       resident=None, fp4_queries=False):
     """See `hybridkv.ops.indexer_topk.indexer_topk_paged`. With `resident` the kernels score and
     select over the resident blocks alone (`_compact_resident`): a memory policy that keeps a tenth
     of a long context on the device pays for a tenth of the scoring and selection."""
@@ -462,7 +471,7 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     decode = batch.token_req.shape[0] == batch.block_tables.shape[0]
     idx = _run(q, weights, flat, flat.stride(0), tables, batch.token_req, vis, topk, max_visible, fp4, True, epb,
                head_dim or q.shape[-1], block_t=1 if decode else None, words=words, vis_ratio=vis_ratio,
-               host_token_req=_host_requests(batch))
+               host_token_req=_host_requests(batch), fp4_queries=fp4_queries)
     if resident is None:
         return idx
     # back from the resident blocks' numbering to the request's own (order-preserving: still ascending)
@@ -501,7 +510,8 @@ def _compact_resident(batch: PagedBatch, resident: torch.Tensor, ratio: int):
     return compact, cvis.to(torch.int32), logical
 
 
-def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_dim=None, max_visible=None):
+def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
+                 fp4_queries=False):
     """See `hybridkv.ops.indexer_topk.paged_scores`: the decode scoring launch of `indexer_topk_paged`
     alone (one token's keys per program, each score one MMA row), its order-preserving keys turned
     back into float32 scores."""
@@ -514,7 +524,7 @@ def paged_scores(q, weights, batch: PagedBatch, pool, ratio=4, fmt="bf16", head_
         common = (flat, flat.stride(0), bt, bt.stride(0), batch.token_req, batch.positions)
         tmax = torch.empty(t, triton.cdiv(n_max, TILE), dtype=torch.int32, device=dev)
         _score_decode(q, weights, common, keys, tmax, n_max, TILE, head_dim or q.shape[-1], fp4, words, True, epb,
-                      ratio)
+                      ratio, fp4_queries)
     # the inverse of `_ordered`: keys with the top bit set held non-negative floats
     bits = torch.where(keys < 0, keys & 0x7FFFFFFF, ~keys)
     visible = (batch.positions.long() + 1) // ratio
