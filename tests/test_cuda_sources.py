@@ -1,5 +1,6 @@
-"""The CUDA C++ kernels compiled at first use on the GPU (`qgemm.fp4_mma`, `qgemm.fp8_mma`) compile for sm_90 with
-the CUDA toolkit's compiler, where one is installed: a source error shows here, not first on a GPU."""
+"""The CUDA C++ kernels compiled at first use on the GPU (`qgemm.fp4_mma`, `qgemm.fp8_mma`, `indexer_topk.score_mma`)
+compile for sm_90 with the CUDA toolkit's compiler, where one is installed: a source error shows here, not first on a
+GPU."""
 
 import shutil
 import subprocess
@@ -7,6 +8,7 @@ import subprocess
 import pytest
 import torch
 
+from hybridkv.ops.indexer_topk import score_mma
 from hybridkv.ops.qgemm import fp4_mma, fp8_mma
 
 NVCC = shutil.which("nvcc")
@@ -32,6 +34,17 @@ def test_fp8_mma_kernel_compiles_for_sm90(tmp_path, x_dtype, y_dtype, mt, wk, pd
     source = fp8_mma.source(x_dtype, y_dtype, mt, wk, pdl=pdl)
     stderr = _compile(tmp_path, source)
     assert "Compiling entry function 'fp8_linear_mma'" in stderr
+    assert _waits(tmp_path, source) == pdl
+
+
+@pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
+@pytest.mark.parametrize("q_dtype,w_dtype,heads,ratio,tile_n,pdl", [
+    (torch.bfloat16, torch.float32, 64, 4, 64, True), (torch.float32, torch.bfloat16, 12, 0, 16, False),
+    (torch.bfloat16, torch.bfloat16, 32, 4, 32, False)])
+def test_indexer_score_kernel_compiles_for_sm90(tmp_path, q_dtype, w_dtype, heads, ratio, tile_n, pdl):
+    source = score_mma.source(q_dtype, w_dtype, heads, 32, ratio, tile_n, pdl)
+    stderr = _compile(tmp_path, source)
+    assert "Compiling entry function 'indexer_score_fp4'" in stderr
     assert _waits(tmp_path, source) == pdl
 
 

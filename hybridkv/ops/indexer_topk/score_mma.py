@@ -56,12 +56,6 @@ SOURCE = r"""
 #define NT ((NH + 7) / 8)
 #define FULL 0xffffffffu
 
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
 // c = A·B + c, or (first) c = A·B: int8 operands, int32 accumulation (exact)
 __device__ __forceinline__ void mma_acc(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -250,9 +244,19 @@ indexer_score_fp4(const void* Q, int sq_t, int sq_h, const void* W, int sw_t, co
     fetch_keys(POOL, bt, j0, end, g, tq, cw, cs);
     u32 tile_max = 0u;
 
-    // a subtile's ReLU-weighted head sums of rows g (s0) and g + 8 (s1), this thread's heads: its key
-    // stores and its share of the tile maxima
-    auto finish = [&](int jm, float s0, float s1, u32 smax0, u32 smax1) {
+    // a subtile's ReLU-weighted head sums of rows g (s0) and g + 8 (s1) from its dot products
+    // (`dot(n, i)`: accumulator element i of head tile n, in the MMA's layout), then its key stores and
+    // its share of the tile maxima
+    auto finish = [&](int jm, auto dot, u32 smax0, u32 smax1) {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const float2 wn = wpair[4 * n];
+            s0 = fmaf(fmaxf(dot(n, 0), 0.0f), wn.x, s0);
+            s0 = fmaf(fmaxf(dot(n, 1), 0.0f), wn.y, s0);
+            s1 = fmaf(fmaxf(dot(n, 2), 0.0f), wn.x, s1);
+            s1 = fmaf(fmaxf(dot(n, 3), 0.0f), wn.y, s1);
+        }
         s0 += __shfl_xor_sync(FULL, s0, 1);
         s1 += __shfl_xor_sync(FULL, s1, 1);
         s0 += __shfl_xor_sync(FULL, s0, 2);
@@ -312,16 +316,7 @@ indexer_score_fp4(const void* Q, int sq_t, int sq_h, const void* W, int sw_t, co
                 }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    const float2 wn = wpair[4 * n];
-                    s0 = fmaf(fmaxf((float)acc[mt][n][0], 0.0f), wn.x, s0);
-                    s0 = fmaf(fmaxf((float)acc[mt][n][1], 0.0f), wn.y, s0);
-                    s1 = fmaf(fmaxf((float)acc[mt][n][2], 0.0f), wn.x, s1);
-                    s1 = fmaf(fmaxf((float)acc[mt][n][3], 0.0f), wn.y, s1);
-                }
-                finish(j0 + 16 * mt, s0, s1, smax[mt][0], smax[mt][1]);
+                finish(j0 + 16 * mt, [&](int n, int i) { return (float)acc[mt][n][i]; }, smax[mt][0], smax[mt][1]);
             }
         } else {
             // block by block: block b's codes (held by the threads tq == b) at their own scale, the others
@@ -363,16 +358,7 @@ indexer_score_fp4(const void* Q, int sq_t, int sq_h, const void* W, int sw_t, co
                             sc[i >> 1][n][i & 1] = fmaf((float)acc[n][i], rf[i >> 1] * cf, sc[i >> 1][n][i & 1]);
                         }
                 }
-                float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    const float2 wn = wpair[4 * n];
-                    s0 = fmaf(fmaxf(sc[0][n][0], 0.0f), wn.x, s0);
-                    s0 = fmaf(fmaxf(sc[0][n][1], 0.0f), wn.y, s0);
-                    s1 = fmaf(fmaxf(sc[1][n][0], 0.0f), wn.x, s1);
-                    s1 = fmaf(fmaxf(sc[1][n][1], 0.0f), wn.y, s1);
-                }
-                finish(j0 + 16 * mt, s0, s1, smax[mt][0], smax[mt][1]);
+                finish(j0 + 16 * mt, [&](int n, int i) { return sc[i >> 1][n][i & 1]; }, smax[mt][0], smax[mt][1]);
             }
         }
         if (!more) break;
@@ -417,10 +403,10 @@ def usable(q: torch.Tensor, weights: torch.Tensor, head_dim: int, words: bool, e
 
 
 def source(q_dtype: torch.dtype, w_dtype: torch.dtype, heads: int, epb: int, ratio: int, tile_n: int,
-           use_pdl: bool, min_blocks: int = MIN_BLOCKS, subtiles: int = SUBTILES) -> str:
+           use_pdl: bool) -> str:
     """The CUDA C++ of one variant, as compiled at first use."""
     return nvrtc.source(SOURCE, q_dtype, torch.float32, WT=_W_DTYPES[w_dtype], NH=heads, EPB=epb, RATIO=ratio,
-                        TILE_N=tile_n, WARPS=WARPS, MIN_BLOCKS=min_blocks, MT=subtiles, PDL=int(use_pdl))
+                        TILE_N=tile_n, WARPS=WARPS, MIN_BLOCKS=MIN_BLOCKS, MT=SUBTILES, PDL=int(use_pdl))
 
 
 def score_decode(q: torch.Tensor, weights: torch.Tensor, pool_words: torch.Tensor, tables: torch.Tensor,

@@ -1,8 +1,9 @@
-"""What the packed GEMMs written in CUDA C++ (`fp4_mma`, `fp8_mma`) share: compiling a variant at
-first use through torch's NVRTC loader (`torch.cuda._compile_kernel`) and caching it per device,
-launching it on the current device's stream (with programmatic dependent launch where the variant
-was built for it: `hybridkv.ops.pdl`), and the source's common head (the variant's defines, the
-integer types, the output dtype's rounding and store, `YT`, and `pdl_wait_then_release`)."""
+"""What the kernels written in CUDA C++ (the packed GEMMs `fp4_mma` and `fp8_mma`, the indexer's
+`indexer_topk.score_mma`) share: compiling a variant at first use through torch's NVRTC loader
+(`torch.cuda._compile_kernel`) and caching it per device, launching it on the current device's stream
+(with programmatic dependent launch where the variant was built for it: `hybridkv.ops.pdl`), and the
+source's common head (the variant's defines, the integer types, the byte permute `prmt`, the output
+dtype's rounding and store, `YT`, and `pdl_wait_then_release`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ __device__ __forceinline__ void pdl_wait_then_release() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// the byte permute: byte i of the result is byte (nibble i of sel) of {b, a} (a holds bytes 0-3); a
+// nibble with bit 3 set gives that byte's sign bit repeated
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
 }
 
 #if YT < 2
