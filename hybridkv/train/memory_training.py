@@ -285,10 +285,7 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
     mi = MemoryIndexer.from_native(model, layers).to(device)
     report = {"config": {k: v for k, v in cfg.__dict__.items() if k != "extra"}, "layers": mi.config.layers,
               "heads": mi.config.heads, "rank": mi.config.rank}
-    report["policy"] = str(FlashMemory(cfg.budget))
-    report["native"] = validate(native_probs(model, mi.config.layers, val_docs, device), val_docs, cfg)
-    report["oracle"] = validate(oracle_probs(val_docs, cfg), val_docs, cfg)
-    report["init"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
+    _measure_before(report, model, mi, val_docs, cfg, device)
     echo(f"native indexer: {report['native']}\noracle labels:  {report['oracle']}\nwarm start:     {report['init']}")
     opt = torch.optim.AdamW(mi.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
@@ -310,11 +307,7 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
         if (step + 1) % max(1, cfg.steps // 10) == 0:
             echo(f"step {step + 1}/{cfg.steps}  loss {sum(losses[-20:]) / len(losses[-20:]):.4f}  "
                  f"{time.perf_counter() - t0:.0f}s")
-    report["trained"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
-    if len(cfg.lengths) > 1:
-        report["by_length"] = validate_by_length(model, mi, val_docs, cfg, device)
-        for length, measures in report["by_length"].items():
-            echo(f"at {length} tokens: {measures}")
+    _measure_trained(report, model, mi, val_docs, cfg, device, echo)
     report["train_seconds"] = round(time.perf_counter() - t0, 1)
     report["final_loss"] = round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)
     echo(f"trained:        {report['trained']}")
@@ -323,6 +316,27 @@ def train_memory_indexer(model_dir: str | Path, out: str | Path, cfg: MemoryTrai
     path.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     report["path"] = str(path)
     return report
+
+
+def _measure_before(report: dict, model, init: MemoryIndexer, val_docs: _Docs, cfg: MemoryTrainConfig,
+                    device) -> None:
+    """The report's baselines on the validation documents under the serving policy: the native
+    indexers, the labels themselves and the warm-started memory indexer `init`."""
+    report["policy"] = str(FlashMemory(cfg.budget))
+    report["native"] = validate(native_probs(model, init.config.layers, val_docs, device), val_docs, cfg)
+    report["oracle"] = validate(oracle_probs(val_docs, cfg), val_docs, cfg)
+    report["init"] = validate(memory_indexer_probs(init, val_docs, device), val_docs, cfg)
+
+
+def _measure_trained(report: dict, model, mi: MemoryIndexer, val_docs: _Docs, cfg: MemoryTrainConfig, device,
+                     echo) -> None:
+    """The trained memory indexer's measures in the report, and by document length where there are
+    several lengths."""
+    report["trained"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
+    if len(cfg.lengths) > 1:
+        report["by_length"] = validate_by_length(model, mi, val_docs, cfg, device)
+        for length, measures in report["by_length"].items():
+            echo(f"at {length} tokens: {measures}")
 
 
 def revalidate_memory_indexer(model_dir: str | Path, weights: str | Path, label_dir: str | Path, device: str = "cpu",
@@ -351,13 +365,8 @@ def revalidate_memory_indexer(model_dir: str | Path, weights: str | Path, label_
                          indices=range(cfg.docs, cfg.docs + cfg.val_docs))
     val_docs = _Docs(paths, device)
     init = MemoryIndexer.from_native(model, mi.config.layers, heads=mi.config.heads, rank=mi.config.rank).to(device)
-    report["policy"] = str(FlashMemory(cfg.budget))
-    report["native"] = validate(native_probs(model, mi.config.layers, val_docs, device), val_docs, cfg)
-    report["oracle"] = validate(oracle_probs(val_docs, cfg), val_docs, cfg)
-    report["init"] = validate(memory_indexer_probs(init, val_docs, device), val_docs, cfg)
-    report["trained"] = validate(memory_indexer_probs(mi, val_docs, device), val_docs, cfg)
-    if len(cfg.lengths) > 1:
-        report["by_length"] = validate_by_length(model, mi, val_docs, cfg, device)
+    _measure_before(report, model, init, val_docs, cfg, device)
+    _measure_trained(report, model, mi, val_docs, cfg, device, echo)
     echo(f"under {report['policy']}: native {report['native']}\ntrained {report['trained']}")
     # the report replaced whole or not at all: an interrupted write leaves the former one
     partial = report_path.with_suffix(".json.partial")
