@@ -245,17 +245,17 @@ indexer_score_fp4(const void* Q, int sq_t, int sq_h, const void* W, int sw_t, co
     u32 tile_max = 0u;
 
     // a subtile's ReLU-weighted head sums of rows g (s0) and g + 8 (s1) from its dot products
-    // (`dot(n, i)`: accumulator element i of head tile n, in the MMA's layout), then its key stores and
-    // its share of the tile maxima
-    auto finish = [&](int jm, auto dot, u32 smax0, u32 smax1) {
+    // (`dot[n][i]`: accumulator element i of head tile n, in the MMA's layout), then its key stores and
+    // its share of the tile maxima. (Not a generic lambda: NVRTC compiles those as host functions.)
+    auto finish = [&](int jm, const float (&dot)[NT][4], u32 smax0, u32 smax1) {
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float2 wn = wpair[4 * n];
-            s0 = fmaf(fmaxf(dot(n, 0), 0.0f), wn.x, s0);
-            s0 = fmaf(fmaxf(dot(n, 1), 0.0f), wn.y, s0);
-            s1 = fmaf(fmaxf(dot(n, 2), 0.0f), wn.x, s1);
-            s1 = fmaf(fmaxf(dot(n, 3), 0.0f), wn.y, s1);
+            s0 = fmaf(fmaxf(dot[n][0], 0.0f), wn.x, s0);
+            s0 = fmaf(fmaxf(dot[n][1], 0.0f), wn.y, s0);
+            s1 = fmaf(fmaxf(dot[n][2], 0.0f), wn.x, s1);
+            s1 = fmaf(fmaxf(dot[n][3], 0.0f), wn.y, s1);
         }
         s0 += __shfl_xor_sync(FULL, s0, 1);
         s1 += __shfl_xor_sync(FULL, s1, 1);
@@ -316,7 +316,12 @@ indexer_score_fp4(const void* Q, int sq_t, int sq_h, const void* W, int sw_t, co
                 }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                finish(j0 + 16 * mt, [&](int n, int i) { return (float)acc[mt][n][i]; }, smax[mt][0], smax[mt][1]);
+                float dot[NT][4];
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) dot[n][i] = (float)acc[mt][n][i];
+                finish(j0 + 16 * mt, dot, smax[mt][0], smax[mt][1]);
             }
         } else {
             // block by block: block b's codes (held by the threads tq == b) at their own scale, the others
@@ -358,7 +363,12 @@ indexer_score_fp4(const void* Q, int sq_t, int sq_h, const void* W, int sw_t, co
                             sc[i >> 1][n][i & 1] = fmaf((float)acc[n][i], rf[i >> 1] * cf, sc[i >> 1][n][i & 1]);
                         }
                 }
-                finish(j0 + 16 * mt, [&](int n, int i) { return sc[i >> 1][n][i & 1]; }, smax[mt][0], smax[mt][1]);
+                float dot[NT][4];
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) dot[n][i] = sc[i >> 1][n][i & 1];
+                finish(j0 + 16 * mt, dot, smax[mt][0], smax[mt][1]);
             }
         }
         if (!more) break;
