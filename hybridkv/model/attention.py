@@ -148,16 +148,18 @@ class Attention(nn.Module):
 
         # The output in the model's dtype: every path computes in float32, and its rows are rounded
         # once as they land (the kernels store them rounded), as the cast before the inverse
-        # rotation did; a bf16 prefill chunk holds no float32 [T, H, D] copy. One segment that is
-        # the whole batch (a prefill chunk) is written by the kernels over q, which nothing reads
-        # after it: one [T, H, D] tensor for both (1 GiB at V4-Flash's width and 16K tokens).
+        # rotation did; a bf16 prefill chunk holds no float32 [T, H, D] copy. The output is written
+        # over q, whose rows each segment, decode and wave reads only for its own output rows: one
+        # [T, H, D] tensor for both (1 GiB at V4-Flash's width and 16K tokens; a prefill chunk beside
+        # decode rows held three). CED's source layer keeps a separate output.
         whole = (not ahead and batch.decode is None and not batch.waves and len(batch.segments) == 1
                  and batch.segments[0].length == x.shape[0])
+        over_q = not ahead and q.dtype == x.dtype and q.is_contiguous()
         if whole:
             o = self._attend_segment(batch.segments[0], 0, q, kv, batch.positions, rows, share, out_dtype=x.dtype,
                                      in_place=True)
         else:
-            o = torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
+            o = q if over_q else torch.empty(x.shape[0], self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
         if ahead:
             full = ced.full
             for s_full, seg_full in enumerate(full.segments):
@@ -173,8 +175,11 @@ class Attention(nn.Module):
         elif not whole:
             for s, seg in enumerate(batch.segments):
                 r = seg.rows
-                o[r] = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
-                                            {k: v[r] for k, v in rows.items()}, share, out_dtype=x.dtype)
+                out = self._attend_segment(seg, s, q[r], kv[r], batch.positions[r],
+                                           {k: v[r] for k, v in rows.items()}, share, out_dtype=x.dtype,
+                                           in_place=over_q)
+                if out.data_ptr() != o[r].data_ptr():     # (the kernels wrote it there)
+                    o[r] = out
         own = True                                # o is this forward's: rotated back in place below
         if batch.decode is not None:
             r = batch.decode.rows
@@ -196,6 +201,9 @@ class Attention(nn.Module):
         for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
             r = wave.index()
             o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}, fused).to(o.dtype)
+        # the per-token rows and q (o may be q itself) are dropped before the output projections
+        # allocate theirs: at a 16K-token prefill chunk they hold about 1.5 GiB
+        q_a = kv_a = qr = q = kv = rows = None
         o = (apply_rope_ if own else apply_rope)(o.to(x.dtype), freqs, inverse=True)
         o = grouped_output(o.reshape(x.shape[0], self.groups, -1), self.wo_a, self.groups)
         if self.parallel.single or self.parallel.ordered:
