@@ -225,12 +225,13 @@ class _Refused:
         raise AssertionError("a selection kernel the launch should not use ran")
 
 
-@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("groups", [2, 4, None], ids=["2", "4", "by-batch"])
 def test_split_selection_selects_what_one_program_does(kernels, device, groups, monkeypatch):
     """Candidates gathered by several programs per token and joined in entry order give exactly the
     one-program result: spread and clustered top keys (one range with more candidates than a join
     step moves at once), a run of equal scores, tokens with fewer tiles than topk (one of them with
-    fewer than the programs gathering them), one with every entry selected."""
+    fewer than the programs gathering them), one with every entry selected. `by-batch`: the groups
+    `select_groups` gives seven tokens (64 // 7 = 9 programs once failed to compile)."""
     g = torch.Generator().manual_seed(9)
     t, h, d, n, topk = 7, 4, 32, 1500, 24
     q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
@@ -241,7 +242,8 @@ def test_split_selection_selects_what_one_program_does(kernels, device, groups, 
     dv = lambda x: x.to(device)  # noqa: E731
     one = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
     monkeypatch.setattr(kernels, "SPLIT_MIN_TILES", 1)
-    monkeypatch.setattr(kernels, "SELECT_GROUPS", groups)
+    if groups is not None:
+        monkeypatch.setattr(kernels, "SELECT_GROUPS", groups)
     monkeypatch.setattr(kernels, "SPLIT_CFG", {**kernels.SPLIT_CFG, "final": {"CB": 16, "num_warps": 4}})
     monkeypatch.setattr(kernels, "select_kernel", _Refused())
     split = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
@@ -264,6 +266,14 @@ def test_resident_selection_selects_what_the_tile_path_does(kernels, device, mon
     tiles = kernels.indexer_topk(dv(q), dv(w), dv(keys), dv(visible), topk).cpu()
     check_selection(reference.index_scores(q, w, keys), visible, resident, topk)
     assert torch.equal(resident, tiles)
+
+
+def test_select_groups_are_powers_of_two_for_every_split_launch(kernels):
+    """The split selection's joining kernel ranges over its groups (`tl.arange`): every launch size
+    that splits gets a power of two, shrinking as the tokens grow."""
+    groups = [kernels.select_groups(t) for t in range(1, kernels.SPLIT_MAX_TOKENS + 1)]
+    assert all(g & (g - 1) == 0 and 4 <= g <= kernels.SELECT_GROUPS for g in groups), groups
+    assert groups == sorted(groups, reverse=True) and groups[0] == kernels.SELECT_GROUPS
 
 
 def test_launches_of_many_tokens_select_in_one_program_per_token(kernels, device, monkeypatch):

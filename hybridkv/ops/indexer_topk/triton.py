@@ -306,8 +306,10 @@ RESIDENT_SELECT_MAX = 4096
 
 
 def select_groups(t: int) -> int:
-    """Programs gathering each of t tokens' candidates in a split selection."""
-    return min(SELECT_GROUPS, max(4, SPLIT_PROGRAMS // max(t, 1)))
+    """Programs gathering each of t tokens' candidates in a split selection: a power of two (the
+    joining kernel ranges over them), about `SPLIT_PROGRAMS` in all, from 4 to `SELECT_GROUPS`."""
+    share = max(1, SPLIT_PROGRAMS // max(t, 1))
+    return min(SELECT_GROUPS, max(4, 1 << (share.bit_length() - 1)))
 
 
 def _tiles(req: np.ndarray, block_t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
