@@ -35,23 +35,27 @@ class Block(nn.Module):
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _f32(mix, hc_dim), _f32(mix), _f32(3)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _f32(mix, hc_dim), _f32(mix), _f32(3)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hc, dim] -> [T, hc, dim]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor,
+                own_input: bool = False) -> torch.Tensor:
+        """x [T, hc, dim] -> [T, hc, dim]. `own_input`: the caller reads x no more, so the stream
+        may be updated where it lies (a 16K-token prefill chunk's stream is 512 MiB at V4-Flash's
+        width; without it the input and the attention's output stream are both live in the MoE)."""
         y, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
-        x = hc_post(self.attn(self.attn_norm(y), batch), x, post, comb)
+        x = hc_post(self.attn(self.attn_norm(y), batch), x, post, comb, over_residual=own_input)
         y, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.hc_iters,
                                self.hc_eps, self.norm_eps)
-        return hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb)
+        # x is this block's own from here (the attention's output stream, or the input it may own)
+        return hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb, over_residual=True)
 
     def forward_single_pass(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, input_ids: torch.Tensor,
-                            share: CrossLayerShare) -> tuple[torch.Tensor, torch.Tensor]:
+                            share: CrossLayerShare, own_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1: (x [T, hc, dim], the previous sub-block's pre mix [T, hc]) -> (x', the FFN's pre mix
         for the next block). Each sub-block's own mixes give its post/comb and the next one's pre."""
         y, attn_pre, post, comb = hc_mixes_collapse(x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                                     self.hc_iters, self.hc_eps, self.norm_eps)
-        x = hc_post(self.attn(self.attn_norm(y), batch, share), x, post, comb)
+        x = hc_post(self.attn(self.attn_norm(y), batch, share), x, post, comb, over_residual=own_input)
         y, ffn_pre, post, comb = hc_mixes_collapse(x, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                                    self.hc_iters, self.hc_eps, self.norm_eps)
-        x = hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb)
+        x = hc_post(self.ffn(self.ffn_norm(y), input_ids, batch.static), x, post, comb, over_residual=True)
         return x, ffn_pre

@@ -62,9 +62,11 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return mhc_pre(x, F.linear(x.flatten(1).float(), fn), scale, base, iters, eps, norm_eps)
 
 
-def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """x'_k = post_k · f + Σ_j comb[j, k] · x_j."""
-    return mhc_post(f, residual, post, comb)
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            over_residual: bool = False) -> torch.Tensor:
+    """x'_k = post_k · f + Σ_j comb[j, k] · x_j (written over the residual where `over_residual`
+    allows it: `ops.mhc.mhc_post`)."""
+    return mhc_post(f, residual, post, comb, over_residual)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,

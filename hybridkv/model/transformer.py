@@ -126,10 +126,12 @@ class Transformer(nn.Module):
                 share = ced.remap_share(share, plan)
                 batch = plan.batch
                 batch.ced = plan
+            # the stream is updated where it lies unless `after_layer` may keep a block's output
+            own = after_layer is None
             if self.single_pass:
-                h, pre = layer.forward_single_pass(h, pre, batch, input_ids, share)
+                h, pre = layer.forward_single_pass(h, pre, batch, input_ids, share, own_input=own)
             else:
-                h = layer(h, batch, input_ids)
+                h = layer(h, batch, input_ids, own_input=own)
             out, out_pre = h, pre
             if after_layer is not None:
                 replaced = after_layer(i, h, pre)

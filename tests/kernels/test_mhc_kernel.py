@@ -185,3 +185,23 @@ def test_v41_site_collapses_with_the_previous_mix(device, t, dim, dtype):
     assert rel_rms(y_ref, y.cpu().float()) <= (1e-6 if dtype == torch.float32 else 4e-3)   # y rounded to bf16
     for want, got in ((pre_ref, pre), (post_ref, post), (comb_ref, comb)):
         assert rel_rms(want, got.cpu()) <= 1e-4
+
+
+@pytest.mark.parametrize("t,dim", [(3, 96), (2, 1000)])
+def test_post_over_its_residual_writes_what_a_new_output_holds(device, t, dim):
+    """The post written over the residual (a stream the caller reads no more) holds the bits of the
+    post into a new tensor, whether a token's row is one program or split into column chunks; and
+    `ops.mhc.mhc_post` leaves a residual that autograd needs untouched."""
+    from hybridkv.ops import mhc
+    from hybridkv.ops.mhc import triton as kernels
+    hc = 4
+    x, fn, scale, base, f = [a.to(device) for a in _inputs(t, hc, dim, seed=2)]
+    _, post, comb = kernels.mhc_pre(x, x.flatten(1) @ fn.T, scale, base, 20, 1e-6, 1e-6)
+    fresh = kernels.mhc_post(f, x, post, comb)
+    residual = x.clone()
+    over = kernels.mhc_post(f, residual, post, comb, out=residual)
+    assert over.data_ptr() == residual.data_ptr() and torch.equal(over, fresh)
+    leaf = x.clone().requires_grad_()
+    with torch.enable_grad():
+        kept = mhc.mhc_post(f, leaf, post, comb, over_residual=True)
+    assert kept.data_ptr() != leaf.data_ptr() and torch.equal(leaf.detach(), x)

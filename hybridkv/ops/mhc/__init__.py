@@ -25,11 +25,17 @@ def mhc_pre(x: torch.Tensor, mixes_raw: torch.Tensor, scale: torch.Tensor, base:
     return reference.mhc_pre(x, mixes_raw, scale, base, iters, eps, norm_eps)
 
 
-def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """x'_k = post_k · f + Σ_j comb[j, k] · x_j: f [T, dim], residual [T, hc, dim] -> [T, hc, dim]."""
+def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             over_residual: bool = False) -> torch.Tensor:
+    """x'_k = post_k · f + Σ_j comb[j, k] · x_j: f [T, dim], residual [T, hc, dim] -> [T, hc, dim].
+    `over_residual`: the caller reads the residual no more, so the kernel may write x' over it (the
+    kernel reads each token's copies before it writes them); where it cannot (the reference path,
+    a strided or differently typed residual, autograd), x' is a new tensor as without it."""
     if _ok(residual):
         from hybridkv.ops.mhc import triton as kernels
-        return kernels.mhc_post(f, residual, post, comb)
+        over = (over_residual and residual.is_contiguous() and residual.dtype == f.dtype
+                and not (torch.is_grad_enabled() and (residual.requires_grad or f.requires_grad)))
+        return kernels.mhc_post(f, residual, post, comb, out=residual if over else None)
     return reference.mhc_post(f, residual, post, comb)
 
 

@@ -297,9 +297,10 @@ def _pre(x, mixes, partials, scale, base, iters, eps, norm_eps, given=None, head
     return y, post, comb
 
 
-def mhc_post(f, residual, post, comb):
+def mhc_post(f, residual, post, comb, out=None):
+    """`out` may be the residual itself (each program reads a token's copies before writing them)."""
     t, hc, dim = residual.shape
-    out = torch.empty(t, hc, dim, dtype=f.dtype, device=f.device)
+    out = torch.empty(t, hc, dim, dtype=f.dtype, device=f.device) if out is None else out
     if t:
         block, chunk, chunks = column_split(t, dim)
         post_kernel[(t, chunks)](f.contiguous(), residual.contiguous(), post.float().contiguous(),
