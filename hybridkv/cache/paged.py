@@ -240,7 +240,7 @@ class PagedKVStore:
         """(main, index) entry formats in which the paged Triton kernels read this store, or None when
         attention runs the reference path over gathered rows: off CUDA (unless forced, see
         `hybridkv.ops.backend`) and for packed shapes the kernels do not take (fp8: 64 rope dims,
-        head_dim 2^k; v41: head_dim 2^k). V4.1 stores in their packed layout ("v41") run decode
+        head_dim 2^k; v41: head_dim and index_head_dim 2^k). V4.1 stores in their packed layout ("v41") run decode
         attention and its indexer scoring on the kernels; V4.1 prefill and V4.1 stores in other
         layouts take the reference path. In offload mode the kernels read CSA main entries from the device
         pages (`KernelArgs.pool`), and completed blocks are written back to host memory (`write_back`)."""
@@ -249,8 +249,8 @@ class PagedKVStore:
         if not use_triton(probe):
             return None
         if c.family == "v4.1":   # decode attention only (`Attention._attend_kernels_v41`)
-            return ("v41", "fp4") if self.fmt == "v41" and c.head_dim >= 32 and not c.head_dim & (c.head_dim - 1) \
-                else None
+            pow2 = not c.head_dim & (c.head_dim - 1) and not c.index_head_dim & (c.index_head_dim - 1)
+            return ("v41", "fp4") if self.fmt == "v41" and c.head_dim >= 32 and pow2 else None
         if c.index_head_dim & (c.index_head_dim - 1):
             return None
         if self.fmt == "fp8":

@@ -1,5 +1,7 @@
 """The fused compressor kernel against pooling + finishing in plain torch."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,7 +31,8 @@ def _case(kind, n, L, seed=0):
     return kv, score, w, freqs, j, ref
 
 
-@pytest.mark.parametrize("kind,L", [("main", 8), ("main", 128), ("index", 8)], ids=["csa-main", "hca", "csa-index"])
+@pytest.mark.parametrize("kind,L", [("main", 8), ("main", 128), ("index", 8), ("main", 12), ("index", 3)],
+                         ids=["csa-main", "hca", "csa-index", "ratio-6-overlap", "ratio-3"])
 def test_float_entries(kernels, device, kind, L):
     kv, score, w, freqs, j, ref = _case(kind, 5, L)
     out = torch.empty(5, kv.shape[-1], device=device)
@@ -171,9 +174,11 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
         run(True, (save[0][:3], save[1][:3]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_v41_decode_step_returns_the_latent_the_state_update_finishes(device, dtype):
-    """`compress_decode_latent` (V4.1's ratio-2 compressor, one launch) against
+@pytest.mark.parametrize("dtype,ratio", [(torch.float32, 2), (torch.bfloat16, 2), (torch.float32, 3),
+                                         (torch.float32, 12)])
+def test_v41_decode_step_returns_the_latent_the_state_update_finishes(device, dtype, ratio):
+    """`compress_decode_latent` (V4.1's ratio-2 compressor, one launch; and ratios that are not powers
+    of two, which the kernel takes in chunks of the rows' largest power-of-two divisor) against
     `Compressor.update_decode` finishing each block a token ends (softmax pooling, the output dtype,
     RMSNorm): the same states to the bit, the same entry ids (−1 where a token ends no block, whose
     row is zeros), the latents within the pooling's float32 rounding (an online softmax here)."""
@@ -182,12 +187,14 @@ def test_v41_decode_step_returns_the_latent_the_state_update_finishes(device, dt
     from hybridkv.ops.compress import triton as kernels
     cfg = ModelConfig.from_json("tests/fixtures/v41-tiny/config.json")
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i) == 2)
+    # every ratio-2 layer at `ratio` (the layers sharing one's KV keep its ratio)
+    cfg = dataclasses.replace(cfg, compress_ratios=tuple(ratio if r == 2 else r for r in cfg.compress_ratios))
     g = torch.Generator().manual_seed(7)
     comp = Compressor(cfg, layer, cfg.head_dim, False, dtype)
     with torch.no_grad():
         comp.norm.weight.copy_(1 + 0.1 * torch.randn(cfg.head_dim, generator=g))
     r, d = comp.ratio, cfg.head_dim
-    assert r == 2 and comp.latent and not comp.overlap and not comp.stateless
+    assert r == ratio and comp.latent and not comp.overlap and not comp.stateless
     slots = torch.tensor([3, 0, 5, 2])
     positions = torch.tensor([5 * r - 1, r - 1, 3 * r, 2 * r])           # ends a block, the first, none, none
     st_kv = torch.randn(6, r, d, generator=g) * 2

@@ -31,3 +31,19 @@ def test_v41_decode_group_through_the_kernels_equals_the_reference_path(monkeypa
     for a, b in zip(ref_logits, logits):
         assert torch.equal(a[0], b[0])
         assert float((b[1:] - a[1:]).norm() / a[1:].norm()) < 1e-3
+
+
+@interpreter_only
+def test_v41_store_keeps_indexer_heads_the_kernels_cannot_range_over_on_the_reference_path(monkeypatch):
+    """The paged kernels range over the indexer head (`tl.arange`, a power of two): a V4.1 config with
+    96-dim indexer heads (valid: a multiple of the FP4 block) runs the reference path, as it would
+    with no kernels, instead of failing to compile at its first decode step."""
+    import dataclasses
+
+    from hybridkv.cache.paged import PagedKVStore
+    from hybridkv.presets import load_config
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    cfg = load_config(V41_FIXTURE)
+    assert PagedKVStore(cfg, 8, 1, "v41", torch.float32).kernel_formats == ("v41", "fp4")
+    wide = dataclasses.replace(cfg, index_head_dim=96)
+    assert PagedKVStore(wide, 8, 1, "v41", torch.float32).kernel_formats is None

@@ -157,6 +157,12 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
                   D, ROPE, MODE, OUT_BF16, EPB, PAGED, PREC, BLOCK_LAYOUT)
 
 
+def pool_chunk(rows: int) -> int:
+    """Rows a kernel handles at once out of `rows` (a block's pooled rows, or a ratio's): the largest
+    power of two that divides them, at most 8 (`tl.arange` needs a power of two; any ratio works)."""
+    return min(8, rows & -rows)
+
+
 def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor, packed: bool,
                    ent_j: torch.Tensor, ent_req: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
@@ -169,7 +175,7 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
     if n == 0:
         return
     kv_rows, score_rows = kv_rows.float().contiguous(), score_rows.float().contiguous()
-    rows = 8 if L % 8 == 0 else L
+    rows = pool_chunk(L)
     mode = {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
             ("index", False): INDEX_FLOAT}[(kind, packed)]
     had = hadamard_matrix(d, kv_rows.device) if kind == "index" else kv_rows
@@ -308,14 +314,14 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
     mode = INDEX_PACKED if kind == "index" else MAIN_PACKED
     had = hadamard_matrix(d, kv.device) if kind == "index" else kv
     pooled = 2 * ratio if overlap else ratio
-    rows = 8 if pooled % 8 == 0 else pooled      # compress_kernel's chunks of the pooled rows
+    rows = pool_chunk(pooled)      # compress_kernel's chunks of the pooled rows
     compress_decode_kernel[(b,)](
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0),
         kv if ape is None else ape.float().contiguous(), slots, positions,
         norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(), cos.shape[1], had,
         out, out.stride(0), block_tables, block_tables.stride(0), slots, save_kv, save_score, save_kv.stride(0), eps,
         d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
-        ROPE=2 * cos.shape[-1], ROWS=rows, ADV=8 if ratio % 8 == 0 else ratio, MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
+        ROPE=2 * cos.shape[-1], ROWS=rows, ADV=pool_chunk(ratio), MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
         BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, SAVE=save is not None,
         num_warps=4, **triton_args(state_kv))
 
@@ -337,7 +343,7 @@ def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, sl
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0), kv, slots, positions,
         norm_weight.float().contiguous(), kv, kv, 0, kv, out, out.stride(0), slots, 0, ids, state_kv, state_score, 0,
         eps, 1.0, R=ratio,
-        OVERLAP=False, D=d, ROPE=0, ROWS=8 if ratio % 8 == 0 else ratio, ADV=8 if ratio % 8 == 0 else ratio,
+        OVERLAP=False, D=d, ROPE=0, ROWS=pool_chunk(ratio), ADV=pool_chunk(ratio),
         MODE=LATENT, OUT_BF16=out_dtype == torch.bfloat16, EPB=1, PREC="ieee", BLOCK_LAYOUT=False, HAS_APE=False,
         SAVE=False, num_warps=4, **triton_args(state_kv))
     return out, ids
