@@ -23,6 +23,12 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   pool's; and by phase (`benchmarks/memory_phases.py`: loading, the warm-up, each prefill, each
   cell's fill, decode and eager counting step), with `--memory-trace PHASES` the tensors live at
   those phases' peaks, summed by the line of hybridkv that allocated them.
+- `--fill fork`: each decode cell prefills one request and forks it into the batch (`EngineCore.fork`:
+  copies of its cache, so the pool's bytes and the attention's reads are those of distinct
+  requests), all sampling at temperature 1 so that their rows part from the first decode step; the
+  experts a step selects are counted as always. A B=64 cell at 128K then prefills 128K tokens
+  instead of 8M: for its memory and step time when the device time is short. `prefill` (the
+  default) prefills every request's own random prompt, greedy.
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
   (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill); with
   `--prefill-cprofile N` a third run under cProfile prints the host's N costliest functions.
@@ -301,12 +307,16 @@ def worker(a) -> None:
     for b, ctx in cells:
         budget = decode_budget(a, b, ctx) * ((a.num_speculative_tokens + 1) if spec else 1)
         ctx = min(ctx, eng.max_model_len - budget)
-        seqs = [eng.add_request(prompt(ctx), SamplingParams(max_tokens=budget, ignore_eos=True)) for _ in range(b)]
+        fork = a.fill == "fork" and b > 1
+        params = SamplingParams(max_tokens=budget, ignore_eos=True, **(dict(temperature=1.0) if fork else {}))
+        seqs = [eng.add_request(prompt(ctx), params) for _ in range(1 if fork else b)]
         prefill_steps, preempted = 0, eng.scheduler.num_preemptions
         with phases(f"fill:{b}x{ctx}"):
             while any(s.first_token_time is None for s in seqs):
                 eng.step()
                 prefill_steps += 1
+            if fork:
+                seqs += eng.fork(seqs[0].request_id, b - 1, params)
         with phases(f"decode:{b}x{ctx}"):
             timed_steps(eng, WARM_STEPS, a.device)
             produced = sum(len(s.output_ids) for s in seqs)
@@ -659,6 +669,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=_parse_count, default=None,
                     help="leave out the decode cells whose batch x context exceeds this (their prefill is long)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per engine step")
+    ap.add_argument("--fill", choices=("prefill", "fork"), default="prefill",
+                    help="decode cells: prefill each request's prompt, or one request forked into the batch")
     ap.add_argument("--prefill-cprofile", type=int, default=0, metavar="N",
                     help="also run each prefill under cProfile and print its N costliest functions")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
