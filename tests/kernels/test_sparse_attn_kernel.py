@@ -21,8 +21,10 @@ SPLIT_CFG = (16, 16, 24, 4, 1)      # (BLOCK_H, BLOCK_N, split rows, warps, stag
 
 
 @pytest.mark.parametrize("n_idx,cfg,d", [(24, None, 64), (90, None, 64), (90, SPLIT_CFG, 64),
-                                         (130, (16, 16, 16, 4, 1), 64), (40, None, 96), (90, SPLIT_CFG, 96)],
-                         ids=["one-piece", "one-piece-long", "split-partial-tiles", "many-pieces", "d96", "d96-split"])
+                                         (130, (16, 16, 16, 4, 1), 64), (40, None, 96), (90, SPLIT_CFG, 96),
+                                         (90, SPLIT_CFG, 48)],
+                         ids=["one-piece", "one-piece-long", "split-partial-tiles", "many-pieces", "d96", "d96-split",
+                              "d48-split"])
 def test_contiguous_matches_reference(kernels, device, n_idx, cfg, d):
     g = torch.Generator().manual_seed(0)
     t, h, n = 5, 4, 50

@@ -386,7 +386,7 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
                              ml, ml.stride(0), ml.stride(1), *args_tail, FINAL=False, num_warps=warps,
                              num_stages=stages, **common, **triton_args(q))
     c = COMBINE_CFG
-    bhc, bdc = min(c["BLOCK_H"], max(2, triton.next_power_of_2(h))), min(c["BLOCK_D"], head_dim)
+    bhc, bdc = min(c["BLOCK_H"], max(2, triton.next_power_of_2(h))), min(c["BLOCK_D"], triton.next_power_of_2(head_dim))
     combine_kernel[(t, triton.cdiv(h, bhc), triton.cdiv(head_dim, bdc))](
         part, part.stride(0), part.stride(1), part.stride(2), ml, ml.stride(0), ml.stride(1), out, out.stride(0),
         out.stride(1), positions, sink, h, k_idx, split, D=head_dim, BLOCK_H=bhc, BLOCK_D=bdc, BLOCK_S=c["BLOCK_S"],
