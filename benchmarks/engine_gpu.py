@@ -27,8 +27,9 @@ HYBRIDKV_DENSE_WEIGHTS=1, the dequantised copies of before) measures in a fresh 
   copies of its cache, so the pool's bytes and the attention's reads are those of distinct
   requests), all sampling at temperature 1 so that their rows part from the first decode step; the
   experts a step selects are counted as always. A B=64 cell at 128K then prefills 128K tokens
-  instead of 8M: for its memory and step time when the device time is short. `prefill` (the
-  default) prefills every request's own random prompt, greedy.
+  instead of 8M: for its decode step and decode memory when the device time is short. Its fill
+  peaks as one prefill does, not as prefill chunks beside other requests' decode rows (which
+  `prefill`, the default, runs: every request's own random prompt, greedy).
 - prefill tokens/s of one request at each --prefill length, and the TFLOP/s of the linear layers
   (their FLOPs ÷ the device time of the GEMM kernels in a profiled prefill); with
   `--prefill-cprofile N` a third run under cProfile prints the host's N costliest functions.
