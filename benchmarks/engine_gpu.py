@@ -696,6 +696,8 @@ def main() -> int:
         a.path = a.worker
         (hf_worker if a.path == "hf" else worker)(a)
         return 0
+    if a.fill == "fork" and "mtp" in a.paths.split(","):
+        ap.error("--fill fork: forked requests carry no MTP draft state; run the mtp path with --fill prefill")
     ensure_checkpoint(a)
     rows = []
     for path in a.paths.split(","):
