@@ -482,16 +482,13 @@ class EngineCore:
 
     def _spec_graph_eligible(self, chunks: list[Chunk]) -> bool:
         """Whether this step can replay `SpeculativeGraphs`: every request verifies k drafts past its
-        prefix hit's frozen blocks, and no kept snapshot boundary falls inside the verified positions
-        n+1..n+k (the state there is not kept)."""
-        k, bt = self.ec.num_speculative_tokens, self.store.block_tokens
-        snapshots = self.policy.snapshots and self.prefix.enabled
+        prefix hit's frozen blocks (a snapshot at a block boundary among the verified positions is
+        put together after the replay: `SpeculativeGraphs.boundary_state`)."""
+        k = self.ec.num_speculative_tokens
         for c in chunks:
             s = c.seq
             if (not c.draft or len(c.draft) != k or c.length != k + 1
                     or c.start < s.cache.frozen_until or s.mtp_start is None):
-                return False
-            if snapshots and (c.start + k) // bt > c.start // bt:
                 return False
         return self.spec_graphs.eligible([c.seq.cache for c in chunks], [c.start for c in chunks])
 
@@ -528,11 +525,14 @@ class EngineCore:
             seq.draft = None
             self.prefix.register(seq.root, seq.block_hashes, seq.token_ids, seq.cache, seq.num_computed)
             if snapshots:
-                # only a boundary at n+k+1 can be due here (one at n+1..n+k sends the step to the eager
-                # path), reached with every position kept and emitted: the state there is the state now
-                hook = self._snapshot_hook(seq)
-                for layer_id in range(self.store.num_layers):
-                    hook(layer_id, seq.num_computed)
+                # the boundaries up to the last emitted position: the state after all the positions the
+                # device kept is the state now; one after fewer is put together from the step's copies
+                hook, bt, kept = self._snapshot_hook(seq), self.store.block_tokens, c.start + accepted + 1
+                for end in range((c.start // bt + 1) * bt, seq.num_computed + 1, bt):
+                    states = (graphs.boundary_state(g, b, seq.cache.slot, c.start, end - c.start) if end < kept
+                              else [None] * self.store.num_layers)
+                    for layer_id, state in enumerate(states):
+                        hook(layer_id, end, state)
             self._publish_snapshots(seq)
             if reason:
                 self._finish(seq, reason)
@@ -550,13 +550,13 @@ class EngineCore:
         return events
 
     def _draft_len(self, seq: Sequence) -> int:
-        """Draft tokens for the request's next step (0 while in prefill): k, fewer where its
-        max_tokens or the model length ends it sooner."""
+        """Draft tokens for the request's next step (0 while in prefill): k, fewer where the model
+        length ends it sooner. A request near its max_tokens still drafts k: its last steps (and so
+        its batch's) keep the shape `SpeculativeGraphs` replays, and a seeded request draws the same
+        uniforms whichever path its steps take; the host emits no token past max_tokens."""
         if seq.num_computed != seq.num_tokens - 1:
             return 0
-        p = seq.params
-        return max(0, min(self.ec.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                          self.max_model_len - 1 - seq.num_tokens))
+        return max(0, min(self.ec.num_speculative_tokens, self.max_model_len - 1 - seq.num_tokens))
 
     def _count_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
         st = self.stats

@@ -43,10 +43,11 @@ the slot `DecodeGraphs` would reserve: no compressed block completes there.
 
 Taken where every request of the step verifies k drafts (greedy or sampled; a seeded request's
 uniforms come from its own generator in the same call as on the eager path, so its tokens do not
-depend on which path its steps take), past its prefix hit's frozen blocks with a complete window,
-and no block boundary whose window-state snapshot the prefix cache keeps falls inside the verified
-positions (the state there is not kept; a boundary at the last kept position is snapshotted after
-the step). Other steps run eagerly. With capture=False the same fixed-shape forward runs eagerly:
+depend on which path its steps take), past its prefix hit's frozen blocks with a complete window.
+Other steps run eagerly. A block boundary among the kept positions whose window-state snapshot the
+prefix cache keeps is snapshotted after the replay from what the step saved (`boundary_state`: the
+ring rows the later positions overwrote, the compressor states before the wave after it); one at the
+last kept position from the state then. With capture=False the same fixed-shape forward runs eagerly:
 what the CPU tests check against plain decoding.
 """
 
@@ -231,6 +232,29 @@ class SpeculativeGraphs:
         ids = both[:, 3 * k1:3 * k1 + width].long().view(n, k1, g.top).tolist()
         values = both[:, 3 * k1 + width:].view(n, k1, g.top).tolist()
         return (*out, [[list(zip(i_row, v_row)) for i_row, v_row in zip(i, v)] for i, v in zip(ids, values)])
+
+    def boundary_state(self, g: SpecGraph, row: int, slot: int, start: int, j: int) -> list[list[torch.Tensor]]:
+        """Every layer's state after the first j (1..k) of the positions that request `row` (cache
+        slot `slot`) verified from `start` in the last replay, as `PagedKVStore.capture_state` lists
+        it, for the prefix cache's snapshot at a block boundary inside the kept positions. Read after
+        the replay from what it saved: its window ring now with the rows that positions start+j..
+        start+k overwrote put back (`saved["ring"]`), and each compressor's state before wave j's
+        update (`saved["states"]`; one no wave updated: its state now). Copies, as the next replay
+        overwrites the graph's buffers."""
+        store, W = self.store, self.store.config.sliding_window
+        at = torch.arange(start + j, start + g.k + 1, device=store.rings.device) % W
+        rings = store.rings[:, slot].clone()                                       # [layers, W, E]
+        rings[:, at] = g.saved["ring"][:, row, j:]
+        saved = g.saved["states"]
+        out = []
+        for layer_id in range(store.num_layers):
+            state = [rings[layer_id]]
+            for kind, (kv, score) in store.states[layer_id].items():
+                copies = saved.get((layer_id, kind))
+                state += ([t[row].clone() for t in copies[j - 1]] if copies is not None
+                          else [kv[slot].clone(), score[slot].clone()])
+            out.append(state)
+        return out
 
     def put_draft_probs(self, slot: int, probs: list[torch.Tensor]) -> None:
         """A sampled request's draft distributions from the eager drafter, where the next graph reads them."""
