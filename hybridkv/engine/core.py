@@ -446,13 +446,14 @@ class EngineCore:
                     uniforms = step_uniforms(len(c.draft) + 1 + self.ec.num_speculative_tokens, seq.generator,
                                              self.device)
                 tokens = accept(rows, Draft(c.draft, probs), seq.params, uniforms)
+                usable = self._usable_drafts(seq, len(c.draft))
                 for i, t in enumerate(tokens):
                     event, reason = self._add_token(seq, rows[i], scored(rows[i], t, seq.params))
                     events.append(event)
                     if reason:
                         break
                 emitted = i + 1
-                self._count_verify(seq, len(c.draft), len(tokens) - 1)
+                self._count_verify(seq, usable, len(tokens) - 1)
                 checkpoints[id(c)].rollback(self.model, emitted)
                 seq.num_computed = c.start + emitted
                 self._drop_rejected(seq)
@@ -513,13 +514,14 @@ class EngineCore:
             accepted = accepted_counts[b]
             reason = None
             asked = seq.params.logprobs
+            usable = self._usable_drafts(seq, k)
             for i, t in enumerate(tokens[b][:accepted + 1]):
                 top = tops[b][i][:asked] if asked else None
                 event, reason = self._add_token(seq, g.out["logits"][i, b], Sampled(t, logprobs[b][i], top))
                 events.append(event)
                 if reason:
                     break
-            self._count_verify(seq, k, accepted)
+            self._count_verify(seq, usable, accepted)
             seq.num_computed = c.start + i + 1
             self._drop_rejected(seq)
             seq.draft = None
@@ -558,7 +560,19 @@ class EngineCore:
             return 0
         return max(0, min(self.ec.num_speculative_tokens, self.max_model_len - 1 - seq.num_tokens))
 
+    @staticmethod
+    def _usable_drafts(seq: Sequence, drafted: int) -> int:
+        """Of a step's drafts, those whose tokens the request's max_tokens leaves room to emit (a
+        request near it drafts k all the same: `_draft_len`); the metrics count these alone."""
+        return max(0, min(drafted, seq.params.max_tokens - len(seq.output_ids) - 1))
+
     def _count_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Metrics of one verify: `drafted` usable drafts (`_usable_drafts`), `accepted` of all of
+        them (counted up to the usable ones). A step with none counts as no verify, as before
+        drafting past max_tokens, when its request drafted nothing."""
+        if not drafted:
+            return
+        accepted = min(accepted, drafted)
         st = self.stats
         st.spec_drafts += 1
         st.spec_draft_tokens += drafted
