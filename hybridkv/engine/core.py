@@ -568,8 +568,8 @@ class EngineCore:
 
     def _count_verify(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Metrics of one verify: `drafted` usable drafts (`_usable_drafts`), `accepted` of all of
-        them (counted up to the usable ones). A step with none counts as no verify, as before
-        drafting past max_tokens, when its request drafted nothing."""
+        them (counted up to the usable ones). A step with none usable (one token left to emit) is
+        not counted as a verify, as a step without drafts is not."""
         if not drafted:
             return
         accepted = min(accepted, drafted)
