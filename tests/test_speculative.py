@@ -416,6 +416,9 @@ def test_server_reports_acceptance_in_usage_and_metrics():
         u = r["usage"]
         sd = u["speculative_decoding"]
         assert u["completion_tokens"] == 8 and sd["num_drafts"] >= 3, sd
+        # each verify emits its accepted drafts and one token more (the first token comes from the
+        # prefill): drafts past max_tokens, verified at the last step, are not counted
+        assert u["completion_tokens"] >= 1 + sd["num_accepted_tokens"] + sd["num_drafts"], sd
         details = u["completion_tokens_details"]
         assert details["accepted_prediction_tokens"] == sd["num_accepted_tokens"]
         assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == sd["num_draft_tokens"]
