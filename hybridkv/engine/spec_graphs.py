@@ -241,18 +241,15 @@ class SpeculativeGraphs:
         start+k overwrote put back (`saved["ring"]`), and each compressor's state before wave j's
         update (`saved["states"]`; one no wave updated: its state now). Copies, as the next replay
         overwrites the graph's buffers."""
-        store, W = self.store, self.store.config.sliding_window
-        at = torch.arange(start + j, start + g.k + 1, device=store.rings.device) % W
-        rings = store.rings[:, slot].clone()                                       # [layers, W, E]
-        rings[:, at] = g.saved["ring"][:, row, j:]
-        saved = g.saved["states"]
+        store, saved = self.store, g.saved["states"]
+        at = torch.arange(start + j, start + g.k + 1, device=store.rings.device) % store.config.sliding_window
         out = []
         for layer_id in range(store.num_layers):
-            state = [rings[layer_id]]
-            for kind, (kv, score) in store.states[layer_id].items():
-                copies = saved.get((layer_id, kind))
-                state += ([t[row].clone() for t in copies[j - 1]] if copies is not None
-                          else [kv[slot].clone(), score[slot].clone()])
+            state = store.capture_state(slot, layer_id)          # [ring, then kv, score of each kind]
+            state[0][at] = g.saved["ring"][layer_id, row, j:]
+            for i, kind in enumerate(store.states[layer_id]):
+                if (layer_id, kind) in saved:
+                    state[1 + 2 * i], state[2 + 2 * i] = (t[row].clone() for t in saved[(layer_id, kind)][j - 1])
             out.append(state)
         return out
 
