@@ -178,6 +178,42 @@ def test_random_mtp_block_rejects_and_outputs_stay(fixtures):
     assert llm.engine.stats.spec_drafts >= 8
 
 
+def test_verify_waves_on_the_paged_path_attend_in_one_batch(fixtures, monkeypatch):
+    """On the paged kernels' path the verify rows of all waves are selected and attended as one batch
+    (`PagedDecodeKV.wave_rows`), ragged waves included (a request near max_tokens drafts fewer): the
+    outputs and the cache state at the end equal plain decoding's on the same path, with rejected
+    tokens completing ratio-4 and ratio-128 entries."""
+    import hybridkv.cache.paged as paged
+    d, k = fixtures / "v4-tiny", 3
+    prompts = prompts_of([5, 122, 250], seed=1)
+    layouts = []
+    build = paged._wave_rows
+
+    def counted(views, args):
+        out = build(views, args)
+        layouts.append(([len(v.positions) for v in views], out is not None))
+        return out
+    monkeypatch.setattr(paged, "_wave_rows", counted)
+    want_state, oracle_state = {}, {}
+    # the longest request nears the model length: it drafts fewer than k there (ragged waves)
+    plain = make(d, max_model_len=264)
+    plain.engine.store.kernel_formats = ("bf16", "bf16")          # the paged path (CUDA decides this itself)
+    ref = run(plain, prompts, 14, capture=want_state)
+    llm = make(d, speculative="mtp", num_speculative_tokens=k, speculative_verify="waves", max_model_len=264)
+    llm.engine.store.kernel_formats = ("bf16", "bf16")
+    oracle = Oracle(llm.engine, ref, crossing_plan(k), llm.config.vocab_size)
+    try:
+        assert run(llm, prompts, 14, capture=oracle_state) == ref
+    finally:
+        oracle.close()
+    assert layouts and all(built for _, built in layouts)
+    assert any(len(set(sizes)) > 1 for sizes, _ in layouts)        # ragged waves
+    assert any(sizes == [3] * (k + 1) for sizes, _ in layouts)
+    assert oracle.rejected_completions(128) >= 2 and oracle.rejected_completions(4) >= 5
+    for rid in ref:
+        assert_states_close(oracle_state[rid], want_state[rid])
+
+
 @pytest.mark.parametrize("waves", [True, False], ids=["decode-waves", "segments"])
 def test_rollback_equals_the_state_the_kept_tokens_leave(fixtures, waves, monkeypatch):
     """One verify step over positions 124..127 (k = 3) that keeps 124..125, with packed fp8/fp4

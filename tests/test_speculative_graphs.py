@@ -240,6 +240,33 @@ def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order
         assert torch.equal(listed[j], one[0]) and torch.equal(valid[j], one[1])
 
 
+def test_mtp_waves_listed_at_once_equal_the_waves_one_after_another():
+    """`MTPDecodeKV.wave_window`: the windows of three waves at once (a ring that wraps, a window
+    still filling, a request that keeps one row and one that keeps all three) list each kept row's
+    window as the waves run one after another would, and leave the same ring."""
+    class Config:
+        num_hidden_layers, sliding_window, head_dim = 2, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    positions, slots, start = torch.tensor([6, 2]), torch.tensor([2, 0]), torch.tensor([1, 0])
+    kept = torch.tensor([1, 3])
+    rows = torch.randn(3 * 2, 4, generator=gen)
+    caches = [MTPCache(Config, 3, torch.float32, "cpu") for _ in range(2)]
+    for c in caches:
+        c.ring.copy_(torch.arange(c.ring.numel(), dtype=torch.float32).view_as(c.ring))
+
+    def views(cache):
+        return [MTPDecodeKV(cache, positions + j, slots, start, write=kept > j) for j in range(3)]
+    one_by_one = [v.window(2, rows[2 * j:2 * j + 2]) for j, v in enumerate(views(caches[0]))]
+    seq_views = views(caches[1])
+    keys, valid = seq_views[0].wave_window(seq_views, rows)
+    assert torch.equal(caches[0].ring, caches[1].ring)
+    for j, (k_one, v_one) in enumerate(one_by_one):
+        for b in range(2):
+            if j < kept[b]:
+                assert torch.equal(valid[2 * j + b], v_one[b])
+                assert torch.equal(keys[2 * j + b][v_one[b]], k_one[b][v_one[b]])
+
+
 def test_sampled_fixed_shape_steps_follow_the_model_beside_greedy_requests():
     """tiny-v4 (its trained MTP block drafts tokens the model may sample) continuing filler text:
     unseeded sampled requests (top-k 2, four tokens, k = 1) verify through the fixed-shape step and the

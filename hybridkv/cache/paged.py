@@ -828,6 +828,72 @@ class KernelArgs:
         return self.store.codec["window"].encode(rows)
 
 
+@dataclass
+class WaveRows:
+    """Several decode groups of the same requests at consecutive positions (speculative verify waves:
+    group j holds the j-th row of every request that has one) laid out for the paged kernels as one
+    batch of multi-token segments: `args` (its `batch` lists the rows in group order, a request's
+    segment starting at its row of the first group), `own_rows` [T] where each row's stored window
+    row goes in the segments' own rows (request after request, the `new_kv` the kernels read), and
+    `ring_slots`, `ring_rows` [T] long: where each row is stored in the window ring."""
+
+    args: KernelArgs
+    own_rows: torch.Tensor
+    ring_slots: torch.Tensor
+    ring_rows: torch.Tensor
+
+
+def wave_rows(views: list["PagedDecodeKV"]) -> WaveRows | None:
+    """`WaveRows` of decode groups whose request b in group j sits at position p_b + j (p_b its
+    position in group 0, which holds every request; a later group holds a subset, in the same
+    order), or None where a group takes the reference path or reports each layer's end to a hook
+    (the window-state snapshots of the eager path, which a group's rows must reach in order).
+    Views over the caller's device tensors (`PagedDecodeKV.fixed`, a CUDA graph's) must all hold
+    every request; their layout is built on the device, without reading it. Computed once per
+    forward and shared by its layers."""
+    first = views[0]
+    cached = first.__dict__.get("_wave_rows", False)
+    if cached is not False and cached[0] == len(views):
+        return cached[1]
+    out = None
+    args = [v.kernel_args() for v in views]
+    if all(a is not None for a in args) and all(v.on_layer_done is None for v in views):
+        out = _wave_rows(views, args)
+    first._wave_rows = (len(views), out)
+    return out
+
+
+def _wave_rows(views: list["PagedDecodeKV"], args: list[KernelArgs]) -> WaveRows | None:
+    first, dev = views[0], views[0].positions.device
+    b, waves = first.positions.shape[0], len(views)
+    i32 = torch.int32
+    if first.seqs is None:                  # fixed views: every group holds every request
+        if any(v.positions.shape[0] != b for v in views):
+            return None
+        req = torch.arange(b, device=dev, dtype=i32).repeat(waves)
+        row0 = torch.arange(b, device=dev, dtype=i32) * waves
+        wave = torch.arange(waves, device=dev, dtype=i32).repeat_interleave(b)
+        own = row0.repeat(waves) + wave
+    else:                                   # built on the host: groups may hold fewer requests
+        index = {id(s): i for i, s in enumerate(first.seqs)}
+        try:
+            req_host = np.array([index[id(s)] for v in views for s in v.seqs], dtype=np.int64)
+        except KeyError:
+            return None
+        lengths = np.bincount(req_host, minlength=b)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        wave_host = np.repeat(np.arange(waves), [len(v.seqs) for v in views])
+        req = torch.from_numpy(req_host.astype(np.int32)).to(dev)
+        row0 = torch.from_numpy(starts.astype(np.int32)).to(dev)
+        own = torch.from_numpy((starts[req_host] + wave_host).astype(np.int32)).to(dev)
+    positions = torch.cat([v.positions for v in views]).to(i32)
+    first_args = args[0]
+    batch = PagedBatch(req, positions, first_args.batch.slots, first_args.batch.block_tables,
+                       first.positions.to(i32), row0, first.store.block_tokens)
+    joint = KernelArgs(first.store, batch, max(a.max_pos for a in args), first_args.pages)
+    return WaveRows(joint, own.long(), first.slots[req.long()], positions.long() % first.store.config.sliding_window)
+
+
 def _block_mask(blocks: set[int], n: int) -> np.ndarray:
     """bool [n]: True at the block indices in `blocks` (those ≥ n ignored)."""
     mask = np.zeros(n, dtype=bool)
@@ -918,6 +984,11 @@ class PagedDecodeKV:
                     pages = self.page_tables.to(torch.int32)
                 self._kernel_args = KernelArgs(self.store, batch, self._max_pos, pages)
         return self._kernel_args
+
+    def wave_rows(self, views: list["PagedDecodeKV"]) -> "WaveRows | None":
+        """This group and the groups after it (`views`, this one first) as one kernel batch:
+        `wave_rows`."""
+        return wave_rows(views)
 
     def write_window(self, layer_id: int, stored_rows: torch.Tensor) -> None:
         """Each request's new row (already in stored form) into its ring."""

@@ -674,7 +674,11 @@ class EngineCore:
             dkv = PagedDecodeKV(self.store, [c.seq.cache for c in decodes], positions,
                                 self._group_hook(decodes) if snapshots else None)
             decode = (dkv, positions)
-        waves = verify_waves(self.store, verifies, self._group_hook(waved) if snapshots else None) if verifies else ()
+        # the snapshot hooks only where a verify chunk reaches a block boundary: waves without hooks
+        # attend as one batch on the paged kernels' path (`Attention._attend_waves`)
+        bt = self.store.block_tokens
+        hooked = snapshots and any((c.start + c.length) // bt > c.start // bt for c in waved)
+        waves = verify_waves(self.store, verifies, self._group_hook(waved) if hooked else None) if verifies else ()
         batch = ForwardBatch.build(items, self.device, decode, decode_rows, waves)
         if ced:
             batch.outputs = list(logit_rows)

@@ -125,6 +125,28 @@ class MTPDecodeKV:
         listed, valid = self.listing or window_listing(self.positions, W, self.start)
         return ring[self.slots.unsqueeze(1), listed], valid
 
+    def wave_window(self, views: list["MTPDecodeKV"], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`window` of several waves at once (this one first; request b of wave j at position
+        p_b + j, p_b its position here): rows [waves·B, D] wave after wave -> keys [waves·B, window, D]
+        and validity, each row's window listed as `window` lists it, its verify positions from `rows`
+        and the earlier ones from the ring; then each wave's rows go into the ring where its `write`
+        allows. (A row past a request's kept ones reads the rows before it even where they are not
+        written: its output is never used.)"""
+        ring, W, waves, b = self.cache.ring, self.cache.window, len(views), self.positions.shape[0]
+        new = rows.to(ring.dtype).view(waves, b, -1)
+        pos = torch.stack([v.positions for v in views])                                  # [waves, B]
+        window_pos = (pos.unsqueeze(-1) - W + 1).clamp(min=0) + torch.arange(W, device=pos.device)
+        verified = window_pos - self.positions.view(1, b, 1)                             # its wave, if ≥ 0
+        requests = torch.arange(b, device=pos.device).view(1, b, 1)
+        keys = torch.where((verified >= 0).unsqueeze(-1), new[verified.clamp(0, waves - 1), requests],
+                           ring[self.slots.view(1, b, 1), window_pos % W])
+        valid = (window_pos >= self.start.clamp(min=0).view(1, b, 1)) & (window_pos <= pos.unsqueeze(-1))
+        at, slots = pos % W, self.slots.expand(waves, b)
+        write = torch.stack([v.write if v.write is not None else torch.ones_like(v.positions, dtype=torch.bool)
+                             for v in views]).unsqueeze(-1)
+        ring[slots, at] = torch.where(write, new, ring[slots, at])
+        return keys.flatten(0, 1), valid.flatten(0, 1)
+
     def done(self, layer_id: int) -> None:
         pass
 

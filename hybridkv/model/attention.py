@@ -41,7 +41,7 @@ from hybridkv.model.csa2 import CrossLayerShare, LatentIndexer, global_kv
 from hybridkv.model.indexer import Indexer
 from hybridkv.model.linear import Linear, grouped_output, pair_storage, paired_forward, stack_storage, stacked_forward
 from hybridkv.model.norm import RMSNorm
-from hybridkv.model.state import DecodeKV, ForwardBatch, LayerKV, Segment
+from hybridkv.model.state import DecodeGroup, DecodeKV, ForwardBatch, LayerKV, Segment
 from hybridkv.ops.quant import fp8_round_trip
 from hybridkv.ops.rope import apply_rope, apply_rope_, rope_freqs, yarn_inv_freq
 from hybridkv.ops.rmsnorm import rms_norm_rope
@@ -198,9 +198,8 @@ class Attention(nn.Module):
                     o[r] = self._attend_decode(batch.decode.kv, q[r], kv[r], drows).to(o.dtype)
         if batch.waves and self.v41:
             raise NotImplementedError("verify waves are V4's (V4.1 checkpoints have no MTP block)")
-        for wave in batch.waves:   # verify rows: each wave one plain decode step's attention, in order
-            r = wave.index()
-            o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()}, fused).to(o.dtype)
+        if batch.waves:
+            self._attend_waves(batch.waves, q, kv, rows, fused, o)
         # the per-token rows and q (o may be q itself) are dropped before the output projections
         # allocate theirs: at a 16K-token prefill chunk they hold about 1.5 GiB
         q_a = kv_a = qr = q = kv = rows = None
@@ -298,9 +297,12 @@ class Attention(nn.Module):
             return None
         return get(*where)
 
-    def _attend_kernels(self, kargs, q, stored_rows, rows, out_dtype=torch.float32, out=None) -> torch.Tensor:
+    def _attend_kernels(self, kargs, q, stored_rows, rows, out_dtype=torch.float32, out=None,
+                        like_tokens: int | None = None) -> torch.Tensor:
         """Indexer top-k and sparse attention over the paged store; the tokens' own rows are
-        `stored_rows`, earlier window rows come from the ring. [T, H, D] in out_dtype."""
+        `stored_rows`, earlier window rows come from the ring. [T, H, D] in out_dtype. With
+        `like_tokens` (speculative verify rows) each token is scored and attended as in a decode
+        launch of that many tokens, so that it computes what a plain decode row computes."""
         lid, pool, idx, tables = self.layer_id, None, None, None
         if self.ratio:
             pool, tables = kargs.pool(lid, "kv"), kargs.tables(lid, "kv")
@@ -308,10 +310,11 @@ class Attention(nn.Module):
                 idx = indexer_topk_paged(rows["idx_q"], rows["idx_w"], kargs.batch, kargs.pool(lid, "index"),
                                          self.indexer.topk, self.ratio, kargs.index_format, self.indexer.head_dim,
                                          max_visible=(kargs.max_pos + 1) // self.ratio, resident=kargs.resident(lid),
-                                         fp4_queries=True)
+                                         fp4_queries=True, per_token=like_tokens is not None)
         return sparse_attn_paged(q, self.attn_sink, self.scale, kargs.batch, stored_rows, kargs.ring(lid), pool, idx,
                                  self.ratio, kargs.main_format, self.head_dim, self.rope_dim, self.window,
-                                 max_pos=kargs.max_pos, tables=tables, out_dtype=out_dtype, out=out)
+                                 max_pos=kargs.max_pos, tables=tables, out_dtype=out_dtype, out=out,
+                                 like_tokens=like_tokens)
 
     def _attend_segment(self, seg: Segment, seg_id: int, q, kv, positions, rows, share,
                         out_dtype=torch.float32, in_place: bool = False) -> torch.Tensor:
@@ -365,17 +368,7 @@ class Attention(nn.Module):
         lid, pos = self.layer_id, dkv.positions
         kargs = self._kernel_args(dkv)
         if kargs is not None:
-            if self.compressor is not None:
-                # decode positions lie past every prefix hit: nothing here is shared, all is writable
-                parts = [("kv", self.compressor, rows["comp_kv"], rows["comp_score"])]
-                if self.indexer is not None:
-                    parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
-                for kind, compressor, kv_rows, score_rows in parts:
-                    if kind in fused:
-                        self._compress_decode_fused(kargs, dkv, kind, compressor, kv_rows, score_rows)
-                    else:
-                        self._compress_decode(dkv, kind, compressor, kv_rows, score_rows,
-                                              self._decode_writer(kargs, dkv, kind, compressor))
+            self._compress_decode_kernels(kargs, dkv, rows, fused)
             # ring row pos % W held pos − W, which no window reads any more
             if self._window_fused(dkv):
                 stored = write_window_fp8(kv, kargs.ring(lid), dkv.slots, dkv.positions, self.rope_dim)
@@ -412,6 +405,74 @@ class Attention(nn.Module):
             valid = torch.cat([valid, sel_ok], dim=1)
         return self._decode_attention(dkv, q, keys, valid)
 
+    def _compress_decode_kernels(self, kargs, dkv: DecodeKV, rows, fused: tuple[str, ...] = ()) -> None:
+        """A decode group's compressor updates on the paged kernels' path, the entries its tokens
+        complete stored (decode positions lie past every prefix hit: nothing here is shared)."""
+        if self.compressor is None:
+            return
+        parts = [("kv", self.compressor, rows["comp_kv"], rows["comp_score"])]
+        if self.indexer is not None:
+            parts.append(("index", self.indexer.compressor, rows["idx_kv"], rows["idx_score"]))
+        for kind, compressor, kv_rows, score_rows in parts:
+            if kind in fused:
+                self._compress_decode_fused(kargs, dkv, kind, compressor, kv_rows, score_rows)
+            else:
+                self._compress_decode(dkv, kind, compressor, kv_rows, score_rows,
+                                      self._decode_writer(kargs, dkv, kind, compressor))
+
+    def _attend_waves(self, waves: list[DecodeGroup], q, kv, rows, fused: tuple[str, ...], o: torch.Tensor) -> None:
+        """Speculative verify rows (engine/speculative.py), written into o. Each row attends as a
+        plain decode row at its position would: over the window rows up to it and the compressed
+        entries complete there. On the paged kernels' path (the views' `wave_rows`) the compressors update wave
+        after wave (a row's update follows the rows before it, and a wave's states are kept for the
+        rollback), then one launch each selects and attends for every row of every wave, reading the
+        window rows of earlier verify positions from the rows themselves, and the rows go into the
+        ring last (a verify row's ring slot may hold a row that an earlier verify row still reads).
+        An entry that a later row completes is already stored when an earlier row attends, but lies
+        past the earlier row's visible count. Elsewhere the waves run one after another, each one
+        plain decode step's attention."""
+        lid, views = self.layer_id, [w.kv for w in waves]
+        joint = None
+        if all(self._kernel_args(v) is not None for v in views):
+            joint = views[0].wave_rows(views)
+        spans = [w.span for w in waves]
+        if all(s is not None for s in spans) and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            at = slice(spans[0][0], spans[-1][1])     # the waves' rows are one span, wave after wave
+        else:
+            at = torch.cat([w.rows for w in waves])
+        together = getattr(views[0], "wave_window", None) if self.compressor is None else None
+        if joint is None and together is not None:
+            # a window-only layer over views that list every wave's window at once (the MTP block's)
+            keys, valid = together(views, kv[at])
+            o[at] = self._sparse_rows(q[at], keys, valid, like_tokens=views[0].positions.shape[0]).to(o.dtype)
+            for v in views:
+                v.done(lid)
+            return
+        if joint is None:
+            for wave in waves:
+                r = wave.index()
+                o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()},
+                                           fused).to(o.dtype)
+            return
+        for wave in waves:
+            r = wave.index()
+            self._compress_decode_kernels(self._kernel_args(wave.kv), wave.kv, {k: v[r] for k, v in rows.items()},
+                                          fused)
+        kargs, ring = joint.args, self._kernel_args(views[0]).ring(lid)
+        q_at, kv_at, rows_at = q[at], kv[at], {k: v[at] for k, v in rows.items()}
+        if self._window_fused(waves[0].kv):     # packed once, into the segments' own rows as well
+            own = torch.empty(kv_at.shape[0], 1, ring.shape[-1], dtype=ring.dtype, device=ring.device)
+            stored = write_window_fp8(kv_at, own, joint.own_rows, joint.ring_rows, self.rope_dim)
+            own = own.view(kv_at.shape[0], -1)
+        else:
+            stored = kargs.encode_window(kv_at)
+            own = torch.empty_like(stored)
+            own[joint.own_rows] = stored
+        o[at] = self._attend_kernels(kargs, q_at, own, rows_at, like_tokens=views[0].positions.shape[0]).to(o.dtype)
+        ring[joint.ring_slots, joint.ring_rows] = stored
+        for v in views:
+            v.done(lid)
+
     def _decode_attention(self, dkv: DecodeKV, q, keys, valid, widths: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] over each request's own keys [B, L, D] where `valid` [B, L]. With `widths` [B],
         row b attends over its first widths[b] columns only (the rest are invalid), rows of one width
@@ -427,11 +488,11 @@ class Attention(nn.Module):
         dkv.done(self.layer_id)
         return out
 
-    def _sparse_rows(self, q, keys, valid) -> torch.Tensor:
+    def _sparse_rows(self, q, keys, valid, like_tokens: int | None = None) -> torch.Tensor:
         b, length, _ = keys.shape
         flat_idx = torch.arange(b * length, device=keys.device).view(b, length)
         return sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
-                           self.scale)
+                           self.scale, like_tokens=like_tokens)
 
     def _attend_decode_v41(self, dkv: DecodeKV, q, kv, rows, share: CrossLayerShare) -> torch.Tensor:
         """V4.1, one token for each of B requests at once (the same math as `_compressed_v41`): a Full

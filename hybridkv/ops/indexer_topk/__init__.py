@@ -36,7 +36,8 @@ def paged_scores(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tens
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torch.Tensor, topk: int, ratio: int = 4,
                        fmt: str = "bf16", head_dim: int | None = None, max_visible: int | None = None,
-                       resident: torch.Tensor | None = None, fp4_queries: bool = False) -> torch.Tensor:
+                       resident: torch.Tensor | None = None, fp4_queries: bool = False,
+                       per_token: bool = False) -> torch.Tensor:
     """Top-k compressed entries of each token of a paged batch among its visible ones (j < (pos+1)//ratio).
 
     pool [num_blocks, block_tokens // ratio, Ei]: "bf16" (float elements, Ei = head_dim) or "fp4"
@@ -46,11 +47,13 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, batch, pool: torc
     blocks with a page ≥ 0 are chosen; slots the resident entries do not fill are −1.
     `fp4_queries`: q lies on the FP4 grid (V4's and V4.1's indexer queries after their FP4 round
     trip), which lets FP4 keys be scored exactly on the integer tensor cores (`score_mma`).
+    `per_token`: each token scored as a decode token is (one token's keys per program) whatever the
+    batch, and without reading the device (speculative verify rows under a CUDA graph).
     """
     if use_triton(q):     # the kernels score and select over the resident blocks alone
         from hybridkv.ops.indexer_topk import triton as kernels
         return kernels.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, max_visible, resident,
-                                          fp4_queries)
+                                          fp4_queries, per_token)
     idx = reference.indexer_topk_paged(q, weights, batch, pool, topk, ratio, fmt, head_dim, resident)
     if resident is None:
         return idx

@@ -459,7 +459,7 @@ def _paged_pool(q, batch: PagedBatch, pool, ratio, fmt, head_dim, max_visible):
 
 
 def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="bf16", head_dim=None, max_visible=None,
-                       resident=None, fp4_queries=False):
+                       resident=None, fp4_queries=False, per_token=False):
     """See `hybridkv.ops.indexer_topk.indexer_topk_paged`. With `resident` the kernels score and
     select over the resident blocks alone (`_compact_resident`): a memory policy that keeps a tenth
     of a long context on the device pays for a tenth of the scoring and selection."""
@@ -468,9 +468,9 @@ def indexer_topk_paged(q, weights, batch: PagedBatch, pool, topk, ratio=4, fmt="
     if resident is not None:
         tables, vis, logical = _compact_resident(batch, resident, ratio)
         vis_ratio = 0
-    # one token per request (a decode group, known from the shapes): the decode-shaped scoring at any
+    # one token per request (a decode group, known from the shapes) or asked per token: the decode-shaped scoring at any
     # batch size; the tile path groups a request's consecutive tokens, found on the host
-    decode = batch.token_req.shape[0] == batch.block_tables.shape[0]
+    decode = per_token or batch.token_req.shape[0] == batch.block_tables.shape[0]
     idx = _run(q, weights, flat, flat.stride(0), tables, batch.token_req, vis, topk, max_visible, fp4, True, epb,
                head_dim or q.shape[-1], block_t=1 if decode else None, words=words, vis_ratio=vis_ratio,
                host_token_req=_host_requests(batch), fp4_queries=fp4_queries)

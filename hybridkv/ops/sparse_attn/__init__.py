@@ -13,11 +13,13 @@ from hybridkv.ops.sparse_attn import reference
 from hybridkv.ops.sparse_attn.reference import gather_paged
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D], kv [N, D], idx [T, K] (int, −1 = none), sink [H] -> o [T, H, D] (float32)."""
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                like_tokens: int | None = None) -> torch.Tensor:
+    """q [T, H, D], kv [N, D], idx [T, K] (int, −1 = none), sink [H] -> o [T, H, D] (float32).
+    `like_tokens` as in `sparse_attn_paged`."""
     if use_triton(q):
         from hybridkv.ops.sparse_attn import triton as kernels
-        return kernels.sparse_attn(q, kv, idx, sink, scale)
+        return kernels.sparse_attn(q, kv, idx, sink, scale, like_tokens=like_tokens)
     return reference.sparse_attn(q, kv, idx, sink, scale)
 
 
@@ -26,7 +28,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
                       ratio: int = 0, fmt: str = "bf16", head_dim: int | None = None, rope_dim: int = 0,
                       window: int = 128, max_pos: int | None = None,
                       tables: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, like_tokens: int | None = None) -> torch.Tensor:
     """Attention of every token of a paged batch over its window and compressed rows.
 
     q [T, H, D]; new_kv [T, E] the chunk's own rows; ring [num_slots, window, E]; pool
@@ -39,7 +41,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
     model's prefill holds no float32 copy of its attention output). `out` [T, H, D] of out_dtype,
     contiguous: where the kernels write the result, and may be q itself (each program reads its
     token's query heads before it writes their output, and no other program reads them); the
-    reference path returns a new tensor. Use the returned tensor.
+    reference path returns a new tensor. Use the returned tensor. `like_tokens`: the kernels split
+    each token's rows as in a launch of that many tokens (speculative verify rows, each computed as
+    the plain decode row at its position: the split fixes the order of the float sums).
     """
     head_dim = head_dim or q.shape[-1]
     if tables is not None:
@@ -47,6 +51,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float, batch, 
     if use_triton(q):
         from hybridkv.ops.sparse_attn import triton as kernels
         return kernels.sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx, ratio, fmt, head_dim,
-                                         rope_dim, window, max_pos, out_dtype=out_dtype, out=out)
+                                         rope_dim, window, max_pos, out_dtype=out_dtype, out=out,
+                                         like_tokens=like_tokens)
     rows, index = gather_paged(batch, new_kv, ring, pool, idx, ratio, fmt, head_dim, rope_dim, window)
     return reference.sparse_attn(q, rows, index, sink, scale).to(out_dtype)

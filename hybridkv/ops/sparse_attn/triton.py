@@ -334,7 +334,7 @@ def _bytes(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, positions, slots,
             seg_start, seg_row0, window, mode, ratio, epb, paged, fmt, head_dim, rope_dim, max_pos, cfg=None,
-            out_dtype=torch.float32, out=None):
+            out_dtype=torch.float32, out=None, like_tokens=None):
     t, h, _ = q.shape
     dev = q.device
     block_d = triton.next_power_of_2(head_dim)
@@ -354,7 +354,7 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
     else:
         n_comp_max = 0
     rows_max = window + n_comp_max
-    bh, bn, split, warps, stages = cfg or _config(t, rows_max, h, dev, fmt_code > 0)
+    bh, bn, split, warps, stages = cfg or _config(like_tokens or t, rows_max, h, dev, fmt_code > 0)
     n_split = max(1, triton.cdiv(rows_max, split))
     if out is None:
         out = torch.empty(t, h, head_dim, dtype=out_dtype, device=dev)     # (stores round float32 to it)
@@ -395,17 +395,18 @@ def _launch(q, sink, scale, new_kv, ring, pool, block_tables, idx, token_req, po
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
-                cfg=None) -> torch.Tensor:
+                cfg=None, like_tokens=None) -> torch.Tensor:
     """Contiguous variant, same contract as the reference: q [T, H, D], kv [N, D], idx [T, K]."""
     t = q.shape[0]
     z = torch.zeros(t, dtype=torch.int32, device=q.device)
     return _launch(q, sink.float().contiguous(), scale, None, None, kv, None, idx.to(torch.int32), z,
                    z, z, z, z, window=0, mode=1, ratio=0, epb=1, paged=False, fmt="bf16", head_dim=kv.shape[1],
-                   rope_dim=0, max_pos=0, cfg=cfg)
+                   rope_dim=0, max_pos=0, cfg=cfg, like_tokens=like_tokens)
 
 
 def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio=0, fmt="bf16", head_dim=None,
-                      rope_dim=0, window=128, max_pos=None, cfg=None, out_dtype=torch.float32, out=None):
+                      rope_dim=0, window=128, max_pos=None, cfg=None, out_dtype=torch.float32, out=None,
+                      like_tokens=None):
     """See `hybridkv.ops.sparse_attn.sparse_attn_paged`. `cfg` overrides the launch shape
     (BLOCK_H, BLOCK_N, split rows, num_warps, num_stages)."""
     mode = 1 if idx is not None else (2 if ratio else 0)
@@ -417,4 +418,4 @@ def sparse_attn_paged(q, sink, scale, batch, new_kv, ring, pool, idx=None, ratio
                    None if idx is None else idx.to(torch.int32), batch.token_req, batch.positions, batch.slots,
                    batch.seg_start, batch.seg_row0, window=window, mode=mode, ratio=ratio, epb=epb, paged=True,
                    fmt=fmt, head_dim=head_dim, rope_dim=rope_dim, max_pos=max_pos or 0, cfg=cfg, out_dtype=out_dtype,
-                   out=out)
+                   out=out, like_tokens=like_tokens)
