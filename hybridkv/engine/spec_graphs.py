@@ -8,9 +8,10 @@ H200 it decoded 7-12x slower than plain decoding replayed from `DecodeGraphs`. H
 requests, each verifying k drafts, is one replay and one read of the host:
 
 1. verify (`_verify`): the k+1 rows of every request as k+1 decode waves (row j·Bp + b is request
-   b's j-th token, so a wave's rows are one span, read as views; each wave is one plain decode
-   step's attention over the paged kernels, `PagedDecodeKV.fixed` at positions n_b + j), the LM head over every row, each row's argmax and
-   its log-probability. Before the forward it copies the window-ring rows that positions n..n+k
+   b's j-th token, so a wave's rows are one span, read as views; wave j is `PagedDecodeKV.fixed` at
+   positions n_b + j, and each row attends as a plain decode row there: the compressors update wave
+   after wave, then one indexer and one attention launch serve every wave, `Attention._attend_waves`),
+   the LM head over every row, each row's argmax and its log-probability. Before the forward it copies the window-ring rows that positions n..n+k
    overwrite; before the compressor update of each wave after the first, the compressor states (so
    the state after any number of kept positions is at hand). The compressors update as in plain
    decode (one fused launch each on the GPU).
@@ -28,7 +29,8 @@ requests, each verifying k drafts, is one replay and one read of the host:
    are left in place: no query reads entry j before the token that completes it has run again, and
    that token's layer stores it anew before attending (the compressor runs before the attention).
 4. MTP (`_draft`): the MTP block over positions n..n+k as k+1 decode waves over its window ring
-   (`MTPDecodeKV`; rows past a request's kept ones run but write nothing), draft 1 from each
+   (`MTPDecodeKV`, every wave's window listed at once by `wave_window`; rows past a request's kept
+   ones run but write nothing), draft 1 from each
    request's last kept row, drafts 2..k chained one position on (their ring rows put back after):
    argmaxes, or for sampled requests draws from the filtered MTP distribution (`_pick`).
 

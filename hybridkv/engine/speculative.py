@@ -9,11 +9,13 @@ tokens follow the main model's distribution exactly). The request then emits a +
 computed positions n..n+a.
 
 Verify rows as decode rows (`verify_waves`): the row-wise work of the k+1 rows (projections, MoE,
-mHC, norms) runs once over the flat batch, and each layer's attention runs them as k+1 decode groups
-one after another, wave j holding the j-th row of every verifying request. Each row thus goes
-through exactly the attention a plain decode step runs (window ring, compressor update, indexer
-top-k over the entries that exist at its position), and the verify rows of several requests share
-one batched pass per wave. Otherwise a request's rows run as one segment of k+1 tokens (whole, like
+mHC, norms) runs once over the flat batch, and each layer's attention takes them as k+1 decode
+groups, wave j holding the j-th row of every verifying request. Each row thus computes exactly the
+attention a plain decode step computes at its position (window, compressor update, indexer top-k
+over the entries that exist there). On the paged kernels' path the compressors update wave after
+wave and one indexer launch and one attention launch then serve the rows of every wave
+(`Attention._attend_waves`); elsewhere, and where a verify chunk reaches a block boundary whose
+window state the prefix cache snapshots layer by layer, the waves run one after another. Otherwise a request's rows run as one segment of k+1 tokens (whole, like
 any V4 chunk: a block boundary inside it is snapshotted from its rows). `EngineConfig.speculative_verify`
 chooses: waves, segments, or auto (waves on CUDA; on the CPU waves where two or more requests verify
 in the step, since one request's rows cost less there as one segment: BENCHMARKS.md). Segments also
