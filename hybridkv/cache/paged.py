@@ -14,6 +14,7 @@ packs them as deployed (584-byte main/window entries, 68-byte FP4 indexer keys; 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -833,9 +834,10 @@ class WaveRows:
     """Several decode groups of the same requests at consecutive positions (speculative verify waves:
     group j holds the j-th row of every request that has one) laid out for the paged kernels as one
     batch of multi-token segments: `args` (its `batch` lists the rows in group order, a request's
-    segment starting at its row of the first group), `own_rows` [T] where each row's stored window
-    row goes in the segments' own rows (request after request, the `new_kv` the kernels read), and
-    `ring_slots`, `ring_rows` [T] long: where each row is stored in the window ring."""
+    segment starting at its row of the first group), `own_rows` [T] long: where each row's stored
+    window row goes in the segments' own rows (request after request, the `new_kv` the kernels read),
+    and `ring_slots`, `ring_rows` (long, one shape): where the rows, in group order, go in the window
+    ring."""
 
     args: KernelArgs
     own_rows: torch.Tensor
@@ -849,8 +851,8 @@ def wave_rows(views: list["PagedDecodeKV"]) -> WaveRows | None:
     order), or None where a group takes the reference path or reports each layer's end to a hook
     (the window-state snapshots of the eager path, which a group's rows must reach in order).
     Views over the caller's device tensors (`PagedDecodeKV.fixed`, a CUDA graph's) must all hold
-    every request; their layout is built on the device, without reading it. Computed once per
-    forward and shared by its layers."""
+    every request; their layout is built without reading the device, from constants and the groups'
+    own kernel inputs. Computed once per forward and shared by its layers."""
     first = views[0]
     cached = first.__dict__.get("_wave_rows", False)
     if cached is not False and cached[0] == len(views):
@@ -863,17 +865,27 @@ def wave_rows(views: list["PagedDecodeKV"]) -> WaveRows | None:
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _wave_constants(b: int, waves: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token requests [waves·b] int32, segment rows [b] int32, own rows [waves·b] long) of `waves`
+    full groups of b requests: made once, outside any CUDA graph capture (its warm-up run makes them)."""
+    req = np.tile(np.arange(b), waves)
+    row0 = np.arange(b) * waves
+    own = row0[req] + np.repeat(np.arange(waves), b)
+    return (torch.from_numpy(req.astype(np.int32)).to(device), torch.from_numpy(row0.astype(np.int32)).to(device),
+            torch.from_numpy(own).to(device))
+
+
 def _wave_rows(views: list["PagedDecodeKV"], args: list[KernelArgs]) -> WaveRows | None:
     first, dev = views[0], views[0].positions.device
     b, waves = first.positions.shape[0], len(views)
-    i32 = torch.int32
+    positions = torch.cat([a.batch.positions for a in args])            # int32, group after group
     if first.seqs is None:                  # fixed views: every group holds every request
         if any(v.positions.shape[0] != b for v in views):
             return None
-        req = torch.arange(b, device=dev, dtype=i32).repeat(waves)
-        row0 = torch.arange(b, device=dev, dtype=i32) * waves
-        wave = torch.arange(waves, device=dev, dtype=i32).repeat_interleave(b)
-        own = row0.repeat(waves) + wave
+        req, row0, own = _wave_constants(b, waves, dev)
+        ring_slots = first.slots.unsqueeze(0).expand(waves, b)
+        ring_rows = (positions % first.store.config.sliding_window).long().view(waves, b)
     else:                                   # built on the host: groups may hold fewer requests
         index = {id(s): i for i, s in enumerate(first.seqs)}
         try:
@@ -885,13 +897,13 @@ def _wave_rows(views: list["PagedDecodeKV"], args: list[KernelArgs]) -> WaveRows
         wave_host = np.repeat(np.arange(waves), [len(v.seqs) for v in views])
         req = torch.from_numpy(req_host.astype(np.int32)).to(dev)
         row0 = torch.from_numpy(starts.astype(np.int32)).to(dev)
-        own = torch.from_numpy((starts[req_host] + wave_host).astype(np.int32)).to(dev)
-    positions = torch.cat([v.positions for v in views]).to(i32)
-    first_args = args[0]
-    batch = PagedBatch(req, positions, first_args.batch.slots, first_args.batch.block_tables,
-                       first.positions.to(i32), row0, first.store.block_tokens)
-    joint = KernelArgs(first.store, batch, max(a.max_pos for a in args), first_args.pages)
-    return WaveRows(joint, own.long(), first.slots[req.long()], positions.long() % first.store.config.sliding_window)
+        own = torch.from_numpy(starts[req_host] + wave_host).to(dev)
+        ring_slots = first.slots[req.long()]
+        ring_rows = (positions % first.store.config.sliding_window).long()
+    batch = PagedBatch(req, positions, args[0].batch.slots, args[0].batch.block_tables, args[0].batch.positions, row0,
+                       first.store.block_tokens)
+    return WaveRows(KernelArgs(first.store, batch, max(a.max_pos for a in args), args[0].pages), own, ring_slots,
+                    ring_rows)
 
 
 def _block_mask(blocks: set[int], n: int) -> np.ndarray:

@@ -462,14 +462,18 @@ class Attention(nn.Module):
         q_at, kv_at, rows_at = q[at], kv[at], {k: v[at] for k, v in rows.items()}
         if self._window_fused(waves[0].kv):     # packed once, into the segments' own rows as well
             own = torch.empty(kv_at.shape[0], 1, ring.shape[-1], dtype=ring.dtype, device=ring.device)
-            stored = write_window_fp8(kv_at, own, joint.own_rows, joint.ring_rows, self.rope_dim)
+            stored = write_window_fp8(kv_at, own, joint.own_rows, joint.own_rows, self.rope_dim)
             own = own.view(kv_at.shape[0], -1)
         else:
             stored = kargs.encode_window(kv_at)
             own = torch.empty_like(stored)
             own[joint.own_rows] = stored
-        o[at] = self._attend_kernels(kargs, q_at, own, rows_at, like_tokens=views[0].positions.shape[0]).to(o.dtype)
-        ring[joint.ring_slots, joint.ring_rows] = stored
+        into = o[at] if isinstance(at, slice) and o[at].is_contiguous() else None
+        out = self._attend_kernels(kargs, q_at, own, rows_at, out_dtype=o.dtype, out=into,
+                                   like_tokens=views[0].positions.shape[0])
+        if into is None or out.data_ptr() != into.data_ptr():     # (the kernels wrote it there)
+            o[at] = out
+        ring[joint.ring_slots, joint.ring_rows] = stored.view(*joint.ring_rows.shape, -1)
         for v in views:
             v.done(lid)
 
