@@ -18,7 +18,7 @@ from hybridkv.engine import SamplingParams
 from hybridkv.engine.sequence import Status
 from hybridkv.engine.sampling import filtered_probs
 from hybridkv.cache.paged import window_listing
-from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs, wave_listings
+from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs, mtp_waves, wave_listings
 from hybridkv.engine.speculative import MTPCache
 
 
@@ -241,7 +241,7 @@ def test_mtp_decode_view_writes_only_the_kept_rows_and_lists_the_window_in_order
 
 
 def test_mtp_waves_listed_at_once_equal_the_waves_one_after_another():
-    """`MTPDecodeKV.wave_window`: the windows of three waves at once (a ring that wraps, a window
+    """`MTPDecodeKV.wave_window` of `mtp_waves`: the windows of three waves at once (a ring that wraps, a window
     still filling, a request that keeps one row and one that keeps all three) list each kept row's
     window as the waves run one after another would, and leave the same ring."""
     class Config:
@@ -254,11 +254,12 @@ def test_mtp_waves_listed_at_once_equal_the_waves_one_after_another():
     for c in caches:
         c.ring.copy_(torch.arange(c.ring.numel(), dtype=torch.float32).view_as(c.ring))
 
-    def views(cache):
-        return [MTPDecodeKV(cache, positions + j, slots, start, write=kept > j) for j in range(3)]
-    one_by_one = [v.window(2, rows[2 * j:2 * j + 2]) for j, v in enumerate(views(caches[0]))]
-    seq_views = views(caches[1])
-    keys, valid = seq_views[0].wave_window(seq_views, rows)
+    every = positions.unsqueeze(1) + torch.arange(3)
+    one_by_one = [MTPDecodeKV(caches[0], positions + j, slots, start, write=kept > j).window(2, rows[2 * j:2 * j + 2])
+                  for j in range(3)]
+    views = mtp_waves(caches[1], every, slots, start, kept)
+    assert views[1].wave_window(views[1:], rows[2:]) is None       # (only the first view lists them all)
+    keys, valid = views[0].wave_window(views, rows)
     assert torch.equal(caches[0].ring, caches[1].ring)
     for j, (k_one, v_one) in enumerate(one_by_one):
         for b in range(2):

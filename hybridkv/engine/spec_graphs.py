@@ -29,8 +29,8 @@ requests, each verifying k drafts, is one replay and one read of the host:
    are left in place: no query reads entry j before the token that completes it has run again, and
    that token's layer stores it anew before attending (the compressor runs before the attention).
 4. MTP (`_draft`): the MTP block over positions n..n+k as k+1 decode waves over its window ring
-   (`MTPDecodeKV`, every wave's window listed at once by `wave_window`; rows past a request's kept
-   ones run but write nothing), draft 1 from each
+   (`mtp_waves`, every wave's window listed at once by `MTPDecodeKV.wave_window`; rows past a
+   request's kept ones run but write nothing), draft 1 from each
    request's last kept row, drafts 2..k chained one position on (their ring rows put back after):
    argmaxes, or for sampled requests draws from the filtered MTP distribution (`_pick`).
 
@@ -111,11 +111,13 @@ class MTPDecodeKV:
     capture = None
 
     def __init__(self, cache, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
-                 write: torch.Tensor | None = None, listing: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 write: torch.Tensor | None = None, listing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 joint: "MTPWaves | None" = None):
         """listing: `window_listing(positions, window, start)` computed beforehand (the verify waves'
-        listings in one go: `wave_listings`)."""
+        listings in one go: `wave_listings`); joint: every verify wave's layout, on the first wave's
+        view (`mtp_waves`)."""
         self.cache, self.positions, self.slots, self.start, self.write = cache, positions, slots, start, write
-        self.listing = listing
+        self.listing, self.joint = listing, joint
 
     def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ring, W = self.cache.ring, self.cache.window
@@ -127,30 +129,59 @@ class MTPDecodeKV:
         listed, valid = self.listing or window_listing(self.positions, W, self.start)
         return ring[self.slots.unsqueeze(1), listed], valid
 
-    def wave_window(self, views: list["MTPDecodeKV"], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`window` of several waves at once (this one first; request b of wave j at position
-        p_b + j, p_b its position here): rows [waves·B, D] wave after wave -> keys [waves·B, window, D]
-        and validity, each row's window listed as `window` lists it, its verify positions from `rows`
-        and the earlier ones from the ring; then each wave's rows go into the ring where its `write`
-        allows. (A row past a request's kept ones reads the rows before it even where they are not
-        written: its output is never used.)"""
-        ring, W, waves, b = self.cache.ring, self.cache.window, len(views), self.positions.shape[0]
+    def wave_window(self, views: list["MTPDecodeKV"], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`window` of all the verify waves of `mtp_waves` at once (this view first), or None for views
+        made otherwise: rows [waves·B, D] wave after wave -> keys [waves·B, window, D] and validity,
+        each row's window listed as `window` lists it, its verify positions read from `rows` and the
+        earlier ones from the ring; then each wave's rows go into the ring where its `write` allows.
+        (A row past a request's kept ones reads the rows before it even where they are not written:
+        its output is never used.)"""
+        if self.joint is None or len(views) != self.joint.sources.shape[0]:
+            return None
+        ring, j = self.cache.ring, self.joint
+        waves, b = j.sources.shape[:2]
         new = rows.to(ring.dtype).view(waves, b, -1)
-        pos = torch.stack([v.positions for v in views])                                  # [waves, B]
-        window_pos = (pos.unsqueeze(-1) - W + 1).clamp(min=0) + torch.arange(W, device=pos.device)
-        verified = window_pos - self.positions.view(1, b, 1)                             # its wave, if ≥ 0
-        requests = torch.arange(b, device=pos.device).view(1, b, 1)
-        keys = torch.where((verified >= 0).unsqueeze(-1), new[verified.clamp(0, waves - 1), requests],
-                           ring[self.slots.view(1, b, 1), window_pos % W])
-        valid = (window_pos >= self.start.clamp(min=0).view(1, b, 1)) & (window_pos <= pos.unsqueeze(-1))
-        at, slots = pos % W, self.slots.expand(waves, b)
-        write = torch.stack([v.write if v.write is not None else torch.ones_like(v.positions, dtype=torch.bool)
-                             for v in views]).unsqueeze(-1)
-        ring[slots, at] = torch.where(write, new, ring[slots, at])
-        return keys.flatten(0, 1), valid.flatten(0, 1)
+        both = torch.cat([ring[self.slots], new.transpose(0, 1)], 1)         # [B, window + waves, D]
+        keys = both[j.requests, j.sources]
+        slots = self.slots.unsqueeze(0).expand(waves, b)
+        ring[slots, j.ring_rows] = torch.where(j.write.unsqueeze(-1), new, ring[slots, j.ring_rows])
+        return keys.flatten(0, 1), j.valid.flatten(0, 1)
 
     def done(self, layer_id: int) -> None:
         pass
+
+
+@dataclass
+class MTPWaves:
+    """What `MTPDecodeKV.wave_window` reads, [waves, B, ...] each: `sources` [.., window] where each
+    listed window row comes from among a request's ring rows (0..window−1) and then its verify rows
+    (window + i: position p_b + i), `valid` [.., window], `ring_rows` where each verify row goes in
+    the ring and `write` whether it does; `requests` [1, B, 1] the rows' request indices."""
+
+    sources: torch.Tensor
+    valid: torch.Tensor
+    ring_rows: torch.Tensor
+    write: torch.Tensor
+    requests: torch.Tensor
+
+
+def mtp_waves(cache, positions: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+              kept: torch.Tensor) -> list[MTPDecodeKV]:
+    """The MTP block's verify waves: request b's row j at positions[b, j] (= positions[b, 0] + j),
+    written into its window ring where j < kept[b]; the first view also lists every wave's window at
+    once (`wave_window`)."""
+    window, (b, waves) = cache.window, positions.shape
+    dev = positions.device
+    listed, valid = wave_listings(positions, window, start)
+    wave = torch.arange(waves, device=dev)
+    # a listed position p ≥ p_b is verify row p − p_b (≤ the wave's own); (p − p_b) mod window is larger for p < p_b
+    ahead = (listed - positions[:, :1].unsqueeze(0)) % window
+    joint = MTPWaves(torch.where(ahead <= wave.view(-1, 1, 1), ahead + window, listed), valid,
+                     (positions % window).t(), wave.unsqueeze(1) < kept.unsqueeze(0),
+                     torch.arange(b, device=dev).view(1, b, 1))
+    return [MTPDecodeKV(cache, positions[:, j].contiguous(), slots, start, write=kept > j,
+                        listing=(listed[j], valid[j]), joint=joint if j == 0 else None)
+            for j in range(waves)]
 
 
 def wave_listings(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,12 +473,8 @@ class SpeculativeGraphs:
     def _draft(self, g: SpecGraph, following, kept, positions, slots, mtp_start) -> None:
         model, cache, k1, bp = self.model, self.mtp, g.k + 1, g.batch
         dev = slots.device
-        listed, valid = wave_listings(positions, cache.window, mtp_start)
-        waves = [DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=dev),
-                             MTPDecodeKV(cache, positions[:, j].contiguous(), slots, mtp_start, write=kept > j,
-                                         listing=(listed[j], valid[j])),
-                             span=(j * bp, (j + 1) * bp))
-                 for j in range(k1)]
+        waves = [DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=dev), view, span=(j * bp, (j + 1) * bp))
+                 for j, view in enumerate(mtp_waves(cache, positions, slots, mtp_start, kept))]
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         out = model.mtp_forward(g.out["hidden"], following.t().reshape(-1), batch)
         stream = out[(kept - 1) * bp + torch.arange(bp, device=dev)]

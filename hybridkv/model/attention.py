@@ -441,10 +441,10 @@ class Attention(nn.Module):
         else:
             at = torch.cat([w.rows for w in waves])
         together = getattr(views[0], "wave_window", None) if self.compressor is None else None
-        if joint is None and together is not None:
+        window = together(views, kv[at]) if joint is None and together is not None else None
+        if window is not None:
             # a window-only layer over views that list every wave's window at once (the MTP block's)
-            keys, valid = together(views, kv[at])
-            o[at] = self._sparse_rows(q[at], keys, valid, like_tokens=views[0].positions.shape[0]).to(o.dtype)
+            o[at] = self._sparse_rows(q[at], *window, like_tokens=views[0].positions.shape[0]).to(o.dtype)
             for v in views:
                 v.done(lid)
             return
