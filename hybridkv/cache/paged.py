@@ -954,12 +954,13 @@ class PagedDecodeKV:
 
     @classmethod
     def fixed(cls, store: PagedKVStore, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-              max_pos: int, pages: torch.Tensor | None = None) -> "PagedDecodeKV":
+              max_pos: int, pages: torch.Tensor | None = None, like: "PagedDecodeKV | None" = None) -> "PagedDecodeKV":
         """A view over device tensors the caller owns and refills (a CUDA graph's inputs): positions,
         slots [B] long, block tables [B, width] long and in offload mode the device pages [B, width]
         long (−1: host only); `max_pos` bounds every position (the kernels' grids are sized from it).
         Paged kernel path only: the caller has checked that each request's window is complete
-        (`_window_complete`)."""
+        (`_window_complete`). `like`: a view over the same slots, tables and pages whose kernel
+        inputs this one shares (speculative verify waves: only the positions differ)."""
         if store.offload and pages is None:
             raise ValueError("a store that offloads CSA main entries needs the requests' device pages")
         self = cls.__new__(cls)
@@ -968,7 +969,7 @@ class PagedDecodeKV:
         self.page_tables, self.window_start, self.frozen = pages, None, None
         self._b = torch.arange(positions.shape[0], device=positions.device)
         self._max_pos = max_pos
-        self._kernel_args = False
+        self._kernel_args, self._like = False, like
         return self
 
     def window(self, layer_id: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -986,7 +987,13 @@ class PagedDecodeKV:
             ok = self.store.kernel_formats is not None and (self.seqs is None or all(
                 _window_complete(s, p, W) for s, p in zip(self.seqs, self.host_positions)))
             self._kernel_args = None
-            if ok:
+            like = self.__dict__.get("_like")
+            if ok and like is not None and like.kernel_args() is not None:
+                pos, base = self.positions.to(torch.int32), like.kernel_args()
+                batch = PagedBatch(base.batch.token_req, pos, base.batch.slots, base.batch.block_tables, pos,
+                                   base.batch.seg_row0, self.store.block_tokens)
+                self._kernel_args = KernelArgs(self.store, batch, self._max_pos, base.pages)
+            elif ok:
                 rows = torch.arange(self.positions.shape[0], dtype=torch.int32, device=self.positions.device)
                 pos = self.positions.to(torch.int32)
                 batch = PagedBatch(rows, pos, self.slots.to(torch.int32), self.tables.to(torch.int32), pos, rows,

@@ -427,7 +427,8 @@ class SpeculativeGraphs:
         snapshots: dict = {}
         waves = []
         for j in range(k1):
-            dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1)
+            dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1,
+                                      like=waves[0].kv if waves else None)
             dkv.snapshots, dkv.wave = snapshots, j
             waves.append(DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=slots.device), dkv,
                                      span=(j * bp, (j + 1) * bp)))
