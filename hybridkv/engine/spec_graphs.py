@@ -179,7 +179,7 @@ def mtp_waves(cache, positions: torch.Tensor, slots: torch.Tensor, start: torch.
     joint = MTPWaves(torch.where(ahead <= wave.view(-1, 1, 1), ahead + window, listed), valid,
                      (positions % window).t(), wave.unsqueeze(1) < kept.unsqueeze(0),
                      torch.arange(b, device=dev).view(1, b, 1))
-    return [MTPDecodeKV(cache, positions[:, j].contiguous(), slots, start, write=kept > j,
+    return [MTPDecodeKV(cache, positions[:, j], slots, start, write=joint.write[j],
                         listing=(listed[j], valid[j]), joint=joint if j == 0 else None)
             for j in range(waves)]
 
