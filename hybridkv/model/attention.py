@@ -435,13 +435,15 @@ class Attention(nn.Module):
         joint = None
         if all(self._kernel_args(v) is not None for v in views):
             joint = views[0].wave_rows(views)
-        spans = [w.span for w in waves]
-        if all(s is not None for s in spans) and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
-            at = slice(spans[0][0], spans[-1][1])     # the waves' rows are one span, wave after wave
-        else:
-            at = torch.cat([w.rows for w in waves])
-        together = getattr(views[0], "wave_window", None) if self.compressor is None else None
-        window = together(views, kv[at]) if joint is None and together is not None else None
+        together = getattr(views[0], "wave_window", None) if self.compressor is None and joint is None else None
+        window, at = None, None
+        if joint is not None or together is not None:
+            spans = [w.span for w in waves]
+            if all(s is not None for s in spans) and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+                at = slice(spans[0][0], spans[-1][1])     # the waves' rows are one span, wave after wave
+            else:
+                at = torch.cat([w.rows for w in waves])
+            window = together(views, kv[at]) if together is not None else None
         if window is not None:
             # a window-only layer over views that list every wave's window at once (the MTP block's)
             o[at] = self._sparse_rows(q[at], *window, like_tokens=views[0].positions.shape[0]).to(o.dtype)
