@@ -65,6 +65,74 @@ def test_deeply_nested_json_is_400(server, path):
     assert "too deeply" in r.json()["error"]["message"]
 
 
+def test_the_server_answers_while_a_chat_prompt_is_rendered(server, monkeypatch):
+    """Rendering a chat prompt (linear in its messages, but a 16 MiB body holds hundreds of thousands)
+    runs off the event loop: other requests are answered meanwhile."""
+    import threading
+
+    from hybridkv.server import chat
+
+    entered, release = threading.Event(), threading.Event()
+    plan_chat = chat.plan_chat
+
+    def slow_plan(*args):
+        entered.set()
+        assert release.wait(30)
+        return plan_chat(*args)
+
+    monkeypatch.setattr(chat, "plan_chat", slow_plan)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    reply = {}
+    worker = threading.Thread(target=lambda: reply.update(r=post(server, "/v1/chat/completions", body)))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+    finally:
+        release.set()
+        worker.join(60)
+    assert reply["r"].status_code == 200, reply["r"].text
+
+
+def test_rendering_finds_the_last_user_turn_once(monkeypatch):
+    """The renderer's work grows with the messages, not with their square: the conversation is scanned
+    for its last user turn once, not once per message."""
+    from hybridkv.chat import format as fmt
+
+    scans = []
+    find = fmt._last_user_index
+    monkeypatch.setattr(fmt, "_last_user_index", lambda messages: scans.append(1) or find(messages))
+    messages = [{"role": "user", "content": "hi"}] + [{"role": "assistant", "content": "a"}] * 500
+    fmt.render_segments(messages, "thinking")
+    assert len(scans) <= 2
+
+
+def _nested(depth):
+    return json.loads("[" * depth + "]" * depth)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("where", ["tool_arguments", "tool_parameters", "response_format"])
+def test_fields_nested_too_deeply_are_400(server, path, where):
+    """A body that parses, with a field the server parses or copies again nested too deeply for that."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    if where == "tool_arguments":
+        args = '{"a":' + "[" * 5000 + "]" * 5000 + "}"
+        body["messages"] += [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                                   "function": {"name": "f", "arguments": args}}]},
+                             {"role": "tool", "tool_call_id": "1", "content": "r"}]
+    elif where == "tool_parameters":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": _nested(900)}}}}]
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"schema": _nested(900)}}
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert "too deeply" in r.json()["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 @pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
 def test_seed_out_of_range_is_400(server, seed):
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": seed})

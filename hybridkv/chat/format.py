@@ -176,11 +176,12 @@ def _drop_old_thinking(messages: list[dict]) -> list[dict]:
 
 
 # ----- rendering -----
-def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, effort: str | None) -> Parts:
+def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, effort: str | None,
+            last_user: int) -> Parts:
+    """Message i's segments; last_user: `_last_user_index(messages)` (found once for the conversation)."""
     msg = messages[i]
     role = msg.get("role")
     content = msg.get("content")
-    last_user = _last_user_index(messages)
     out: Parts = [(MAX_EFFORT_PREFIX, True)] if (i == 0 and thinking and effort == "max") else []
 
     def text(value: Any) -> None:     # the caller's content
@@ -267,8 +268,9 @@ def render_segments(messages: list[dict], thinking_mode: str = "chat", drop_thin
     if thinking and drop:
         msgs = _drop_old_thinking(msgs)
     parts: Parts = [(BOS, True)] if add_bos else []
+    last_user = _last_user_index(msgs)
     for i in range(len(msgs)):
-        parts.extend(_render(i, msgs, thinking, drop, reasoning_effort))
+        parts.extend(_render(i, msgs, thinking, drop, reasoning_effort, last_user))
     return [(t, trusted) for t, trusted in parts if t]
 
 

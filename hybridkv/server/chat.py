@@ -6,6 +6,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from starlette.concurrency import run_in_threadpool
+
 from hybridkv.chat.dsml import ToolCall
 from hybridkv.chat.format import render_segments
 from hybridkv.server.protocol import ChatRequest, bad, normalize_messages, validate_tools
@@ -88,6 +90,16 @@ def plan_chat(req: ChatRequest, default_thinking: bool) -> ChatPlan:
     segments = render_segments(messages, "thinking" if thinking else "chat", drop_thinking=drop,
                                reasoning_effort=effort)
     return ChatPlan(segments, thinking and not continues, bool(extras.get("tools")))
+
+
+async def plan_chat_off_loop(req: ChatRequest, default_thinking: bool) -> ChatPlan:
+    """`plan_chat` in a worker thread, so that rendering a long conversation never stalls the event loop
+    (and every other request with it); a tool schema or response_format nested too deeply to copy is
+    the request's error (400), not the server's."""
+    try:
+        return await run_in_threadpool(plan_chat, req, default_thinking)
+    except RecursionError:
+        raise bad("a tool's parameters or the response_format nest JSON arrays or objects too deeply") from None
 
 
 # ----- responses -----

@@ -158,6 +158,9 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
             parsed = json.loads(args) if isinstance(args, str) else None
         except ValueError:
             parsed = None
+        except RecursionError:
+            raise bad(f"'{p}.function.arguments' nests JSON arrays or objects too deeply",
+                      f"{p}.function.arguments") from None
         if not isinstance(parsed, dict):
             raise bad(f"'{p}.function.arguments' must be a JSON object encoded as a string", f"{p}.function.arguments")
         for key in parsed:

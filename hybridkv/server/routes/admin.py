@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from hybridkv.server.admission import authorize, authorize_metrics, check_prompt_chars, read_body
-from hybridkv.server.chat import plan_chat
+from hybridkv.server.chat import plan_chat_off_loop
 from hybridkv.server.protocol import ChatRequest, CompletionRequest, bad, parse_body
 from hybridkv.server.state import AppState, app_state
 
@@ -60,7 +60,8 @@ async def tokenize(request: Request, st: AppState = Depends(app_state)):
     except (ValueError, TypeError, RecursionError):
         is_chat = False     # parse_body names the problem
     if is_chat:
-        plan = plan_chat(await run_in_threadpool(parse_body, raw, ChatRequest), st.config.default_thinking)
+        plan = await plan_chat_off_loop(await run_in_threadpool(parse_body, raw, ChatRequest),
+                                        st.config.default_thinking)
         prompt = plan.prompt
         check_prompt_chars(st, sum(len(text) for text, _ in plan.segments), "messages")
         ids = await run_in_threadpool(st.tokenizer.encode_segments, plan.segments)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from hybridkv.server.admission import authorize, chat_prompt_ids, check_model, read_request, sampling_params
-from hybridkv.server.chat import plan_chat, token_logprobs, tool_call_objects, usage
+from hybridkv.server.chat import plan_chat_off_loop, token_logprobs, tool_call_objects, usage
 from hybridkv.server.driver import Output
 from hybridkv.server.protocol import ChatRequest, bad
 from hybridkv.chat.replies import REASONING, ReplyParser
@@ -48,7 +48,7 @@ async def chat_completions(request: Request, st: AppState = Depends(app_state)):
     arrival = time.time()
     req = await read_request(request, st, ChatRequest)
     check_model(st, req.model)
-    plan = plan_chat(req, st.config.default_thinking)
+    plan = await plan_chat_off_loop(req, st.config.default_thinking)
     ids = await chat_prompt_ids(st, plan.segments, "messages")
     if req.top_logprobs and not req.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
