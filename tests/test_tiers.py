@@ -122,10 +122,12 @@ def test_foreign_and_misplaced_entries_are_rejected():
 def test_config_parsing():
     assert parse_lifetimes("block=72h,state=10m", {}) == {"block": 72 * H, "state": 600.0}
     assert parse_lifetimes("30s", {}) == {"block": 30.0, "state": 30.0}
+    assert parse_lifetimes(".5h", {}) == {"block": 1800.0, "state": 1800.0}
+    assert TierConfig(disk_bytes="1.5G").disk_bytes == 3 << 29
     c = TierConfig(dram_bytes="512M", disk_dir="", disk_lifetime="state=0")
     assert c.dram_bytes == 512 << 20 and c.disk_dir is None and c.disk_lifetime == {"block": 72 * H, "state": 0}
     for bad in (dict(write_policy="sometimes"), dict(dram_ttl="window=3m"), dict(redis_url="http://x"),
-                dict(disk_bytes="lots")):
+                dict(disk_bytes="lots"), dict(disk_bytes="1.2.3G"), dict(disk_bytes="."), dict(dram_ttl="1..5h")):
         with pytest.raises(ConfigError):
             TierConfig(**bad)
 
@@ -269,6 +271,52 @@ def test_two_engines_share_one_directory(tmp_path):
     assert reader.stats.entries == 45
     assert all(same(reader.get(key(i), "block"), rec(i, n=20000)) for i in range(45))
     assert a.contains(key(40), "block")                  # one engine sees what the other wrote
+
+
+def test_engines_of_other_models_lifetimes_and_sizes_leave_each_others_entries(tmp_path, caplog):
+    """One directory, several engines: another model's engine, one that keeps no state (lifetime 0) and
+    one with a tiny size limit remove none of the entries they do not own or keep."""
+    clock = Clock()
+    a = disk(tmp_path, clock, ttl={"block": 72 * H, "state": H})
+    for i in range(3):
+        a.put(rec(i))
+        a.put(rec(10 + i, "state"))
+    other_model = disk(tmp_path, clock, capacity=1, ttl={"block": 1.0, "state": 1.0}, identity="identity-b")
+    clock.t += 60                                        # past every lifetime of the other model's engine
+    other_model.put(rec(7))
+    other_model.sweep()
+    assert other_model.stats.entries == 0                # its own entry went (size limit 1 byte)
+    no_state = disk(tmp_path, clock, ttl={"block": 72 * H, "state": 0})
+    no_state.sweep()
+    assert no_state.stats.expired == 0
+    again = disk(tmp_path, clock, ttl={"block": 72 * H, "state": H})
+    assert again.stats.entries == 6
+    assert all(same(again.get(key(i), "block"), rec(i)) for i in range(3))
+    assert all(same(again.get(key(10 + i), "state"), rec(10 + i, "state")) for i in range(3))
+    # engines of one model share its entries and its size limit
+    small = disk(tmp_path, clock, capacity=2 * again.stats.bytes // 6)
+    assert small.stats.entries == 2 and small.stats.evictions == 4
+
+
+def test_a_directory_removed_under_the_engine_is_made_again(tmp_path):
+    import shutil
+
+    clock = Clock()
+    d = disk(tmp_path, clock)
+    d.put(rec(1))
+    shutil.rmtree(tmp_path / "hybridkv-kv-v2")
+    d.put(rec(2))
+    assert d.stats.errors == 0 and d.stats.stored == 2
+    assert same(disk(tmp_path, clock).get(key(2), "block"), rec(2))
+
+
+def test_an_earlier_layout_is_named_and_left_alone(tmp_path, caplog):
+    old = tmp_path / "hybridkv-kv-v1" / "block" / "ab" / "x.kv"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"an entry of the former layout")
+    with caplog.at_level(logging.WARNING, logger="hybridkv.cache.tiers"):
+        disk(tmp_path).sweep()
+    assert "hybridkv-kv-v1 holds entries of an earlier layout" in caplog.text and old.exists()
 
 
 KILL_CHILD = textwrap.dedent("""

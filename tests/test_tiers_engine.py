@@ -222,6 +222,32 @@ def test_corrupted_disk_entries_are_never_loaded(tmp_path, tiny_dir, base_extra,
     assert again.output_ids == cold.output_ids
 
 
+def test_a_forged_entry_with_a_valid_checksum_is_refused_before_its_tokens_are_read(tmp_path, tiny_dir, base_extra,
+                                                                                  cold, caplog):
+    """A block entry rewritten (checksum and all) with token ids declared as a fill tensor of 2^40
+    elements costs its header, not terabytes: it is refused as a bad entry and the block recomputed."""
+    from hybridkv.cache.tiers.record import Record, decode, encode
+
+    base, extra = base_extra
+    tiers = {"dram_bytes": 0, "disk_dir": str(tmp_path)}
+    a = make(tiny_dir, tiers=tiers)
+    run(a, base)
+    a.close()
+    for f in sorted(tmp_path.rglob("block/*/*.kv")):
+        raw = f.read_bytes()
+        head = json.loads(raw[44:44 + int.from_bytes(raw[40:44], "little")])
+        rec = decode(raw, head["identity"], "block", bytes.fromhex(head["key"]))
+        rec.tensors["tokens"] = torch.zeros(1, dtype=torch.int32).expand(1 << 40)
+        f.write_bytes(encode(Record("block", rec.key, rec.tensors), head["identity"]))
+    b = make(tiny_dir, tiers=tiers)
+    with caplog.at_level(logging.WARNING, logger="hybridkv.cache.tiers"):
+        hit = run(b, base + extra)
+    assert hit.num_cached_tokens == 0 and b.engine.cache_stats()["disk"]["bad"] >= 1
+    assert "token ids are torch.int32[1099511627776]" in caplog.text
+    assert_matches_cold(hit.output_ids, hit.step_logits, cold)
+    b.close()
+
+
 def test_unwritable_directory_keeps_serving(tmp_path, tiny_dir, base_extra, cold, caplog):
     base, extra = base_extra
     (tmp_path / "file").write_text("")

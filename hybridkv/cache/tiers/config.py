@@ -29,7 +29,7 @@ def parse_seconds(text: str | float | int) -> float:
     t = text.strip().lower()
     if t in ("inf", "none", "forever"):
         return float("inf")
-    m = re.fullmatch(r"([0-9.]+)\s*([smhd]?)", t)
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([smhd]?)", t)
     if not m:
         raise ConfigError(f"not a duration: {text!r} (e.g. 30s, 10m, 72h, 3d)")
     return float(m.group(1)) * _UNITS[m.group(2)]
@@ -39,7 +39,7 @@ def parse_size(text: str | int) -> int:
     """'1G' -> 1073741824, '512MiB' -> 536870912, '0' -> 0."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"([0-9.]+)\s*([a-z]*)", text.strip().lower())
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)", text.strip().lower())
     if not m or m.group(2) not in _SIZES:
         raise ConfigError(f"not a size: {text!r} (e.g. 0, 512M, 4G)")
     return int(float(m.group(1)) * _SIZES[m.group(2)])

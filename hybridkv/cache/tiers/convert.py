@@ -50,7 +50,13 @@ def check_block(store, rec: Record, tokens) -> None:
         raise CacheEntryError("block record has other tensors than this store's layers")
     for name, like in names.items():
         _expect(name, rec.tensors[name], like)
-    if rec.tensors["tokens"].tolist() != list(tokens):
+    tokens = list(tokens)
+    stored = rec.tensors["tokens"]
+    # checked before it is listed: a header may declare any shape for a tensor of equal elements
+    if stored.dtype != torch.int32 or tuple(stored.shape) != (len(tokens),):
+        raise CacheEntryError(f"block record's token ids are {stored.dtype}{list(stored.shape)}, "
+                              f"not int32[{len(tokens)}]")
+    if stored.tolist() != tokens:
         raise CacheEntryError("block record holds other token ids than the prefix it is stored under")
 
 

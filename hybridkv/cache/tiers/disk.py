@@ -2,8 +2,14 @@
 
 Layout under the configured directory (several engines, of one model or not, may share it):
 
-    hybridkv-kv-v1/{block,state}/NN/NAME.kv     NAME = sha256(identity || chain hash)
-    hybridkv-kv-v1/tmp/NAME.HOST.PID.RAND.tmp   writes in progress
+    hybridkv-kv-v2/NS/{block,state}/NN/NAME.kv   NS = sha256(identity)[:16], NAME = sha256(identity || chain hash)
+    hybridkv-kv-v2/tmp/NAME.HOST.PID.RAND.tmp    writes in progress
+
+Each identity (model and entry layout) has its own namespace: an engine indexes, expires and evicts
+only its own model's entries, so that a run of another model, or with other lifetimes or another
+size limit, never removes them. Engines of one identity share its namespace and its entries; each
+applies its own size limit and lifetimes to them (give them the same), except that a kind an engine
+does not keep (lifetime 0) it never expires.
 
 Writes go to a temporary file that is renamed over the final name when complete, so a reader sees
 a whole entry or none, and two engines writing the same (content-addressed) entry only replace
@@ -16,7 +22,8 @@ The index (name -> size, last use) is rebuilt from the directory on start and re
 minutes (other engines add files). A file's mtime is its last use (set from `clock`), so LRU order
 and lifetimes survive restarts. Past the size limit the least recently used entries go; an entry
 unused for its kind's lifetime expires. A write that fails (full disk, unwritable directory)
-pauses persistence for a while with a warning; requests go on.
+pauses persistence for a while with a warning; requests go on. A directory removed while the engine
+runs is made again by the next write.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from hybridkv.cache.tiers.base import Tier, log
 from hybridkv.cache.tiers.record import KINDS, Record, decode
 from hybridkv.errors import CacheEntryError
 
-VERSION_DIR = "hybridkv-kv-v1"
+VERSION_DIR = "hybridkv-kv-v2"
+FORMER_DIRS = ("hybridkv-kv-v1",)       # layouts this build neither reads nor cleans
 
 
 def _pid_alive(pid: int) -> bool:
@@ -54,7 +62,9 @@ class DiskTier(Tier):
                  clock=time.time, fsync: bool = False, retry_after: float = 60.0, rescan_every: float = 300.0,
                  sweep_every: float = 30.0):
         super().__init__(ttl, clock)
-        self.dir = Path(root).expanduser() / VERSION_DIR
+        self.root = Path(root).expanduser() / VERSION_DIR
+        self.dir = self.root / hashlib.sha256(identity.encode()).hexdigest()[:16]
+        self.tmp = self.root / "tmp"
         self.identity, self.capacity, self.fsync = identity, capacity_bytes, fsync
         self.retry_after, self.rescan_every, self.sweep_every = retry_after, rescan_every, sweep_every
         self._ns = hashlib.sha256(identity.encode()).digest()
@@ -63,13 +73,18 @@ class DiskTier(Tier):
         self._retry_at = float("-inf")
         self._next_rescan = self._next_sweep = float("-inf")
         try:
-            for sub in (*KINDS, "tmp"):
-                (self.dir / sub).mkdir(parents=True, exist_ok=True)
-            probe = self.dir / "tmp" / f"probe.{self._host}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            for sub in (*(self.dir / k for k in KINDS), self.tmp):
+                sub.mkdir(parents=True, exist_ok=True)
+            probe = self.tmp / f"probe.{self._host}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
             self._write_failed(e, "cannot use the directory")
+        for former in FORMER_DIRS:
+            if (self.root.parent / former).is_dir():
+                log.warning("disk KV tier %s: %s holds entries of an earlier layout, which this build neither "
+                            "reads nor removes; delete it once no older engine uses it",
+                            self.root.parent, former)
         self._maintain()
 
     # ----- names -----
@@ -113,7 +128,7 @@ class DiskTier(Tier):
 
     def _clean_tmp(self) -> None:
         try:
-            files = list(os.scandir(self.dir / "tmp"))
+            files = list(os.scandir(self.tmp))
         except OSError:
             return
         for f in files:
@@ -167,7 +182,9 @@ class DiskTier(Tier):
         if force or now >= self._next_sweep:
             self._next_sweep = now + self.sweep_every
             with self.lock:
-                stale = [(k, t) for k, (_, t) in self._index.items() if now - t > self.ttl.get(k[0], 0)]
+                # a kind this engine does not keep is not its to expire (another engine of the model may)
+                stale = [(k, t) for k, (_, t) in self._index.items()
+                         if self.holds(k[0]) and now - t > self.ttl[k[0]]]
             for k, t in stale:
                 if self._unlink_if_unused(k, t):
                     self.stats.expired += 1
@@ -280,9 +297,13 @@ class DiskTier(Tier):
         # always (re)written, though content-addressed: a request recomputes a block only when no
         # usable copy was found, and the rename replaces a damaged file with a good one
         data = record.encode(self.identity)
-        tmp = self.dir / "tmp" / f"{name}.{self._host}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.tmp / f"{name}.{self._host}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:       # the directory was removed under the running engine
+                self.tmp.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 view = memoryview(data)
                 while view:
@@ -292,7 +313,7 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
             os.utime(tmp, (now, now))
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, path)
         except OSError as e:
             try:
