@@ -1,4 +1,5 @@
-"""The one-launch FP8 round trip against its plain-torch definition: bit-identical."""
+"""The one-launch FP8 round trip (power-of-two and plain amax/448 scales) against its plain-torch
+definition: bit-identical."""
 
 import pytest
 import torch
@@ -7,16 +8,17 @@ from hybridkv.ops.quant import reference
 from hybridkv.ops.quant import triton as kernels
 
 
+@pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block,shape", [(64, (3, 448)), (128, (37, 2, 512)), (32, (1, 96))])
-def test_fp8_round_trip_is_bit_identical(device, dtype, block, shape):
+def test_fp8_round_trip_is_bit_identical(device, dtype, block, shape, pow2):
     g = torch.Generator().manual_seed(block)
     x = torch.randn(shape, generator=g) * torch.logspace(-6, 4, shape[-1] // block).repeat_interleave(block)
     x[0, ..., :block] = 0.0                                     # a block at the amax floor
     x.view(-1)[5] = 1e6                                         # saturates against ±448 after scaling
     x = x.to(dtype).to(device)
-    want = reference.fp8_round_trip(x, block, pow2=True)
-    got = kernels.fp8_round_trip(x, block)
+    want = reference.fp8_round_trip(x, block, pow2=pow2)
+    got = kernels.fp8_round_trip(x, block, pow2)
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.equal(got, want)
 

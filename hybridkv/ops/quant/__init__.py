@@ -24,10 +24,11 @@ from hybridkv.ops.quant.reference import (  # noqa: F401
 
 def fp8_round_trip(x: torch.Tensor, block: int, pow2: bool = True) -> torch.Tensor:
     """Quantise blocks of the last dim to e4m3 and back; returns x's dtype (see `reference`)."""
-    if (pow2 and use_triton(x) and not x.requires_grad and block & (block - 1) == 0 and x.numel()
-            and x.shape[-1] % block == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+    if (use_triton(x) and not x.requires_grad and block & (block - 1) == 0 and x.numel()
+            and x.shape[-1] % block == 0
+            and x.dtype in ((torch.float32, torch.bfloat16, torch.float16) if pow2 else (torch.float32, torch.bfloat16))):
         from hybridkv.ops.quant import triton as kernels
-        return kernels.fp8_round_trip(x, block)
+        return kernels.fp8_round_trip(x, block, pow2)
     return reference.fp8_round_trip(x, block, pow2)
 
 

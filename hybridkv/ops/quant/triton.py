@@ -1,5 +1,6 @@
 """One Triton kernel for the FP8 (e4m3) round trip with power-of-two block scales, the activation
-quantisation in front of every FP8 linear and the window KV's storage round trip; one for the FP4
+quantisation in front of every FP8 linear and the window KV's storage round trip (with plain amax/448
+scales too, as a checkpoint without scale_fmt ue8m0 round-trips its KV); one for the FP4
 (E2M1) round trip with power-of-two or e4m3 block scales (V4.1's indexer queries and keys, its global
 KV). The plain-torch definitions (`reference.fp8_round_trip`, `reference.fp4_round_trip`) take a
 dozen launches per call; on a decode step, where every call is a few thousand elements, those
@@ -8,7 +9,8 @@ launches were the host's largest cost.
 Bit-exact with the reference: the scale 2^ceil(log2(amax/448)) comes from the float32 bits
 (adding 0x7FFFFF to a normal float's bits and keeping the exponent rounds it up to a power of
 two, leaving powers of two alone), x · 2^-k is exact, and the rounding to e4m3 is to nearest,
-ties to even, as torch's conversion.
+ties to even, as torch's conversion. Plain scales amax/448 and x/s are IEEE divisions (`div_rn`), as
+torch's are.
 """
 
 from __future__ import annotations
@@ -85,16 +87,23 @@ def _load_blocks(X, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
-                          R: tl.constexpr, PDL: tl.constexpr):
+                          R: tl.constexpr, PDL: tl.constexpr, POW2: tl.constexpr = True,
+                          OUT_BF16: tl.constexpr = False):
     wait_then_release(PDL)
     x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
     amax = tl.maximum(tl.max(tl.abs(x), 1), FLOOR)
-    t = amax * (1.0 / QMAX)
-    s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
-    s = s_bits.to(tl.float32, bitcast=True)
-    inv = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)          # 1/s, exact for a power of two
-    q = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
+    if POW2:
+        t = amax * (1.0 / QMAX)
+        s_bits = (t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+        s = s_bits.to(tl.float32, bitcast=True)
+        inv = (0x7F000000 - s_bits).to(tl.float32, bitcast=True)          # 1/s, exact for a power of two
+        q = tl.minimum(tl.maximum(x * inv[:, None], -QMAX), QMAX)
+    else:
+        s = tl.math.div_rn(amax, QMAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -QMAX), QMAX)
     y = _e4m3_round(q) * s[:, None]
+    if OUT_BF16:            # (with a plain scale y has more bits than bf16 holds: rounded by hand)
+        y = _bf16_round(y)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -109,10 +118,13 @@ def _round_trip(kernel, x: torch.Tensor, block: int, **constexprs) -> torch.Tens
     return y.view(x.shape)
 
 
-def fp8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
-    """`reference.fp8_round_trip(x, block, pow2=True)` in one launch (x's last dim a multiple of
-    block, block a power of two)."""
-    return _round_trip(fp8_round_trip_kernel, x, block, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX)
+def fp8_round_trip(x: torch.Tensor, block: int, pow2: bool = True) -> torch.Tensor:
+    """`reference.fp8_round_trip(x, block, pow2)` in one launch (x's last dim a multiple of block,
+    block a power of two)."""
+    if not pow2 and x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fp8 round trip with plain scales: float32 or bfloat16 values, not {x.dtype}")
+    return _round_trip(fp8_round_trip_kernel, x, block, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX, POW2=pow2,
+                       OUT_BF16=not pow2 and x.dtype == torch.bfloat16)
 
 
 @triton.jit
