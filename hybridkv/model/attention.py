@@ -644,8 +644,8 @@ class Attention(nn.Module):
 
     def _fused_compressors(self, dkv: DecodeKV) -> tuple[str, ...]:
         """The compressors ("kv", "index") whose decode step runs as one `compress_decode_paged` launch
-        (state update, block completion, packed store, position bias): V4 on the paged kernels' path
-        over packed pools, with the kernels running."""
+        (state update, block completion, store, position bias): V4 on the paged kernels' path over
+        packed or float pools, with the kernels running."""
         kargs = None if self.compressor is None else self._kernel_args(dkv)
         if kargs is None or not hasattr(dkv, "state_tensors"):
             return ()
@@ -654,7 +654,7 @@ class Attention(nn.Module):
             parts.append(("index", self.indexer.compressor, kargs.index_format))
         return tuple(kind for kind, comp, fmt in parts
                      if compress_decode_ok(dkv.positions, comp.head_dim, self.rope_dim,
-                                           "index" if comp.rotate else "main", True, fmt))
+                                           "index" if comp.rotate else "main", self.kv_pow2, fmt))
 
     def _compress_decode_fused(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv,
                                rows_score) -> None:
@@ -672,7 +672,7 @@ class Attention(nn.Module):
                               kargs.main_format if kind == "kv" else kargs.index_format,
                               kargs.tables(self.layer_id, kind), kargs.batch.block_tokens // self.ratio,
                               compressor.out_dtype,
-                              ape=compressor.ape, save=save)
+                              ape=compressor.ape, save=save, pow2=self.kv_pow2)
 
     def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):
         """How batched decode on the paged path stores the entries its tokens complete, with fixed

@@ -31,6 +31,22 @@ def _case(kind, n, L, seed=0):
     return kv, score, w, freqs, j, ref
 
 
+def test_float_main_entries_with_plain_fp8_scales(kernels, device):
+    """A checkpoint without scale_fmt ue8m0 round-trips its main entries with amax/448 scales: the
+    kernel's float entries follow that definition, not the power-of-two one."""
+    kv, score, w, freqs, j, ref_pow2 = _case("main", 5, 8, seed=3)
+    ref = finish_entries(softmax_pool(kv, score), w, 1e-6, freqs, "main", torch.float32, pow2=False)
+    out = torch.empty(5, kv.shape[-1], device=device)
+    kernels.compress_write(kv.to(device), score.to(device), w.to(device), 1e-6, freqs.real.to(device),
+                           freqs.imag.to(device), "main", out, False, torch.arange(5, dtype=torch.int32, device=device),
+                           pow2=False)
+    assert rel_rms(ref, out.cpu()) <= 1e-5 < rel_rms(ref_pow2, out.cpu())
+    with pytest.raises(ValueError, match="ue8m0"):
+        kernels.compress_write(kv.to(device), score.to(device), w.to(device), 1e-6, freqs.real.to(device),
+                               freqs.imag.to(device), "main", torch.empty(5, 200, dtype=torch.uint8, device=device),
+                               True, torch.arange(5, dtype=torch.int32, device=device), pow2=False)
+
+
 @pytest.mark.parametrize("kind,L", [("main", 8), ("main", 128), ("index", 8), ("main", 12), ("index", 3)],
                          ids=["csa-main", "hca", "csa-index", "ratio-6-overlap", "ratio-3"])
 def test_float_entries(kernels, device, kind, L):
@@ -103,14 +119,16 @@ def test_entry_id_minus_one_is_not_stored(kernels, device, kind, packed):
     assert rel_rms(want, got) <= 1e-3
 
 
+@pytest.mark.parametrize("store", ["packed", "float", "float-plain-scales"])
 @pytest.mark.parametrize("layer,kind", [(1, "main"), (1, "index"), (2, "main")], ids=["csa-main", "csa-index", "hca"])
-def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch, layer, kind):
+def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch, layer, kind, store):
     """`compress_decode_paged` (one launch, adding the position bias itself) against
-    `Compressor.update_decode` writing through `compress_paged` (scores with the bias added as
-    `Compressor.project` adds it): the same states and the same pool bytes, to the bit. Requests
-    whose token ends a block (and one whose block is the first, with no previous block), others that
-    do not, in slots out of order. Both sides run the Triton kernels (the pooled entries then see
-    the same float32 operations)."""
+    `Compressor.update_decode` writing through `compress_paged` (packed stores) or storing the
+    compressor's own finished entries (float stores: bf16 values, main entries with power-of-two or
+    plain amax/448 FP8 scales) (scores with the bias added as `Compressor.project` adds it): the same
+    states and the same pool bytes, to the bit. Requests whose token ends a block (and one whose
+    block is the first, with no previous block), others that do not, in slots out of order. Both
+    sides run the Triton kernels (the pooled entries then see the same float32 operations)."""
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
     from hybridkv.model.compressor import Compressor
     from hybridkv.ops.compress import compress_decode_paged, compress_paged
@@ -120,6 +138,8 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
     g = torch.Generator().manual_seed(layer * 10 + len(kind))
     d = cfg.index_head_dim if kind == "index" else cfg.head_dim
     comp = Compressor(cfg, layer, d, kind == "index", torch.bfloat16)
+    comp.kv_pow2 = store != "float-plain-scales"
+    packed = store == "packed"
     with torch.no_grad():
         comp.norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=g))
         comp.ape.copy_(torch.randn(comp.ape.shape, generator=g))
@@ -137,7 +157,7 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
     score = torch.randn(4, width, generator=g)
     epb = 16 // r if r < 16 else 1
     ebytes = index_entry_bytes(d) if kind == "index" else main_entry_bytes(d, cfg.qk_rope_head_dim)
-    fmt = "fp4" if kind == "index" else "fp8"
+    fmt = ("fp4" if kind == "index" else "fp8") if packed else "bf16"
     bt = torch.randperm(40, generator=g)[:32].view(4, 8).int()
     inv_freq = yarn_inv_freq(cfg.qk_rope_head_dim, 160000.0)
     kv, score, st_kv, st_score, bt, slots, positions = (t.to(device) for t in (kv, score, st_kv, st_score, bt, slots,
@@ -146,14 +166,21 @@ def test_decode_step_equals_the_state_update_and_paged_write(device, monkeypatch
 
     def run(fused: bool, save=None):
         a_kv, a_score = st_kv.clone(), st_score.clone()
-        pool = torch.zeros(40, epb, ebytes, dtype=torch.uint8, device=device)
+        pool = (torch.zeros(40, epb, ebytes, dtype=torch.uint8, device=device) if packed else
+                torch.zeros(40, epb, d, dtype=torch.bfloat16, device=device))
         if fused:
             freqs = rope_freqs((positions + 1 - r).clamp(min=0), inv_freq)
             compress_decode_paged(a_kv, a_score, slots, positions, kv, score, r, comp.overlap, comp.norm.weight,
                                   comp.norm.eps, (freqs.real.contiguous(), freqs.imag.contiguous()),
-                                  "index" if comp.rotate else "main", pool, fmt, bt, epb, ape=comp.ape, save=save)
+                                  "index" if comp.rotate else "main", pool, fmt, bt, epb, ape=comp.ape, save=save,
+                                  pow2=comp.kv_pow2)
         else:
             def write(block_rows, block_starts, requests, entry_ids):
+                if not packed:      # the layer's writer for float stores: the compressor's entries, stored
+                    rows = bt[requests.long(), entry_ids.clamp(min=0) // epb].long() * epb + entry_ids % epb
+                    keep = entry_ids >= 0
+                    pool.view(-1, d)[rows[keep]] = comp.finish(block_rows, block_starts, inv_freq)[keep]
+                    return
                 compress_paged(*block_rows, comp.norm.weight, comp.norm.eps, rope_freqs(block_starts, inv_freq),
                                "index" if comp.rotate else "main", pool, fmt, bt, requests, entry_ids.int(), epb)
             s_kv, s_score = a_kv[slots], a_score[slots]

@@ -14,6 +14,7 @@ from hybridkv.model import attention, linear
 from hybridkv.model.attention import Attention
 
 FP8_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v4-tiny-fp8"
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tiny-v4"
 
 
 def _store_tensors(store) -> list[torch.Tensor]:
@@ -79,3 +80,39 @@ def test_fused_decode_launches_equal_the_unfused_operations(monkeypatch):
         m.setattr(linear, "paired_weights", lambda *a: None)
         apart = step()
     torch.testing.assert_close(apart[0], fused[0], rtol=1e-5, atol=1e-5)
+
+
+@interpreter_only
+def test_fused_compressors_over_a_float_store_with_plain_scales_equal_the_unfused_operations(monkeypatch):
+    """A checkpoint whose KV round trips take plain amax/448 scales (the shipped model quantises only
+    its experts) decodes over a bf16 store: each compressor's decode step is one launch there too,
+    and changes nothing to the bit."""
+    eng, seqs, graphs, heads, cap = next_decode_step(SHIPPED, "bf16", ("bf16", "bf16"), seed=2, padding=1)
+    assert not eng.model.config.kv_pow2_scales
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    caches, positions = [s.cache for s in seqs], [s.num_computed for s in seqs]
+    before = [t.clone() for t in _store_tensors(eng.store)]
+
+    def step():
+        for t, b in zip(_store_tensors(eng.store), before):
+            t.copy_(b)
+        logits = graphs._forward(graphs._host_inputs(heads, caches, cap), cap)
+        return [logits.clone()] + [t.clone() for t in _store_tensors(eng.store)]
+
+    calls = []
+    real = attention.compress_decode_paged
+    with monkeypatch.context() as m:
+        m.setattr(attention, "compress_decode_paged", lambda *a, **kw: calls.append(a[13]) or real(*a, **kw))
+        fused = step()
+    cfg = eng.model.config
+    assert len(calls) == sum(1 + (cfg.layer_ratio(i) == 4) for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i))
+    assert set(calls) == {"bf16"}
+    with monkeypatch.context() as m:
+        m.setattr(Attention, "_fused_compressors", lambda self, dkv: ())
+        unfused = step()
+    assert any(not torch.equal(a, b) for a, b in zip(fused[1:], before))
+    # a block completes in the step for some request (positions are 299 and 262: 299 + 1 ends a ratio-4 block)
+    assert any((p + 1) % 4 == 0 for p in positions)
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
+

@@ -13,8 +13,10 @@ from hybridkv.ops.kv_formats import index_block_views, pack_index_fp4, pack_main
 from hybridkv.ops.paged import PagedBatch, entry_rows
 
 
-def _kernel_ok(x: torch.Tensor, d: int, rope: int, kind: str, pow2: bool) -> bool:
-    if not use_triton(x) or d & (d - 1) or not pow2:
+def _kernel_ok(x: torch.Tensor, d: int, rope: int, kind: str, pow2: bool, packed: bool = False) -> bool:
+    """Whether the Triton kernels finish these entries: power-of-two widths, and for main entries
+    with plain FP8 scales (pow2 False) a float store (a packed entry holds ue8m0 scale bytes)."""
+    if not use_triton(x) or d & (d - 1) or (not pow2 and packed and kind == "main"):
         return False
     return d % 32 == 0 if kind == "index" else (rope % 64 == 0 and d >= 64)
 
@@ -29,7 +31,7 @@ def compress_entries(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weigh
         out = torch.empty(n, d, dtype=out_dtype, device=kv_rows.device)
         kernels.compress_write(kv_rows, score_rows, norm_weight, eps, freqs.real, freqs.imag, kind, out, False,
                                torch.arange(n, dtype=torch.int32, device=kv_rows.device),
-                               out_bf16=out_dtype == torch.bfloat16)
+                               out_bf16=out_dtype == torch.bfloat16, pow2=pow2)
         return out
     return finish_entries(softmax_pool(kv_rows.float(), score_rows.float()), norm_weight, eps, freqs, kind, out_dtype,
                           pow2=pow2)
@@ -73,8 +75,9 @@ def compress_paged(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
 
 
 def compress_decode_ok(x: torch.Tensor, d: int, rope: int, kind: str, pow2: bool, fmt: str) -> bool:
-    """Whether `compress_decode_paged` takes this compressor: the Triton kernels run, packed pools."""
-    return fmt in ("fp8", "fp4") and _kernel_ok(x, d, rope, kind, pow2)
+    """Whether `compress_decode_paged` takes this compressor: the Triton kernels run, over packed
+    pools ("fp8", "fp4") or float ones ("bf16": float values of the pool's dtype)."""
+    return fmt in ("fp8", "fp4", "bf16") and _kernel_ok(x, d, rope, kind, pow2, packed=fmt != "bf16")
 
 
 def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,
@@ -82,7 +85,7 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
                           norm_weight: torch.Tensor, eps: float, rotation: tuple[torch.Tensor, torch.Tensor],
                           kind: str, pool: torch.Tensor, fmt: str, block_tables: torch.Tensor, entries_per_block: int,
                           out_dtype: torch.dtype = torch.bfloat16, ape: torch.Tensor | None = None,
-                          save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                          save: tuple[torch.Tensor, torch.Tensor] | None = None, pow2: bool = True) -> None:
     """A decode step's compressor work for B requests in one launch: each token's rows kv/score
     [B, width] go into its request's state (state_kv/state_score [slots, rows, width], in place);
     where the token ends a block (pos + 1 ≡ 0 mod ratio), the block is pooled, finished (`rotation`:
@@ -90,14 +93,16 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
     (pos + 1) / ratio − 1, and the state advances. `ape` [ratio, width]: the position bias not yet
     added to `score` (`Compressor.project(..., ape=False)`). `save`: (kv, score) [B, rows, width]
     float32 that receive each request's state as it was before the update (a speculative verify
-    wave's copy, in the same launch). The same state and the same pool bytes as
-    `Compressor.update_decode` with `compress_paged` as its writer (the tests compare them); CUDA
-    (or the interpreter) only: see `compress_decode_ok`."""
+    wave's copy, in the same launch). `fmt` "bf16": float entries (main ones with plain FP8 scales
+    where `pow2` is False). The same state and the same pool bytes as `Compressor.update_decode` with
+    `compress_paged` (packed) or the compressor's own finishing (float) as its writer (the tests
+    compare them); CUDA (or the interpreter) only: see `compress_decode_ok`."""
     from hybridkv.ops.compress import triton as kernels
     flat = pool.view(-1, pool.shape[-1])
     kernels.compress_decode(state_kv, state_score, slots, positions, kv, score, ratio, overlap, norm_weight, eps,
                             *rotation, kind, flat, block_tables, entries_per_block,
-                            out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4", ape=ape, save=save)
+                            out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4", ape=ape, save=save,
+                            packed=fmt != "bf16", pow2=pow2)
 
 
 def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,

@@ -48,9 +48,11 @@ def _rms_normed(x, NORM_W, eps, D: tl.constexpr, OUT_BF16: tl.constexpr):
 @triton.jit
 def _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale,
                   D: tl.constexpr, ROPE: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr,
-                  EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr, BLOCK_LAYOUT: tl.constexpr):
+                  EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr, BLOCK_LAYOUT: tl.constexpr,
+                  POW2: tl.constexpr = True):
     """A pooled entry x [D] (float32): RMSNorm, RoPE with row e of COS/SIN, the storage round trip,
-    written as entry j of request req (j −1: not written)."""
+    written as entry j of request req (j −1: not written). POW2 False (MAIN_FLOAT only): the main
+    entry's FP8 blocks take plain amax/448 scales, as a checkpoint without scale_fmt ue8m0 has them."""
     d = tl.arange(0, D)
     x = _rms_normed(x, NORM_W, eps, D, OUT_BF16)
     # RoPE on the last ROPE dims (adjacent pairs)
@@ -76,10 +78,17 @@ def _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT,
         NOPE: tl.constexpr = D - ROPE
         xb = tl.reshape(x, [D // 64, 64])
         amax = tl.maximum(tl.max(tl.abs(xb), 1), 1e-4)
-        sexp = _pow2_ceil_exp(amax, 1.0 / 448.0)
-        scale = (sexp << 23).to(tl.float32, bitcast=True)
-        qv = _e4m3_round(tl.minimum(tl.maximum(xb / scale[:, None], -448.0), 448.0)).to(tl.float8e4nv)
-        deq = tl.reshape(qv.to(tl.float32) * scale[:, None], [D])
+        if POW2:
+            sexp = _pow2_ceil_exp(amax, 1.0 / 448.0)
+            scale = (sexp << 23).to(tl.float32, bitcast=True)
+            qv = _e4m3_round(tl.minimum(tl.maximum(xb / scale[:, None], -448.0), 448.0)).to(tl.float8e4nv)
+            deq = tl.reshape(qv.to(tl.float32) * scale[:, None], [D])
+        else:
+            scale = tl.math.div_rn(amax, 448.0)
+            qv = _e4m3_round(tl.minimum(tl.maximum(tl.math.div_rn(xb, scale[:, None]), -448.0), 448.0))
+            deq = tl.reshape(qv * scale[:, None], [D])
+            if OUT_BF16:      # more bits than bf16 holds (a power-of-two scale keeps e4m3's few)
+                deq = _bf16_round(deq)
         if MODE == 0:
             tl.store(out + d, qv.to(tl.uint8, bitcast=True).reshape([D]), mask=(d < NOPE) & keep)
             rb = _bf16_round(x).to(tl.int32, bitcast=True) >> 16
@@ -89,7 +98,10 @@ def _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT,
             blocks = tl.arange(0, D // 64)
             tl.store(out + NOPE + 2 * ROPE + blocks, sexp.to(tl.uint8), mask=(blocks < NOPE // 64) & keep)
         else:
-            tl.store(out + d, tl.where(d < NOPE, deq, x).to(OUT.dtype.element_ty), mask=keep)
+            v = tl.where(d < NOPE, deq, x)
+            if OUT.dtype.element_ty == tl.bfloat16:     # a float32 entry into a bf16 store: to nearest, by
+                v = _bf16_round(v)                      # hand (the interpreter's conversion truncates)
+            tl.store(out + d, v.to(OUT.dtype.element_ty), mask=keep)
     else:
         # Hadamard rotation (scaled by D^-1/2) as a product with the ±1 matrix, then E2M1 in blocks of 32
         xm = tl.reshape(x, [1, D]) + tl.zeros([16, D], tl.float32)
@@ -136,7 +148,7 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
                     eps, had_scale, L: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                     MODE: tl.constexpr,
                     OUT_BF16: tl.constexpr, EPB: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-                    BLOCK_LAYOUT: tl.constexpr = False):
+                    BLOCK_LAYOUT: tl.constexpr = False, POW2: tl.constexpr = True):
     e = tl.program_id(0)
     d = tl.arange(0, D)
     # per-channel online softmax over the L rows
@@ -154,7 +166,7 @@ def compress_kernel(KV, SCORE, s_row_n, s_row_l, NORM_W, COS, SIN, s_cs, HAD, OU
     j = tl.load(ENT_J + e)
     req = tl.load(ENT_REQ + e)
     _finish_store(x, e, j, req, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, eps, had_scale,
-                  D, ROPE, MODE, OUT_BF16, EPB, PAGED, PREC, BLOCK_LAYOUT)
+                  D, ROPE, MODE, OUT_BF16, EPB, PAGED, PREC, BLOCK_LAYOUT, POW2)
 
 
 def pool_chunk(rows: int) -> int:
@@ -166,11 +178,13 @@ def pool_chunk(rows: int) -> int:
 def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor, packed: bool,
                    ent_j: torch.Tensor, ent_req: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
-                   entries_per_block: int = 1, out_bf16: bool = False, block_layout: bool = False) -> None:
+                   entries_per_block: int = 1, out_bf16: bool = False, block_layout: bool = False,
+                   pow2: bool = True) -> None:
     """Pool, finish and write n entries. kv_rows/score_rows [n, L, d] float32; cos/sin [n, rope/2];
     out: pool rows [num_rows, E] (flat) written at row block_tables[req, j // epb]·epb + j % epb (or j).
     block_layout: packed indexer keys go to the block layout of kv_formats.py (codes first in each block
-    of entries_per_block rows)."""
+    of entries_per_block rows). pow2 False: plain FP8 scales of float main entries (not packed)."""
+    _check_scales(kind, packed, pow2)
     n, L, d = kv_rows.shape
     if n == 0:
         return
@@ -187,7 +201,14 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                           had, out, out.stride(0), bt, bt.stride(0) if paged else 0, req, ent_j.to(torch.int32),
                           eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
                           EPB=entries_per_block, PAGED=paged, PREC="ieee", BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED,
-                          num_warps=4)
+                          POW2=pow2, num_warps=4)
+
+
+def _check_scales(kind: str, packed: bool, pow2: bool) -> None:
+    """Plain FP8 scales (pow2 False) apply to main entries, stored as floats: a packed main entry holds
+    ue8m0 scale bytes. (Indexer keys take power-of-two FP4 scales whatever pow2 says.)"""
+    if not pow2 and packed and kind == "main":
+        raise ValueError("packed main entries store ue8m0 scales: plain FP8 scales need a float store")
 
 
 @triton.jit
@@ -196,7 +217,8 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
                            had_scale, R: tl.constexpr,
                            OVERLAP: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                            ADV: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
-                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, SAVE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, SAVE: tl.constexpr, PDL: tl.constexpr,
+                           POW2: tl.constexpr = True):
     """Program b: request b's decode token. Its compressor rows go into the request's state (row
     CUR + pos % R of its slot); when the token ends a block, the block is pooled from the state (in
     the row order and chunks of `compress_kernel`, so the entry is the same to the bit), finished,
@@ -248,7 +270,7 @@ def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCO
             tl.store(IDS + b, (pos + 1) // R - 1)
         else:
             _finish_store(acc / den, b, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt,
-                          eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT)
+                          eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT, POW2)
         for r0 in range(0, R, ADV):
             rows = r0 + tl.arange(0, ADV)
             at = base + (CUR + rows[:, None]) * s_st_row + c[None, :]
@@ -294,13 +316,17 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
                     eps: float, cos: torch.Tensor, sin: torch.Tensor, kind: str, out: torch.Tensor,
                     block_tables: torch.Tensor, entries_per_block: int, out_bf16: bool = False,
                     block_layout: bool = False, ape: torch.Tensor | None = None,
-                    save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    save: tuple[torch.Tensor, torch.Tensor] | None = None, packed: bool = True,
+                    pow2: bool = True) -> None:
     """One decode token per request, one launch: state_kv/state_score [slots, rows, width] float32
     (updated in place), slots/positions [B], the tokens' compressor rows kv/score [B, width]; cos/sin
     [B, rope/2] the rotation at each request's block start (used where the token ends a block);
     entries go packed into `out` (pool rows [num_rows, E], flat) at block_tables' rows. `ape`
     [ratio, width]: the position bias still to be added to the score rows (None: already added).
-    `save`: (kv, score) [B, rows, width] float32 that receive each request's state before the update."""
+    `save`: (kv, score) [B, rows, width] float32 that receive each request's state before the update.
+    `packed` False: `out` holds float entries (a bf16 or native store), main ones with plain FP8
+    scales where `pow2` is False."""
+    _check_scales(kind, packed, pow2)
     b = kv.shape[0]
     if b == 0:
         return
@@ -311,7 +337,8 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         raise ValueError(f"compress_decode: the state copies must be contiguous float32 "
                          f"[{b}, {state_kv.shape[1]}, {state_kv.shape[2]}]")
     save_kv, save_score = save if save is not None else (state_kv, state_score)
-    mode = INDEX_PACKED if kind == "index" else MAIN_PACKED
+    mode = {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
+            ("index", False): INDEX_FLOAT}[(kind, packed)]
     had = hadamard_matrix(d, kv.device) if kind == "index" else kv
     pooled = 2 * ratio if overlap else ratio
     rows = pool_chunk(pooled)      # compress_kernel's chunks of the pooled rows
@@ -323,7 +350,7 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
         ROPE=2 * cos.shape[-1], ROWS=rows, ADV=pool_chunk(ratio), MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
         BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, SAVE=save is not None,
-        num_warps=4, **triton_args(state_kv))
+        POW2=pow2, num_warps=4, **triton_args(state_kv))
 
 
 def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,
