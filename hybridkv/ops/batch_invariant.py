@@ -13,12 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops.backend import interpreting
+
 _LIB: torch.library.Library | None = None
 
 
 @triton.jit
 def _mm_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn, sab, sbb, scb, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, PREC: tl.constexpr):
+               BK: tl.constexpr, PREC: tl.constexpr, ELEMENTWISE: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)       # bmm: one matrix product per batch index
@@ -34,7 +36,12 @@ def _mm_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn, sab, sbb, scb, BM
                     mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
         b = tl.load(B + (k0 + rk)[:, None].to(tl.int64) * sbk + rn[None, :] * sbn,
                     mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if ELEMENTWISE:
+            # Triton's interpreter hands tl.dot to the host BLAS, whose vector kernels round a row by
+            # its place in the tile (AVX-512 builds): the products summed over K instead
+            acc += tl.sum(a[:, :, None] * b[None, :, :], 1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PREC)
     tl.store(C + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn, acc.to(C.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -69,7 +76,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -
     _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), g)](
         a3, b3, c, m, n, k, a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2), c.stride(1), c.stride(2),
         a3.stride(0), b3.stride(0), c.stride(0), BM=bm, BN=bn, BK=bk, PREC="ieee" if f32 else "tf32",
-        num_warps=4 if f32 else 8)
+        ELEMENTWISE=interpreting(), num_warps=4 if f32 else 8)
     return out
 
 
