@@ -109,4 +109,25 @@ def test_decode_sizes_take_the_mma_kernel():
     x = torch.zeros(1, 4096, device=DEV, dtype=torch.bfloat16)
     assert fp4_mma.usable(x, (2048, 4096), (4096, 2048))
     assert kernels.grouped_config(6, 2048, 256, gated=True, mma=True)["MMA"]
-    assert "MMA" not in kernels.grouped_config(4096, 2048, 256, gated=True, mma=True)
+    assert kernels.grouped_config(768, 2048, 256, gated=True, mma=True)["MMA"]      # 128 tokens, top-6
+    assert "MMA" not in kernels.grouped_config(16 * 256 + 1, 2048, 256, gated=True, mma=True)
+
+
+def test_routed_experts_past_the_one_launch_routing_take_the_mma_tiles(monkeypatch):
+    """128 tokens × top-6 among 64 experts (768 pairs, past the fused routing launch's 512: sorted by
+    torch, tiled by 8) through `routed_experts_fp4`: the MMA tiles against the Triton tiles."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    e, dim, inter = 64, 512, 256
+    w = [[(c, sc.view(torch.float8_e8m0fnu)) for c, sc in zip(*_experts(e, n_out, n_in, g))]
+         for n_out, n_in in ((inter, dim), (inter, dim), (dim, inter))]
+    tables = grouped_moe.expert_tables(*w)
+    x = torch.randn(128, dim, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.rand(128, e, device=DEV, generator=g).argsort(-1)[:, :6]
+    weights = torch.rand(128, 6, device=DEV, generator=g)
+    assert kernels.grouped_config(ids.numel(), inter, e, gated=True, mma=True)["MMA"]
+    got = grouped_moe.routed_experts_fp4(x, weights, ids, tables, 7.0, torch.float32)
+    monkeypatch.setenv("HYBRIDKV_FP4_MMA", "0")
+    ref = grouped_moe.routed_experts_fp4(x, weights, ids, tables, 7.0, torch.float32)
+    err = _rel(ref, got)
+    print(f"768 pairs: rel {err:.2e}")
+    assert err < 1e-4

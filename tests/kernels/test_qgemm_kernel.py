@@ -427,14 +427,19 @@ def test_fp8_mma_takes_cuda_decode_rows_only_and_tiles_every_v4_flash_linear():
 
 def test_decode_sizes_choose_the_tensor_core_kernel_only_where_it_runs():
     """`grouped_config` takes the MMA tiles (8 rows) only when asked (the caller checked
-    `fp4_mma.usable`: CUDA, sm_80+), up to the fused routing's pair limit; CPU tensors never ask;
-    the scale shift keeps 2^(s-1-S) a finite bf16; the tables know their largest scale byte."""
+    `fp4_mma.usable`: CUDA, sm_80+), up to 512 pairs or 16 an expert (128 rows of V4-Flash's top-6 among
+    256 experts are 768 pairs, a few an expert: not the 64-row tiles); CPU tensors never ask; the scale
+    shift keeps 2^(s-1-S) a finite bf16; the tables know their largest scale byte."""
     from hybridkv.ops.qgemm import fp4_mma
     assert not fp4_mma.usable(torch.zeros(1, 256), (256,), (256,))
     cfg = kernels.grouped_config(6, 2048, 256, gated=True, mma=True)
     assert cfg["BM"] == fp4_mma.TILE_ROWS and cfg["MMA"]
     assert kernels.grouped_config(6, 2048, 256, gated=True)["BM"] == 1
-    assert "MMA" not in kernels.grouped_config(kernels.MMA_MAX_PAIRS + 1, 2048, 256, mma=True)
+    assert "MMA" not in kernels.grouped_config(kernels.MMA_MAX_PAIRS + 1, 2048, mma=True)
+    assert kernels.grouped_config(768, 2048, 256, mma=True)["MMA"]
+    assert kernels.grouped_config(16 * 256, 4096, 256, mma=True)["MMA"]
+    assert "MMA" not in kernels.grouped_config(16 * 256 + 1, 4096, 256, mma=True)
+    assert "MMA" not in kernels.grouped_config(513, 2048, 8, mma=True)
     assert fp4_mma.scale_shift(127) == 0 and fp4_mma.scale_shift(128) == 0 and fp4_mma.scale_shift(200) == 72
     g = torch.Generator().manual_seed(0)
     proj = [[(torch.randint(-128, 128, (64, 128), generator=g, dtype=torch.int8),

@@ -454,7 +454,8 @@ def _check_fp4_dot(device: torch.device) -> FP4Check:
     return FP4Check(stacked, by_table, piped, report)
 
 
-MMA_MAX_PAIRS = 512        # the decode routing launch's limit (`grouped_moe.triton.MAX_FUSED_PAIRS`)
+MMA_MAX_PAIRS = 512        # pairs that take the MMA tiles whatever the experts (the one-launch routing's limit)
+MMA_ROWS_PER_EXPERT = 16   # with the expert count known, up to this many pairs an expert on average do too
 
 
 def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool = False, mma: bool = False) -> dict:
@@ -464,11 +465,13 @@ def grouped_config(pairs: int, n: int, experts: int | None = None, gated: bool =
     than the tensor-core tiles at 1 and 8 tokens); otherwise 16-row tiles up to 512 pairs, 64-row
     tiles beyond. A config may also set BK, the inputs one loop iteration
     multiplies (a multiple of 128 dividing K; 128 for the tiles, up to 256 for one row, when absent).
-    `mma` (the caller checked `fp4_mma.usable`): up to `MMA_MAX_PAIRS` pairs run as tiles of at most
-    8 rows on the tensor cores with operands built in registers (`fp4_mma`; on the H200 2.3× / 2.0×
-    faster than the 16-row tiles at 64 tokens for w1-w3 / w2, 1.5× / 1.2× than one row at 8,
-    the same at 1: `benchmarks/qgemm_kernels.py --sweep --families mma`)."""
-    if mma and pairs <= MMA_MAX_PAIRS:
+    `mma` (the caller checked `fp4_mma.usable`): up to `MMA_MAX_PAIRS` pairs, or `MMA_ROWS_PER_EXPERT`
+    an expert, run as tiles of at most 8 rows on the tensor cores with operands built in registers
+    (`fp4_mma`; on the H200 2.3× / 2.0× faster than the 16-row tiles at 64 tokens for w1-w3 / w2,
+    1.5× / 1.2× than one row at 8, the same at 1: `benchmarks/qgemm_kernels.py --sweep --families
+    mma`). Past 512 pairs the 64-row tiles hold a few rows of each expert (768 pairs among 256 experts:
+    3 an expert), and their emulated FP4 products cost most of a decode step of 128 rows."""
+    if mma and pairs <= max(MMA_MAX_PAIRS, MMA_ROWS_PER_EXPERT * (experts or 0)):
         return dict(BM=fp4_mma.TILE_ROWS, MMA=True, **fp4_mma.config(pairs, gated))
     if pairs <= (experts // 2 if experts else 64):
         return dict(BM=1, BN=32 if gated else 64, num_warps=4)
