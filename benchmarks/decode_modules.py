@@ -6,8 +6,12 @@ requests of `--context` random tokens, then:
 - runs one eager step with each module's forward annotated and attributes every kernel to the
   innermost module whose forward launched it (through the launch's runtime or driver call).
 
+With `--speculative K` the steps are speculative ones (the MTP block drafting K tokens, each step
+one replay of `engine/spec_graphs.py`'s graph); the eager pass then runs that graph's forward
+uncaptured, with the verify, acceptance, rollback and drafting stages named beside the modules.
+
     python3 benchmarks/decode_modules.py --ckpt /tmp/v4flash-8 [--kv-format fp8|v41|bf16] [--batch 1]
-        [--context 4k] [--steps 8] [--trace OUT.json.gz]
+        [--context 4k] [--steps 8] [--trace OUT.json.gz] [--speculative K]
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ def annotate(model) -> list:
     return handles
 
 
+def annotate_stages(spec_graphs) -> None:
+    """A profiler range around each stage of the speculative graph's forward (on the instance)."""
+    for name in ("_verify", "_accept", "_rollback", "_draft", "_pick"):
+        method = getattr(spec_graphs, name)
+
+        def ranged(*args, method=method, key=f"M:spec{name}", **kw):
+            with record_function(key):
+                return method(*args, **kw)
+        setattr(spec_graphs, name, ranged)
+
+
 def by_module(trace: dict, top: int) -> None:
     ev = trace["traceEvents"]
     ranges = collections.defaultdict(list)
@@ -94,17 +109,20 @@ def main() -> int:
     ap.add_argument("--kv-format", default="fp8", choices=["bf16", "fp8", "v41"])
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--trace", default=None, help="also write the eager step's trace (gzipped JSON)")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K", help="speculative steps drafting K tokens")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs CUDA")
     ctx = _parse_count(a.context)
     llm = LLM(a.ckpt, device="cuda", dtype=torch.bfloat16, kv_format=a.kv_format, num_blocks=a.batch * (ctx + 256) // 128 + 16,
-              max_num_seqs=a.batch, max_num_batched_tokens=8192, enable_prefix_caching=False)
+              max_num_seqs=a.batch, max_num_batched_tokens=8192, enable_prefix_caching=False,
+              **(dict(speculative="mtp", num_speculative_tokens=a.speculative) if a.speculative else {}))
     eng, model = llm.engine, llm.engine.model
     g = torch.Generator().manual_seed(0)
     seqs = [eng.add_request(torch.randint(2, model.config.vocab_size, (ctx,), generator=g).tolist(),
                             # early requests decode while the rest prefill: room for that too
-                            SamplingParams(max_tokens=2 * a.steps + 16 + -(-a.batch * ctx // 8192) + 1,
+                            SamplingParams(max_tokens=(2 * a.steps + 16) * (a.speculative + 1)
+                                           + -(-a.batch * ctx // 8192) + 1,
                                            ignore_eos=True)) for _ in range(a.batch)]
     while any(s.first_token_time is None for s in seqs):
         eng.step()
@@ -122,14 +140,29 @@ def main() -> int:
     print("| kernel | device ms / step | launches / step |\n|---|---|---|")
     for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"| {e.key[:90]} | {e.self_device_time_total / 1e3 / a.steps:.3f} | {e.count / a.steps:.1f} |")
-    graphs, eng.graphs = eng.graphs, None
-    steps(eng, 1)                                   # eager shapes compiled outside the profile
+    if a.speculative:
+        # the last replayed graph's forward, uncaptured (it redoes that step's writes; nothing runs after)
+        sg = eng.spec_graphs
+        g = next(reversed(sg.graphs.values()))
+        annotate_stages(sg)
+
+        def one_eager_step():
+            with torch.inference_mode():
+                sg._forward(g)
+            torch.cuda.synchronize()
+    else:
+        graphs, eng.graphs = eng.graphs, None
+
+        def one_eager_step():
+            steps(eng, 1)
+    one_eager_step()                                # eager shapes compiled outside the profile
     handles = annotate(model)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        steps(eng, 1)
+        one_eager_step()
     for h in handles:
         h.remove()
-    eng.graphs = graphs
+    if not a.speculative:
+        eng.graphs = graphs
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         raw = Path(f.name).read_bytes()
