@@ -1,7 +1,8 @@
 """Triton kernel for the compressor: one program per new entry pools its L token rows (per-channel
 online softmax), applies RMSNorm and RoPE at the entry's first position, the storage round trip
-(main: e4m3 nope dims in blocks of 64 with ue8m0 scales; indexer: Hadamard + E2M1 in blocks of 32)
-and writes the entry straight into its paged pool row, packed (584-B / 68-B) or as float values.
+(main: e4m3 nope dims in blocks of 64 with ue8m0 scales, or with plain amax/448 scales for float
+stores of a checkpoint without scale_fmt ue8m0; indexer: Hadamard + E2M1 in blocks of 32) and writes
+the entry straight into its paged pool row, packed (584-B / 68-B) or as float values.
 A decode step's compressor runs as one launch (`compress_decode`): the state update, and where a
 token ends a block its pooling, finishing and store; for V4.1's compressor (`compress_decode_latent`)
 the finished entry is the normalised latent, returned for the layer to derive its indexer key and
