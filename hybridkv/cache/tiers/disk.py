@@ -62,12 +62,12 @@ class DiskTier(Tier):
                  clock=time.time, fsync: bool = False, retry_after: float = 60.0, rescan_every: float = 300.0,
                  sweep_every: float = 30.0):
         super().__init__(ttl, clock)
+        self._ns = hashlib.sha256(identity.encode()).digest()
         self.root = Path(root).expanduser() / VERSION_DIR
-        self.dir = self.root / hashlib.sha256(identity.encode()).hexdigest()[:16]
+        self.dir = self.root / self._ns.hex()[:16]
         self.tmp = self.root / "tmp"
         self.identity, self.capacity, self.fsync = identity, capacity_bytes, fsync
         self.retry_after, self.rescan_every, self.sweep_every = retry_after, rescan_every, sweep_every
-        self._ns = hashlib.sha256(identity.encode()).digest()
         self._host = socket.gethostname().replace(".", "_")
         self._index: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
         self._retry_at = float("-inf")

@@ -191,8 +191,7 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
         return
     kv_rows, score_rows = kv_rows.float().contiguous(), score_rows.float().contiguous()
     rows = pool_chunk(L)
-    mode = {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
-            ("index", False): INDEX_FLOAT}[(kind, packed)]
+    mode = _mode(kind, packed)
     had = hadamard_matrix(d, kv_rows.device) if kind == "index" else kv_rows
     paged = block_tables is not None
     bt = block_tables if paged else ent_j
@@ -203,6 +202,12 @@ def compress_write(kv_rows: torch.Tensor, score_rows: torch.Tensor, norm_weight:
                           eps, d ** -0.5, L=L, D=d, ROPE=2 * cos.shape[-1], ROWS=rows, MODE=mode, OUT_BF16=out_bf16,
                           EPB=entries_per_block, PAGED=paged, PREC="ieee", BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED,
                           POW2=pow2, num_warps=4)
+
+
+def _mode(kind: str, packed: bool) -> int:
+    """The kernels' MODE for entries of this kind ("main", "index"), packed or as float values."""
+    return {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
+            ("index", False): INDEX_FLOAT}[(kind, packed)]
 
 
 def _check_scales(kind: str, packed: bool, pow2: bool) -> None:
@@ -338,8 +343,7 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         raise ValueError(f"compress_decode: the state copies must be contiguous float32 "
                          f"[{b}, {state_kv.shape[1]}, {state_kv.shape[2]}]")
     save_kv, save_score = save if save is not None else (state_kv, state_score)
-    mode = {("main", True): MAIN_PACKED, ("main", False): MAIN_FLOAT, ("index", True): INDEX_PACKED,
-            ("index", False): INDEX_FLOAT}[(kind, packed)]
+    mode = _mode(kind, packed)
     had = hadamard_matrix(d, kv.device) if kind == "index" else kv
     pooled = 2 * ratio if overlap else ratio
     rows = pool_chunk(pooled)      # compress_kernel's chunks of the pooled rows
