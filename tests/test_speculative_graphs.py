@@ -502,18 +502,20 @@ def test_memory_report_counts_the_mtp_window_and_the_draft_distributions():
 def test_verify_waves_after_the_first_give_their_compressor_launches_buffers_for_the_states(fixtures):
     """`_VerifyWaveKV.state_snapshot`: the first wave keeps no copy; later waves hand the fused
     compressor launch one float32 buffer pair [batch, rows, width] per layer and kind, kept in wave
-    order where the rollback reads them."""
+    order where the rollback reads them: views of their state group's buffers (`_StateCopies`), wave
+    w's at [w − 1, member]."""
     from hybridkv.cache.paged import PagedKVStore
-    from hybridkv.engine.spec_graphs import _VerifyWaveKV
+    from hybridkv.engine.spec_graphs import _StateCopies, _VerifyWaveKV
     from hybridkv.presets import load_config
     cfg = load_config(fixtures / "v4-tiny-fp8")
     store = PagedKVStore(cfg, 8, 4, "fp8", torch.bfloat16)
     layer, kind = next((i, k) for i in range(cfg.num_hidden_layers) for k in store.states[i])
     snapshots: dict = {}
+    copies = _StateCopies(store, 2, 3)
     waves = []
     for j in range(3):
         w = _VerifyWaveKV.__new__(_VerifyWaveKV)
-        w.store, w.slots, w.wave, w.snapshots = store, torch.tensor([2, 0, 1]), j, snapshots
+        w.store, w.slots, w.wave, w.snapshots, w.copies = store, torch.tensor([2, 0, 1]), j, snapshots, copies
         waves.append(w)
     assert waves[0].state_snapshot(layer, kind) is None and snapshots == {}
     got = [waves[j].state_snapshot(layer, kind) for j in (1, 2)]
@@ -522,3 +524,6 @@ def test_verify_waves_after_the_first_give_their_compressor_launches_buffers_for
     for pair in got:
         assert [tuple(t.shape) for t in pair] == [(3,) + tuple(kv.shape[1:]), (3,) + tuple(score.shape[1:])]
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in pair)
+    g, m = copies.where[(layer, kind)]
+    for w, pair in enumerate(got):
+        assert all(t.data_ptr() == buf[w, m].data_ptr() for t, buf in zip(pair, copies.buffers[g]))

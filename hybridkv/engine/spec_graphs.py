@@ -67,6 +67,7 @@ from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, p
 from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
 from hybridkv.engine.speculative import step_uniforms
 from hybridkv.model.state import DecodeGroup, ForwardBatch
+from hybridkv.ops.rollback import restore_ring_, restore_states_
 from hybridkv.ops.sampling import greedy_rows
 
 
@@ -79,11 +80,14 @@ class _VerifyWaveKV(PagedDecodeKV):
     """Verify wave `wave` over the paged kernels (`PagedDecodeKV.fixed`). From the second wave on it
     keeps the compressor states before its update in `snapshots[(layer, kind)]` (wave j's copy: the
     state after j kept positions), in wave order: copied by the compressor's fused launch itself
-    (`state_snapshot`), or where the compressor runs as torch operations, before them. Its
-    compressors update in one launch each where plain decode's do (`Attention._fused_compressors`):
-    the rollback restores states from the copies, not by replaying rows."""
+    (`state_snapshot`), or where the compressor runs as torch operations, before them. The copies
+    are views of `copies` (`_StateCopies`: one buffer of each state group, which the rollback reads
+    in one launch). Its compressors update in one launch each where plain decode's do
+    (`Attention._fused_compressors`): the rollback restores states from the copies, not by
+    replaying rows."""
 
     snapshots: dict
+    copies: "_StateCopies"
     wave: int
     fuse_compressors = True
 
@@ -92,15 +96,33 @@ class _VerifyWaveKV(PagedDecodeKV):
         (None in the first wave, whose states the rollback never needs)."""
         if not self.wave:
             return None
-        kv, score = self.store.states[layer_id][kind]
-        bufs = tuple(torch.empty((self.slots.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
-                     for t in (kv, score))
+        bufs = self.copies.of(layer_id, kind, self.wave)
         self.snapshots.setdefault((layer_id, kind), []).append(bufs)
         return bufs
 
     def record_compressor_rows(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
         if self.wave:
-            self.snapshots.setdefault((layer_id, kind), []).append(self.compressor_state(layer_id, kind))
+            bufs = self.copies.of(layer_id, kind, self.wave)
+            for state, buf in zip(self.store.states[layer_id][kind], bufs):
+                torch.index_select(state, 0, self.slots, out=buf)
+            self.snapshots.setdefault((layer_id, kind), []).append(bufs)
+
+
+class _StateCopies:
+    """The compressor states the verify waves copy before their updates: for each of the store's
+    state groups (`PagedKVStore.state_groups`) one kv and one score buffer [k, members, B, ...];
+    wave w (1..k) copies member m's rows into [w − 1, m]."""
+
+    def __init__(self, store: PagedKVStore, k: int, batch: int):
+        self.where, self.buffers = {}, []
+        for g, group in enumerate(store.state_groups):
+            self.buffers.append(tuple(torch.empty((k, len(group.members), batch) + t.shape[2:], dtype=t.dtype,
+                                                  device=t.device) for t in (group.kv, group.score)))
+            self.where.update({member: (g, m) for m, member in enumerate(group.members)})
+
+    def of(self, layer_id: int, kind: str, wave: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, m = self.where[(layer_id, kind)]
+        return tuple(buf[wave - 1, m] for buf in self.buffers[g])
 
 
 class MTPDecodeKV:
@@ -425,40 +447,33 @@ class SpeculativeGraphs:
         ring_at = positions % store.config.sliding_window                      # [Bp, k+1]
         g.saved["ring"] = store.rings[:, slots.unsqueeze(1), ring_at]            # [layers, Bp, k+1, E]
         snapshots: dict = {}
+        copies = _StateCopies(store, g.k, bp)
         waves = []
         for j in range(k1):
             dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1,
                                       like=waves[0].kv if waves else None)
-            dkv.snapshots, dkv.wave = snapshots, j
+            dkv.snapshots, dkv.copies, dkv.wave = snapshots, copies, j
             waves.append(DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=slots.device), dkv,
                                      span=(j * bp, (j + 1) * bp)))
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         h = self.model(tokens.t().reshape(-1), batch)
         logits = self.model.logits(h).view(k1, bp, -1)
         g.out.update(hidden=h, logits=logits)
-        g.saved["states"] = snapshots
+        g.saved["states"], g.saved["copies"] = snapshots, copies
         return logits
 
     def _rollback(self, g: SpecGraph, kept, positions, slots) -> None:
-        store, k1 = self.store, g.k + 1
-        ring_at = positions % store.config.sliding_window
-        keep = torch.arange(k1, device=kept.device).unsqueeze(0) < kept.unsqueeze(1)       # [Bp, k+1]
-        now = store.rings[:, slots.unsqueeze(1), ring_at]
-        mask = keep.view(1, *keep.shape, *([1] * (now.dim() - 3)))
-        store.rings[:, slots.unsqueeze(1), ring_at] = torch.where(mask, now, g.saved["ring"])
-        rows, pick = torch.arange(g.batch, device=kept.device), kept - 1
-        saved = g.saved["states"]
-        for group in store.state_groups:
-            # wave m's copies: the states after m kept positions (m = k + 1: the states now), of
-            # every member of the group (one no wave updated: its state now), restored in one gather
-            # and one scatter for each of kv, score
-            n = len(group.members)
-            for t, whole in enumerate((group.kv, group.score)):
-                now = list(whole[:, slots].unbind(0))
-                waves = [saved[m][w][t] if m in saved else now[i] for w in range(g.k)
-                         for i, m in enumerate(group.members)] + now
-                every = torch.stack(waves).view(g.k + 1, n, *now[0].shape)
-                whole[:, slots] = every[pick, :, rows].transpose(0, 1)
+        """The rejected positions' ring rows put back, and each state group's members set to their
+        state after the kept positions, from the copies the verify waves took (every compressor
+        updates in every wave, so each has k copies)."""
+        store = self.store
+        restore_ring_(store.rings, g.saved["ring"], slots, positions[:, 0].contiguous(), kept)
+        saved, copies = g.saved["states"], g.saved["copies"]
+        for group, (kv_copies, score_copies) in zip(store.state_groups, copies.buffers):
+            missing = [m for m in group.members if len(saved.get(m, ())) != g.k]
+            if missing:
+                raise RuntimeError(f"the verify waves copied no states of {missing} before their updates")
+            restore_states_(group.kv, group.score, kv_copies, score_copies, slots, kept)
 
     def _pick(self, g: SpecGraph, logits: torch.Tensor, slots: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j+1 of every request from the MTP block's logits [Bp, vocab]: the argmax, or for a
