@@ -49,7 +49,7 @@ from hybridkv.ops.compress import (compress_decode_latent, compress_decode_ok, c
                                    compress_paged)
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
-from hybridkv.ops.window import write_window_fp8, write_window_v41
+from hybridkv.ops.window import write_window_float, write_window_fp8, write_window_v41
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
 # the CrossLayerShare key of a forward's decode group (segments use their index)
@@ -280,13 +280,20 @@ class Attention(nn.Module):
                 and all(self._window_fused(w.kv) for w in batch.waves))
 
     def _window_fused(self, dkv: DecodeKV) -> bool:
-        """Whether a decode group's window rows go through `write_window_fp8` or `write_window_v41`
-        (round trip, pack and ring store in one launch): the paged kernels' path over an fp8 or v41
-        store with power-of-two scales."""
+        """Whether a decode group's window rows go through `write_window_fp8`, `write_window_float` or
+        `write_window_v41` (round trip, pack and ring store in one launch): the paged kernels' path
+        over an fp8 or v41 store with power-of-two scales, or over a float store."""
         if self.v41:
             return self.kv_pow2 and self._v41_kernel_args(dkv) is not None and hasattr(dkv, "slots")
         kargs = self._kernel_args(dkv)
-        return kargs is not None and kargs.main_format == "fp8" and self.kv_pow2 and hasattr(dkv, "slots")
+        return (kargs is not None and hasattr(dkv, "slots")
+                and (kargs.main_format == "fp8" and self.kv_pow2 or kargs.main_format == "bf16"))
+
+    def _write_window(self, main_format: str, kv, ring, slots, positions) -> torch.Tensor:
+        """The fused window store of `_window_fused` rows: kv [B, D] not yet round-tripped."""
+        if main_format == "fp8":
+            return write_window_fp8(kv, ring, slots, positions, self.rope_dim)
+        return write_window_float(kv, ring, slots, positions, self.rope_dim, self.kv_pow2)
 
     def _kernel_args(self, view, *where):
         """The paged kernels' inputs for these tokens, or None where this layer takes the reference path."""
@@ -371,7 +378,7 @@ class Attention(nn.Module):
             self._compress_decode_kernels(kargs, dkv, rows, fused)
             # ring row pos % W held pos − W, which no window reads any more
             if self._window_fused(dkv):
-                stored = write_window_fp8(kv, kargs.ring(lid), dkv.slots, dkv.positions, self.rope_dim)
+                stored = self._write_window(kargs.main_format, kv, kargs.ring(lid), dkv.slots, dkv.positions)
             else:
                 stored = kargs.encode_window(kv)
                 dkv.write_window(lid, stored)
@@ -462,9 +469,9 @@ class Attention(nn.Module):
                                           fused)
         kargs, ring = joint.args, self._kernel_args(views[0]).ring(lid)
         q_at, kv_at, rows_at = q[at], kv[at], {k: v[at] for k, v in rows.items()}
-        if self._window_fused(waves[0].kv):     # packed once, into the segments' own rows as well
+        if self._window_fused(waves[0].kv):     # stored once, into the segments' own rows as well
             own = torch.empty(kv_at.shape[0], 1, ring.shape[-1], dtype=ring.dtype, device=ring.device)
-            stored = write_window_fp8(kv_at, own, joint.own_rows, joint.own_rows, self.rope_dim)
+            stored = self._write_window(kargs.main_format, kv_at, own, joint.own_rows, joint.own_rows)
             own = own.view(kv_at.shape[0], -1)
         else:
             stored = kargs.encode_window(kv_at)

@@ -91,10 +91,12 @@ def test_fused_decode_launches_equal_the_unfused_operations(monkeypatch):
 
 
 @interpreter_only
-def test_fused_compressors_over_a_float_store_with_plain_scales_equal_the_unfused_operations(monkeypatch):
+def test_fused_compressors_and_window_rows_over_a_float_store_with_plain_scales_equal_the_unfused_operations(
+        monkeypatch):
     """A checkpoint whose KV round trips take plain amax/448 scales (the shipped model quantises only
-    its experts) decodes over a bf16 store: each compressor's decode step is one launch there too,
-    and changes nothing to the bit."""
+    its experts) decodes over a bf16 store: each compressor's decode step and each layer's window row
+    (round trip and ring store, `write_window_float`) are one launch there too, and change nothing to
+    the bit."""
     eng, seqs, graphs, heads, cap = next_decode_step(SHIPPED, "bf16", ("bf16", "bf16"), seed=2, padding=1)
     assert not eng.model.config.kv_pow2_scales
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
@@ -102,18 +104,20 @@ def test_fused_compressors_over_a_float_store_with_plain_scales_equal_the_unfuse
     assert (positions[0] + 1) % 4 == 0 and (positions[1] + 1) % 4    # one request completes a ratio-4 entry
     before, step = _replayer(eng, graphs, heads, seqs, cap)
 
-    calls = []
-    real = attention.compress_decode_paged
+    calls, windows = [], []
+    real, real_window = attention.compress_decode_paged, attention.write_window_float
     with monkeypatch.context() as m:
         m.setattr(attention, "compress_decode_paged", lambda *a, **kw: calls.append(a[13]) or real(*a, **kw))
+        m.setattr(attention, "write_window_float", lambda *a: windows.append(a[-1]) or real_window(*a))
         fused = step()
     cfg = eng.model.config
     assert len(calls) == sum(1 + (cfg.layer_ratio(i) == 4) for i in range(cfg.num_hidden_layers) if cfg.layer_ratio(i))
     assert set(calls) == {"bf16"}
+    assert windows == [False] * cfg.num_hidden_layers          # plain scales, every layer
     with monkeypatch.context() as m:
         m.setattr(Attention, "_fused_compressors", lambda self, dkv: ())
+        m.setattr(Attention, "_window_fused", lambda self, dkv: False)
         unfused = step()
     assert any(not torch.equal(a, b) for a, b in zip(fused[1:], before))
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)
-

@@ -64,3 +64,36 @@ def test_v41_window_rows_are_packed_and_stored_as_the_composition(device, dtype)
     assert torch.equal(dev[1].cpu(), want_ring)
     again = kernels.write_window_v41(fp8_round_trip(kv, 32).to(device), *dev[1:], 32)   # the trip is idempotent
     assert torch.equal(again.cpu(), want)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("dtype,ring_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                              (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_float_window_rows_are_stored_as_the_composition(device, pow2, dtype, ring_dtype):
+    """A float store's window row (`write_window_float`): the nope dims' FP8 round trip (in the
+    rows' dtype, as the model runs it), the rope dims kept, cast to the ring's dtype, to the bit."""
+    from hybridkv.ops.window import triton as kernels
+    g = torch.Generator().manual_seed(7)
+    b, d, rope, w = 5, 128, 64, 16
+    kv = torch.randn(b, d, generator=g) * torch.logspace(-3, 2, b)[:, None]
+    kv[1, :64] = 0                                  # an all-zero block: the amax floor
+    kv[3, 64:] *= 1e3                               # rope dims far from the nope dims' scale
+    kv = kv.to(dtype)
+    slots = torch.tensor([2, 0, 3, 1, 4])
+    positions = torch.tensor([17, 3, 40, 15, 0])
+    ring = torch.randn(5, w, d, generator=g).to(ring_dtype)
+    want = torch.cat([fp8_round_trip(kv[:, :-rope], KV_FP8_BLOCK, pow2), kv[:, -rope:]], -1).to(ring_dtype)
+    want_ring = ring.clone()
+    want_ring[slots, positions % w] = want
+    dev = [t.to(device) for t in (kv, ring, slots, positions)]
+    got = kernels.write_window_float(*dev, rope, pow2)
+    assert got.dtype == ring_dtype and torch.equal(got.cpu(), want)
+    assert torch.equal(dev[1].cpu(), want_ring)
+
+
+def test_window_writers_check_the_ring():
+    from hybridkv.ops.window import write_window_float
+    kv = torch.zeros(2, 128)
+    with pytest.raises(ValueError, match="float rows"):
+        write_window_float(kv, torch.zeros(3, 8, 128, dtype=torch.uint8), torch.zeros(2, dtype=torch.long),
+                           torch.zeros(2, dtype=torch.long), 64, True)

@@ -86,11 +86,9 @@ def _load_blocks(X, n_blocks, BLOCK: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
-                          R: tl.constexpr, PDL: tl.constexpr, POW2: tl.constexpr = True,
-                          OUT_BF16: tl.constexpr = False):
-    wait_then_release(PDL)
-    x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
+def fp8_trip_blocks(x, FLOOR: tl.constexpr, QMAX: tl.constexpr, POW2: tl.constexpr):
+    """x [R, BLOCK] float32, each row one quantisation block, through e4m3 and back (float32): the
+    scale a power of two (POW2) or the plain amax / QMAX, divided with correct rounding."""
     amax = tl.maximum(tl.max(tl.abs(x), 1), FLOOR)
     if POW2:
         t = amax * (1.0 / QMAX)
@@ -101,7 +99,16 @@ def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexp
     else:
         s = tl.math.div_rn(amax, QMAX)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -QMAX), QMAX)
-    y = _e4m3_round(q) * s[:, None]
+    return _e4m3_round(q) * s[:, None]
+
+
+@triton.jit
+def fp8_round_trip_kernel(X, Y, n_blocks, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+                          R: tl.constexpr, PDL: tl.constexpr, POW2: tl.constexpr = True,
+                          OUT_BF16: tl.constexpr = False):
+    wait_then_release(PDL)
+    x, offs, mask = _load_blocks(X, n_blocks, BLOCK, R)
+    y = fp8_trip_blocks(x, FLOOR, QMAX, POW2)
     if OUT_BF16:            # (with a plain scale y has more bits than bf16 holds: rounded by hand)
         y = _bf16_round(y)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)

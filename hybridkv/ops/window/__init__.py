@@ -3,7 +3,9 @@
 `hybridkv.ops.kv_formats` and the store at ring row pos % W of the request's slot. Returns the
 packed rows too (the attention kernels read a token's own row from them). The reference is the
 composition the model runs elsewhere: `fp8_round_trip`, `pack_main_fp8`, an indexed store.
-`write_window_v41` does the same for V4.1's window rows (FP8 in blocks of 32, `pack_v41_window`)."""
+`write_window_float` does the same for a float store's rows (the round trip with power-of-two or
+plain scales, then the ring's dtype), `write_window_v41` for V4.1's window rows (FP8 in blocks of
+32, `pack_v41_window`)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,25 @@ def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
         return kernels.write_window_fp8(kv, ring, slots, positions, rope_dim)
     nope = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK), kv[:, -rope_dim:]], -1)
     stored = pack_main_fp8(nope, rope_dim)
+    ring[slots, positions % ring.shape[1]] = stored
+    return stored
+
+
+def write_window_float(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                       rope_dim: int, pow2: bool) -> torch.Tensor:
+    """kv [B, D] (normalised and rotated, nope dims not yet round-tripped), ring [slots, W, D] of a
+    float dtype, slots/positions [B] -> the stored rows [B, D] in the ring's dtype: the nope dims
+    through FP8 and back in blocks of 64 (power-of-two scales where `pow2`, else plain amax/448),
+    the rope dims as they are."""
+    b, d = kv.shape
+    if ring.shape[-1] != d or not ring.dtype.is_floating_point:
+        raise ValueError(f"window ring rows of {ring.shape[-1]} {ring.dtype} are not {d}-dim float rows")
+    floats = (torch.float32, torch.bfloat16)
+    if use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1) and d > rope_dim and kv.dtype in floats \
+            and ring.dtype in floats:
+        from hybridkv.ops.window import triton as kernels
+        return kernels.write_window_float(kv, ring, slots, positions, rope_dim, pow2)
+    stored = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK, pow2), kv[:, -rope_dim:]], -1).to(ring.dtype)
     ring[slots, positions % ring.shape[1]] = stored
     return stored
 

@@ -1,4 +1,5 @@
-"""Triton kernels of `write_window_fp8` and `write_window_v41`: one program per token."""
+"""Triton kernels of `write_window_fp8`, `write_window_float` and `write_window_v41`: one program per
+token."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import triton.language as tl
 
 from hybridkv.ops.pdl import triton_args
 from hybridkv.ops.pdl_device import wait_then_release
-from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round, _pow2_ceil_exp
+from hybridkv.ops.quant.reference import FP8_AMAX_FLOOR, FP8_MAX
+from hybridkv.ops.quant.triton import _bf16_round, _e4m3_round, _pow2_ceil_exp, fp8_trip_blocks
 
 
 @triton.jit
@@ -55,13 +57,37 @@ def window_fp8_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, 
     _store_row(RING + slot * s_ring_slot + (pos % W) * s_ring_row, codes, rope_bits, sexp, D, ROPE, BYTES)
 
 
+@triton.jit
+def window_float_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, W, D: tl.constexpr,
+                        ROPE: tl.constexpr, BYTES: tl.constexpr, POW2: tl.constexpr, OUT_BF16: tl.constexpr,
+                        FLOOR: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr):
+    """A float store's window row: the nope dims through FP8 and back (blocks of 64, the scale
+    `POW2` or plain), the rope dims as they are, in the ring's dtype; rounded to bf16 by hand where
+    the rows or the ring are bf16 (the reference's round trip returns the rows' dtype)."""
+    wait_then_release(PDL)
+    b = tl.program_id(0)
+    d = tl.arange(0, D)
+    x = tl.reshape(tl.load(KV + b.to(tl.int64) * s_kv + d).to(tl.float32), [D // 64, 64])
+    nope = tl.arange(0, D // 64)[:, None] < (D - ROPE) // 64
+    y = tl.reshape(tl.where(nope, fp8_trip_blocks(x, FLOOR, QMAX, POW2), x), [D])
+    if OUT_BF16:
+        y = _bf16_round(y)
+    y = y.to(OUT.dtype.element_ty)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    tl.store(OUT + b.to(tl.int64) * D + d, y)
+    tl.store(RING + slot * s_ring_slot + (pos % W) * s_ring_row + d, y)
+
+
 def _launch(kernel, name: str, kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
             **constexprs) -> torch.Tensor:
     """One program per token row of kv: its packed row into a new [B, bytes] tensor and into the ring."""
     b, d = kv.shape
-    if kv.stride(-1) != 1 or ring.stride(-1) != 1 or ring.dtype != torch.uint8:
-        raise ValueError(f"{name}: kv rows and the uint8 ring must be contiguous in their last dim")
-    out = torch.empty(b, ring.shape[-1], dtype=torch.uint8, device=kv.device)
+    if kv.stride(-1) != 1 or ring.stride(-1) != 1:
+        raise ValueError(f"{name}: kv rows and the ring must be contiguous in their last dim")
+    if (ring.dtype == torch.uint8) != (kernel is not window_float_kernel):
+        raise ValueError(f"{name}: a ring of {ring.dtype}")
+    out = torch.empty(b, ring.shape[-1], dtype=ring.dtype, device=kv.device)
     if b:
         kernel[(b,)](kv, kv.stride(0), out, ring, ring.stride(0), ring.stride(1), slots, positions, ring.shape[1], D=d,
                      num_warps=4, **constexprs, **triton_args(kv))
@@ -72,6 +98,14 @@ def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
                      rope_dim: int) -> torch.Tensor:
     return _launch(window_fp8_kernel, "write_window_fp8", kv, ring, slots, positions, ROPE=rope_dim,
                    BYTES=ring.shape[-1])
+
+
+def write_window_float(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                       rope_dim: int, pow2: bool) -> torch.Tensor:
+    return _launch(window_float_kernel, "write_window_float", kv, ring, slots, positions, ROPE=rope_dim,
+                   BYTES=ring.shape[-1], POW2=pow2,
+                   OUT_BF16=torch.bfloat16 in (ring.dtype, kv.dtype), FLOOR=FP8_AMAX_FLOOR,
+                   QMAX=FP8_MAX)
 
 
 @triton.jit
