@@ -31,6 +31,7 @@ from hybridkv.ops.kv_formats import (index_block_rows, index_block_views, index_
                                      pack_v41_window, unpack_index_fp4, unpack_main_fp8, unpack_v41_global,
                                      unpack_v41_window, v41_global_bytes, v41_window_bytes)
 from hybridkv.ops.paged import PagedBatch
+from hybridkv.ops.ranges import arange
 from hybridkv.ops.row_gather import gather_rows_
 
 KV_FORMATS = ("native", "bf16", "fp8", "v41")
@@ -920,7 +921,7 @@ def window_listing(positions: torch.Tensor, window: int, start: torch.Tensor) ->
     ring rows [B, window], their validity [B, window]: from start[b] up to the token itself, positions
     past it invalid at the end while the window fills)."""
     pos = positions.unsqueeze(1)
-    window_pos = (pos - window + 1).clamp(min=0) + torch.arange(window, device=positions.device)
+    window_pos = (pos - window + 1).clamp(min=0) + arange(window, device=positions.device)
     return window_pos % window, (window_pos >= start.clamp(min=0).unsqueeze(1)) & (window_pos <= pos)
 
 
@@ -967,7 +968,7 @@ class PagedDecodeKV:
         self.store, self.seqs, self.on_layer_done = store, None, None
         self.host_positions, self.positions, self.slots, self.tables = None, positions, slots, tables
         self.page_tables, self.window_start, self.frozen = pages, None, None
-        self._b = torch.arange(positions.shape[0], device=positions.device)
+        self._b = arange(positions.shape[0], device=positions.device)
         self._max_pos = max_pos
         self._kernel_args, self._like = False, like
         return self
@@ -994,7 +995,7 @@ class PagedDecodeKV:
                                    base.batch.seg_row0, self.store.block_tokens)
                 self._kernel_args = KernelArgs(self.store, batch, self._max_pos, base.pages)
             elif ok:
-                rows = torch.arange(self.positions.shape[0], dtype=torch.int32, device=self.positions.device)
+                rows = arange(self.positions.shape[0], dtype=torch.int32, device=self.positions.device)
                 pos = self.positions.to(torch.int32)
                 batch = PagedBatch(rows, pos, self.slots.to(torch.int32), self.tables.to(torch.int32), pos, rows,
                                    self.store.block_tokens)

@@ -43,6 +43,7 @@ import torch
 from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, _window_complete
 from hybridkv.errors import ConfigError
 from hybridkv.model.state import DecodeGroup, ForwardBatch
+from hybridkv.ops.ranges import arange
 
 MAX_GRAPH_BATCH = 64          # requests a captured decode step holds; HYBRIDKV_GRAPH_BATCH raises it
 STEPS_PER_OCTAVE = 8          # context buckets: the next multiple of 2^k / 8 (at most 1/8 idle rows)
@@ -245,6 +246,6 @@ class DecodeGraphs:
         tables = inputs[:, 3:3 + width].contiguous()
         pages = inputs[:, 3 + width:].contiguous() if self.store.offload else None
         dkv = PagedDecodeKV.fixed(self.store, positions, slots, tables, max_pos=cap - 1, pages=pages)
-        batch = ForwardBatch([], positions, DecodeGroup(torch.arange(b, device=inputs.device), dkv, whole=True), static=True)
+        batch = ForwardBatch([], positions, DecodeGroup(arange(b, device=inputs.device), dkv, whole=True), static=True)
         with torch.inference_mode():
             return self.model.logits(self.model(ids, batch))

@@ -67,6 +67,7 @@ from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, p
 from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
 from hybridkv.engine.speculative import step_uniforms
 from hybridkv.model.state import DecodeGroup, ForwardBatch
+from hybridkv.ops.ranges import arange
 from hybridkv.ops.rollback import restore_ring_, restore_states_
 from hybridkv.ops.sampling import greedy_rows
 
@@ -195,12 +196,12 @@ def mtp_waves(cache, positions: torch.Tensor, slots: torch.Tensor, start: torch.
     window, (b, waves) = cache.window, positions.shape
     dev = positions.device
     listed, valid = wave_listings(positions, window, start)
-    wave = torch.arange(waves, device=dev)
+    wave = arange(waves, device=dev)
     # a listed position p ≥ p_b is verify row p − p_b (≤ the wave's own); (p − p_b) mod window is larger for p < p_b
     ahead = (listed - positions[:, :1].unsqueeze(0)) % window
     joint = MTPWaves(torch.where(ahead <= wave.view(-1, 1, 1), ahead + window, listed), valid,
                      (positions % window).t(), wave.unsqueeze(1) < kept.unsqueeze(0),
-                     torch.arange(b, device=dev).view(1, b, 1))
+                     arange(b, device=dev).view(1, b, 1))
     return [MTPDecodeKV(cache, positions[:, j], slots, start, write=joint.write[j],
                         listing=(listed[j], valid[j]), joint=joint if j == 0 else None)
             for j in range(waves)]
@@ -430,7 +431,7 @@ class SpeculativeGraphs:
             residual = (p_at - q_at).clamp(min=0)
             residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
             own = torch.where(temp > 0, draw_with_uniforms(residual, g.uniforms[:, k]), own)
-        column = torch.arange(k + 1, device=kept.device).unsqueeze(0)
+        column = arange(k + 1, device=kept.device).unsqueeze(0)
         following = torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own.unsqueeze(1))
         g.out["kept"], g.out["tokens"] = kept, following
         if g.sampled or g.top:
@@ -453,7 +454,7 @@ class SpeculativeGraphs:
             dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1,
                                       like=waves[0].kv if waves else None)
             dkv.snapshots, dkv.copies, dkv.wave = snapshots, copies, j
-            waves.append(DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=slots.device), dkv,
+            waves.append(DecodeGroup(arange(j * bp, (j + 1) * bp, device=slots.device), dkv,
                                      span=(j * bp, (j + 1) * bp)))
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         h = self.model(tokens.t().reshape(-1), batch)
@@ -489,23 +490,23 @@ class SpeculativeGraphs:
     def _draft(self, g: SpecGraph, following, kept, positions, slots, mtp_start) -> None:
         model, cache, k1, bp = self.model, self.mtp, g.k + 1, g.batch
         dev = slots.device
-        waves = [DecodeGroup(torch.arange(j * bp, (j + 1) * bp, device=dev), view, span=(j * bp, (j + 1) * bp))
+        waves = [DecodeGroup(arange(j * bp, (j + 1) * bp, device=dev), view, span=(j * bp, (j + 1) * bp))
                  for j, view in enumerate(mtp_waves(cache, positions, slots, mtp_start, kept))]
         batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
         out = model.mtp_forward(g.out["hidden"], following.t().reshape(-1), batch)
-        stream = out[(kept - 1) * bp + torch.arange(bp, device=dev)]
+        stream = out[(kept - 1) * bp + arange(bp, device=dev)]
         draft = self._pick(g, model.mtp_logits(stream), slots, 0)
         drafts = [draft]
         if g.k > 1:
             # the chain runs on from position n + m, on its own stream and draft; its ring rows are
             # speculative and put back after
             first = positions[:, 0] + kept
-            at = (first.unsqueeze(1) + torch.arange(g.k - 1, device=dev)) % cache.window
+            at = (first.unsqueeze(1) + arange(g.k - 1, device=dev)) % cache.window
             saved = cache.ring[slots.unsqueeze(1), at]
             for j in range(g.k - 1):
                 pos = first + j
                 one = ForwardBatch([], pos, None, static=True,
-                                   waves=[DecodeGroup(torch.arange(bp, device=dev),
+                                   waves=[DecodeGroup(arange(bp, device=dev),
                                                       MTPDecodeKV(cache, pos, slots, mtp_start), span=(0, bp))])
                 stream = model.mtp_forward(stream, draft, one)
                 draft = self._pick(g, model.mtp_logits(stream), slots, j + 1)

@@ -49,6 +49,7 @@ from hybridkv.ops.compress import (compress_decode_latent, compress_decode_ok, c
                                    compress_paged)
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
+from hybridkv.ops.ranges import arange
 from hybridkv.ops.window import write_window_float, write_window_fp8, write_window_v41
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
@@ -503,7 +504,7 @@ class Attention(nn.Module):
 
     def _sparse_rows(self, q, keys, valid, like_tokens: int | None = None) -> torch.Tensor:
         b, length, _ = keys.shape
-        flat_idx = torch.arange(b * length, device=keys.device).view(b, length)
+        flat_idx = arange(b * length, device=keys.device).view(b, length)
         return sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
                            self.scale, like_tokens=like_tokens)
 
