@@ -17,7 +17,7 @@ from test_speculative import MODEL, assert_states_close, cache_state, crossing_p
 from hybridkv.engine import SamplingParams
 from hybridkv.engine.sequence import Status
 from hybridkv.engine.sampling import filtered_probs
-from hybridkv.cache.paged import window_listing
+from hybridkv.ops.window import window_listing
 from hybridkv.engine.spec_graphs import MTPDecodeKV, SpeculativeGraphs, mtp_waves, wave_listings
 from hybridkv.engine.speculative import MTPCache
 

@@ -33,6 +33,7 @@ from hybridkv.ops.kv_formats import (index_block_rows, index_block_views, index_
 from hybridkv.ops.paged import PagedBatch
 from hybridkv.ops.ranges import arange
 from hybridkv.ops.row_gather import gather_rows_
+from hybridkv.ops.window import window_listing
 
 KV_FORMATS = ("native", "bf16", "fp8", "v41")
 
@@ -913,16 +914,6 @@ def _block_mask(blocks: set[int], n: int) -> np.ndarray:
     idx = np.fromiter(blocks, dtype=np.int64, count=len(blocks))
     mask[idx[idx < n]] = True
     return mask
-
-
-def window_listing(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The window a token at positions[b] reads, listed as a one-token segment lists it: positions
-    from max(0, pos − window + 1) on, oldest first, so the reductions run in the same order; (their
-    ring rows [B, window], their validity [B, window]: from start[b] up to the token itself, positions
-    past it invalid at the end while the window fills)."""
-    pos = positions.unsqueeze(1)
-    window_pos = (pos - window + 1).clamp(min=0) + arange(window, device=positions.device)
-    return window_pos % window, (window_pos >= start.clamp(min=0).unsqueeze(1)) & (window_pos <= pos)
 
 
 def _window_complete(seq: SeqCache, first_pos: int, window: int) -> bool:

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache, window_listing
+from hybridkv.cache.paged import PagedDecodeKV, PagedKVStore, SeqCache
 from hybridkv.engine.graphs import (_copy_in, context_bucket, max_graph_batch, padded_batch, warm_up_and_capture,
                                     windows_complete)
 from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
@@ -70,6 +70,7 @@ from hybridkv.model.state import DecodeGroup, ForwardBatch
 from hybridkv.ops.ranges import arange
 from hybridkv.ops.rollback import restore_ring_, restore_states_
 from hybridkv.ops.sampling import greedy_rows
+from hybridkv.ops.window import window_listing
 
 
 # the most top log-probabilities a request may ask (`SamplingParams.validate`): a graph in which some

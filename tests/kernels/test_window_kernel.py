@@ -97,3 +97,23 @@ def test_window_writers_check_the_ring():
     with pytest.raises(ValueError, match="float rows"):
         write_window_float(kv, torch.zeros(3, 8, 128, dtype=torch.uint8), torch.zeros(2, dtype=torch.long),
                            torch.zeros(2, dtype=torch.long), 64, True)
+
+
+@pytest.mark.parametrize("window", [8, 12])
+def test_window_listing_kernel_lists_what_the_reference_lists(device, window):
+    """`window_listing`'s one launch: ring rows oldest first and their validity, for tokens before
+    the window fills, past it, and windows that start late (a bounded replay), −1 starts included."""
+    from hybridkv.ops.backend import use_triton
+    from hybridkv.ops.window import triton as kernels
+    from hybridkv.ops.window import window_listing
+    positions = torch.tensor([0, 5, 11, 12, 40, 41])
+    start = torch.tensor([0, 0, 3, -1, 35, 41])
+    assert not use_triton(positions) or device == "cuda"
+    want = window_listing(positions, window, start)              # the plain-torch composition on the CPU
+    got = kernels.window_listing(positions.to(device), window, start.to(device))
+    assert got[0].dtype == torch.long and got[1].dtype == torch.bool
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    # the reference itself: position 11 reads 4..11 of window 8 (valid from 3), wrapping in the ring
+    if window == 8:
+        assert want[0][2].tolist() == [4, 5, 6, 7, 0, 1, 2, 3] and want[1][2].all()
+        assert want[1][0].tolist() == [True] + [False] * 7 and want[1][5].tolist() == [False] * 7 + [True]

@@ -5,7 +5,9 @@ packed rows too (the attention kernels read a token's own row from them). The re
 composition the model runs elsewhere: `fp8_round_trip`, `pack_main_fp8`, an indexed store.
 `write_window_float` does the same for a float store's rows (the round trip with power-of-two or
 plain scales, then the ring's dtype), `write_window_v41` for V4.1's window rows (FP8 in blocks of
-32, `pack_v41_window`)."""
+32, `pack_v41_window`).
+
+`window_listing`: the ring rows a decode token's window reads, in one launch where the kernels run."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK
 from hybridkv.ops.backend import use_triton
 from hybridkv.ops.kv_formats import main_entry_bytes, pack_main_fp8, pack_v41_window, v41_window_bytes
 from hybridkv.ops.quant import fp8_round_trip
+from hybridkv.ops.ranges import arange
 
 
 def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -64,3 +67,16 @@ def write_window_v41(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
     stored = pack_v41_window(fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK))
     ring[slots, positions % ring.shape[1]] = stored
     return stored
+
+
+def window_listing(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window a token at positions[b] reads, listed as a one-token segment lists it: positions
+    from max(0, pos − window + 1) on, oldest first, so the reductions run in the same order; (their
+    ring rows [B, window] int64, their validity [B, window] bool: from start[b] up to the token
+    itself, positions past it invalid at the end while the window fills)."""
+    if use_triton(positions) and positions.dim() == 1 and start.shape == positions.shape:
+        from hybridkv.ops.window import triton as kernels
+        return kernels.window_listing(positions, window, start)
+    pos = positions.unsqueeze(1)
+    window_pos = (pos - window + 1).clamp(min=0) + arange(window, device=positions.device)
+    return window_pos % window, (window_pos >= start.clamp(min=0).unsqueeze(1)) & (window_pos <= pos)

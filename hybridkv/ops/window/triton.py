@@ -1,5 +1,5 @@
-"""Triton kernels of `write_window_fp8`, `write_window_float` and `write_window_v41`: one program per
-token."""
+"""Triton kernels of `write_window_fp8`, `write_window_float`, `write_window_v41` and
+`window_listing`: one program per token."""
 
 from __future__ import annotations
 
@@ -137,3 +137,26 @@ def window_v41_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, 
 def write_window_v41(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      tile: int) -> torch.Tensor:
     return _launch(window_v41_kernel, "write_window_v41", kv, ring, slots, positions, T=tile)
+
+
+@triton.jit
+def window_listing_kernel(POS, START, LISTED, VALID, W, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
+    b = tl.program_id(0)
+    pos = tl.load(POS + b).to(tl.int64)
+    first = tl.maximum(tl.load(START + b).to(tl.int64), 0)
+    i = tl.arange(0, BLOCK)
+    at = tl.maximum(pos - W + 1, 0) + i
+    ok = i < W
+    tl.store(LISTED + b.to(tl.int64) * W + i, at % W, mask=ok)
+    tl.store(VALID + b.to(tl.int64) * W + i, ((at >= first) & (at <= pos)).to(tl.uint8), mask=ok)
+
+
+def window_listing(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b = positions.shape[0]
+    listed = torch.empty(b, window, dtype=torch.long, device=positions.device)
+    valid = torch.empty(b, window, dtype=torch.bool, device=positions.device)
+    if b:
+        window_listing_kernel[(b,)](positions, start, listed, valid.view(torch.uint8), window,
+                                    BLOCK=triton.next_power_of_2(window), num_warps=1, **triton_args(positions))
+    return listed, valid
