@@ -85,12 +85,13 @@ class _VerifyWaveKV(PagedDecodeKV):
     (`state_snapshot`), or where the compressor runs as torch operations, before them. The copies
     are views of `copies` (`_StateCopies`: one buffer of each state group, which the rollback reads
     in one launch). Its compressors update in one launch each where plain decode's do
-    (`Attention._fused_compressors`): the rollback restores states from the copies, not by
-    replaying rows."""
+    (`Attention._fused_compressors`), every wave's in the same launch (`wave_compressor_inputs`,
+    asked of the first wave): the rollback restores states from the copies, not by replaying rows."""
 
     snapshots: dict
     copies: "_StateCopies"
     wave: int
+    wave_positions: torch.Tensor        # every wave's positions [waves·B], wave after wave
     fuse_compressors = True
 
     def state_snapshot(self, layer_id: int, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -101,6 +102,24 @@ class _VerifyWaveKV(PagedDecodeKV):
         bufs = self.copies.of(layer_id, kind, self.wave)
         self.snapshots.setdefault((layer_id, kind), []).append(bufs)
         return bufs
+
+    def wave_compressor_inputs(self, layer_id: int, kind: str, waves: int, ratio: int, inv_freq: torch.Tensor,
+                               key: object) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor],
+                                                     tuple[torch.Tensor, torch.Tensor]]:
+        """For one launch that updates a compressor over every wave (this view the first, `waves` of
+        them: `compress_decode_paged` with waves): every wave's positions [waves·B], the rotations at
+        their block starts (once per ratio and table) and the buffers [waves − 1, B, ...] for the
+        states before waves 1.., registered as those waves' copies."""
+        if self.wave or waves != self.copies.k + 1:
+            raise ValueError(f"a launch over {waves} verify waves from wave {self.wave} of a {self.copies.k + 1}-wave step")
+        cache = self.__dict__.setdefault("_wave_rope", {})
+        if (ratio, key) not in cache:
+            from hybridkv.ops.rope import rope_cos_sin
+            cache[(ratio, key)] = rope_cos_sin(self.wave_positions, inv_freq, 1 - ratio, 0)
+        g, m = self.copies.where[(layer_id, kind)]
+        save = tuple(buf[:, m] for buf in self.copies.buffers[g])
+        self.snapshots.setdefault((layer_id, kind), []).extend(zip(*(t.unbind(0) for t in save)))
+        return self.wave_positions, cache[(ratio, key)], save
 
     def record_compressor_rows(self, layer_id: int, kind: str, kv: torch.Tensor, score: torch.Tensor) -> None:
         if self.wave:
@@ -116,7 +135,7 @@ class _StateCopies:
     wave w (1..k) copies member m's rows into [w − 1, m]."""
 
     def __init__(self, store: PagedKVStore, k: int, batch: int):
-        self.where, self.buffers = {}, []
+        self.k, self.where, self.buffers = k, {}, []
         for g, group in enumerate(store.state_groups):
             self.buffers.append(tuple(torch.empty((k, len(group.members), batch) + t.shape[2:], dtype=t.dtype,
                                                   device=t.device) for t in (group.kv, group.score)))
@@ -450,14 +469,16 @@ class SpeculativeGraphs:
         g.saved["ring"] = store.rings[:, slots.unsqueeze(1), ring_at]            # [layers, Bp, k+1, E]
         snapshots: dict = {}
         copies = _StateCopies(store, g.k, bp)
+        flat_positions = positions.t().reshape(-1)                                 # wave after wave
         waves = []
         for j in range(k1):
             dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1,
                                       like=waves[0].kv if waves else None)
             dkv.snapshots, dkv.copies, dkv.wave = snapshots, copies, j
+            dkv.wave_positions = flat_positions
             waves.append(DecodeGroup(arange(j * bp, (j + 1) * bp, device=slots.device), dkv,
                                      span=(j * bp, (j + 1) * bp)))
-        batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
+        batch = ForwardBatch([], flat_positions, None, static=True, waves=waves)
         h = self.model(tokens.t().reshape(-1), batch)
         logits = self.model.logits(h).view(k1, bp, -1)
         g.out.update(hidden=h, logits=logits)

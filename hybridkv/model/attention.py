@@ -464,12 +464,13 @@ class Attention(nn.Module):
                 o[r] = self._attend_decode(wave.kv, q[r], kv[r], {k: v[r] for k, v in rows.items()},
                                            fused).to(o.dtype)
             return
-        for wave in waves:
-            r = wave.index()
-            self._compress_decode_kernels(self._kernel_args(wave.kv), wave.kv, {k: v[r] for k, v in rows.items()},
-                                          fused)
-        kargs, ring = joint.args, self._kernel_args(views[0]).ring(lid)
         q_at, kv_at, rows_at = q[at], kv[at], {k: v[at] for k, v in rows.items()}
+        if not self._compress_waves_fused(views, rows_at, fused):
+            for wave in waves:
+                r = wave.index()
+                self._compress_decode_kernels(self._kernel_args(wave.kv), wave.kv,
+                                              {k: v[r] for k, v in rows.items()}, fused)
+        kargs, ring = joint.args, self._kernel_args(views[0]).ring(lid)
         if self._window_fused(waves[0].kv):     # stored once, into the segments' own rows as well
             own = torch.empty(kv_at.shape[0], 1, ring.shape[-1], dtype=ring.dtype, device=ring.device)
             stored = self._write_window(kargs.main_format, kv_at, own, joint.own_rows, joint.own_rows)
@@ -665,22 +666,47 @@ class Attention(nn.Module):
                                            "index" if comp.rotate else "main", self.kv_pow2, fmt))
 
     def _compress_decode_fused(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor, rows_kv,
-                               rows_score) -> None:
-        # a view that keeps the states before the update (speculative verify waves) has the launch copy
-        # them; otherwise the view may record the rows (score rows without their position bias here)
-        snapshot = getattr(dkv, "state_snapshot", None)
-        save = snapshot(self.layer_id, kind) if snapshot is not None else None
-        if snapshot is None:
-            self._record_rows(dkv, kind, rows_kv, rows_score)
+                               rows_score, waves: int = 1) -> None:
+        """One compressor's decode update in one launch; with `waves` > 1 every verify wave's (dkv the
+        first wave's view, rows_kv/rows_score every wave's rows, wave after wave: `_compress_waves_fused`)."""
+        if waves > 1:
+            positions, rotation, save = dkv.wave_compressor_inputs(self.layer_id, kind, waves, self.ratio,
+                                                                   self.inv_freq, self.rope_key)
+        else:
+            # a view that keeps the states before the update (speculative verify waves) has the launch
+            # copy them; otherwise the view may record the rows (score rows without their position bias here)
+            snapshot = getattr(dkv, "state_snapshot", None)
+            save = snapshot(self.layer_id, kind) if snapshot is not None else None
+            if snapshot is None:
+                self._record_rows(dkv, kind, rows_kv, rows_score)
+            positions, rotation = dkv.positions, dkv.block_start_rope(self.ratio, self.inv_freq, self.rope_key)
         st_kv, st_score = dkv.state_tensors(self.layer_id, kind)
-        compress_decode_paged(st_kv, st_score, dkv.slots, dkv.positions, rows_kv, rows_score, self.ratio,
-                              compressor.overlap, compressor.norm.weight, compressor.norm.eps,
-                              dkv.block_start_rope(self.ratio, self.inv_freq, self.rope_key),
+        compress_decode_paged(st_kv, st_score, dkv.slots, positions, rows_kv, rows_score, self.ratio,
+                              compressor.overlap, compressor.norm.weight, compressor.norm.eps, rotation,
                               "index" if compressor.rotate else "main", kargs.pool(self.layer_id, kind),
                               kargs.main_format if kind == "kv" else kargs.index_format,
                               kargs.tables(self.layer_id, kind), kargs.batch.block_tokens // self.ratio,
                               compressor.out_dtype,
-                              ape=compressor.ape, save=save, pow2=self.kv_pow2)
+                              ape=compressor.ape, save=save, pow2=self.kv_pow2, waves=waves)
+
+    def _compress_waves_fused(self, views: list[DecodeKV], rows, fused: tuple[str, ...]) -> bool:
+        """Every verify wave's compressor updates in one launch per compressor, each request's waves
+        one after another in its program (rows: every wave's, wave after wave), where both compressors
+        fuse and the views offer it (`wave_compressor_inputs`: the fixed-shape verify waves of
+        engine/spec_graphs.py, which hold every request in one order). False where the waves update
+        one after another instead."""
+        kinds = ("kv", "index") if self.indexer is not None else ("kv",)
+        first = views[0]
+        if (self.compressor is None or len(views) < 2 or set(fused) != set(kinds)
+                or not hasattr(first, "wave_compressor_inputs") or any(v.slots is not first.slots for v in views)):
+            return False
+        kargs = self._kernel_args(first)
+        parts = {"kv": (self.compressor, rows["comp_kv"], rows["comp_score"])}
+        if self.indexer is not None:
+            parts["index"] = (self.indexer.compressor, rows["idx_kv"], rows["idx_score"])
+        for kind in kinds:
+            self._compress_decode_fused(kargs, first, kind, *parts[kind], waves=len(views))
+        return True
 
     def _decode_writer(self, kargs, dkv: DecodeKV, kind: str, compressor: Compressor):
         """How batched decode on the paged path stores the entries its tokens complete, with fixed

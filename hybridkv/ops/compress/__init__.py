@@ -85,7 +85,8 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
                           norm_weight: torch.Tensor, eps: float, rotation: tuple[torch.Tensor, torch.Tensor],
                           kind: str, pool: torch.Tensor, fmt: str, block_tables: torch.Tensor, entries_per_block: int,
                           out_dtype: torch.dtype = torch.bfloat16, ape: torch.Tensor | None = None,
-                          save: tuple[torch.Tensor, torch.Tensor] | None = None, pow2: bool = True) -> None:
+                          save: tuple[torch.Tensor, torch.Tensor] | None = None, pow2: bool = True,
+                          waves: int = 1) -> None:
     """A decode step's compressor work for B requests in one launch: each token's rows kv/score
     [B, width] go into its request's state (state_kv/state_score [slots, rows, width], in place);
     where the token ends a block (pos + 1 ≡ 0 mod ratio), the block is pooled, finished (`rotation`:
@@ -93,7 +94,10 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
     (pos + 1) / ratio − 1, and the state advances. `ape` [ratio, width]: the position bias not yet
     added to `score` (`Compressor.project(..., ape=False)`). `save`: (kv, score) [B, rows, width]
     float32 that receive each request's state as it was before the update (a speculative verify
-    wave's copy, in the same launch). `fmt` "bf16": float entries (main ones with plain FP8 scales
+    wave's copy, in the same launch). `waves` > 1: each request's tokens of that many consecutive
+    positions (rows w·B + b of positions, kv, score and the rotation; a speculative step's verify
+    waves) one after another in the same launch, `save` then [waves − 1, B, rows, width]: the states
+    before waves 1... `fmt` "bf16": float entries (main ones with plain FP8 scales
     where `pow2` is False). The same state and the same pool bytes as `Compressor.update_decode` with
     `compress_paged` (packed) or the compressor's own finishing (float) as its writer (the tests
     compare them); CUDA (or the interpreter) only: see `compress_decode_ok`."""
@@ -102,7 +106,7 @@ def compress_decode_paged(state_kv: torch.Tensor, state_score: torch.Tensor, slo
     kernels.compress_decode(state_kv, state_score, slots, positions, kv, score, ratio, overlap, norm_weight, eps,
                             *rotation, kind, flat, block_tables, entries_per_block,
                             out_bf16=out_dtype == torch.bfloat16, block_layout=fmt == "fp4", ape=ape, save=save,
-                            packed=fmt != "bf16", pow2=pow2)
+                            packed=fmt != "bf16", pow2=pow2, waves=waves)
 
 
 def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,

@@ -220,89 +220,97 @@ def _check_scales(kind: str, packed: bool, pow2: bool) -> None:
 @triton.jit
 def compress_decode_kernel(ST_KV, ST_SCORE, s_st_slot, s_st_row, NEW_KV, NEW_SCORE, s_new, APE, SLOTS, POS, NORM_W,
                            COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt, IDS, SAVE_KV, SAVE_SCORE, s_save, eps,
-                           had_scale, R: tl.constexpr,
+                           had_scale, n_req, s_save_wave, R: tl.constexpr,
                            OVERLAP: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
                            ADV: tl.constexpr, MODE: tl.constexpr, OUT_BF16: tl.constexpr, EPB: tl.constexpr, PREC: tl.constexpr,
                            BLOCK_LAYOUT: tl.constexpr, HAS_APE: tl.constexpr, SAVE: tl.constexpr, PDL: tl.constexpr,
-                           POW2: tl.constexpr = True):
-    """Program b: request b's decode token. Its compressor rows go into the request's state (row
+                           POW2: tl.constexpr = True, WAVES: tl.constexpr = 1, SAVE_FROM: tl.constexpr = 0):
+    """Program b: request b's decode tokens, WAVES of them one after another (row w·n_req + b of
+    POS, NEW_KV, NEW_SCORE, COS and SIN: a speculative step's verify waves, each token at the
+    position after the one before). Each token's compressor rows go into the request's state (row
     CUR + pos % R of its slot); when the token ends a block, the block is pooled from the state (in
     the row order and chunks of `compress_kernel`, so the entry is the same to the bit), finished,
     written as entry (pos + 1) / R − 1, and the state advances (overlap: the block becomes the
     previous one; its rows are cleared). With HAS_APE the token's score row gets the position bias
     APE[pos % R] added here (the float32 addition `Compressor.project` makes). MODE LATENT (V4.1):
     the finished entry is the pooled block's RMSNorm alone, written to row b of OUT, and its id to
-    IDS[b]; a token that ends no block writes zeros and −1. With SAVE the slot's state as it was
-    before the token is copied to row b of SAVE_KV / SAVE_SCORE [B, L, WIDTH] first (a speculative
-    verify wave's copy, which the rollback restores)."""
+    IDS[b]; a token that ends no block writes zeros and −1. With SAVE, before the tokens of waves
+    w ≥ SAVE_FROM, the slot's state as it was is copied to SAVE_KV / SAVE_SCORE at (w − SAVE_FROM)·
+    s_save_wave + b·s_save, [L, WIDTH] (a speculative verify wave's copy, which the rollback
+    restores)."""
     wait_then_release(PDL)
     b = tl.program_id(0)
     slot = tl.load(SLOTS + b).to(tl.int64)
-    pos = tl.load(POS + b).to(tl.int64)
     CUR: tl.constexpr = R if OVERLAP else 0
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
     L: tl.constexpr = 2 * R if OVERLAP else R
     base = slot * s_st_slot
-    new = b.to(tl.int64) * s_new
-    ape = APE + (pos % R) * WIDTH
     c = tl.arange(0, WIDTH)
-    if SAVE:
-        for l0 in range(0, L, ROWS):
-            rows = l0 + tl.arange(0, ROWS)
-            src = base + rows[:, None] * s_st_row + c[None, :]
-            dst = b.to(tl.int64) * s_save + rows[:, None] * WIDTH + c[None, :]
-            tl.store(SAVE_KV + dst, tl.load(ST_KV + src))
-            tl.store(SAVE_SCORE + dst, tl.load(ST_SCORE + src))
-    if pos % R == R - 1:
-        d = tl.arange(0, D)
-        m = tl.full([D], float("-inf"), tl.float32)
-        den = tl.zeros([D], tl.float32)
-        acc = tl.zeros([D], tl.float32)
-        for l0 in range(0, L, ROWS):
-            rows = l0 + tl.arange(0, ROWS)
-            # overlap: the previous block's rows through channels [0, D), this block's through [D, 2D)
-            ch = d[None, :] + (rows[:, None] >= R).to(tl.int32) * D
-            is_new = rows[:, None] == L - 1      # the token's own row, not in the state yet
-            new_sc = tl.load(NEW_SCORE + new + ch, mask=is_new, other=0.0)
-            if HAS_APE:
-                new_sc = new_sc + tl.load(ape + ch, mask=is_new, other=0.0)
-            sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + base + rows[:, None] * s_st_row + ch))
-            kv = tl.where(is_new, tl.load(NEW_KV + new + ch, mask=is_new, other=0.0),
-                          tl.load(ST_KV + base + rows[:, None] * s_st_row + ch))
-            m, den, acc = _pool_rows(m, den, acc, sc, kv)
-        if MODE == 4:       # LATENT
-            x = _rms_normed(acc / den, NORM_W, eps, D, OUT_BF16)
-            tl.store(OUT + b.to(tl.int64) * s_out_row + d, x.to(OUT.dtype.element_ty))
-            tl.store(IDS + b, (pos + 1) // R - 1)
-        else:
-            _finish_store(acc / den, b, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT, s_bt,
-                          eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT, POW2)
-        for r0 in range(0, R, ADV):
-            rows = r0 + tl.arange(0, ADV)
-            at = base + (CUR + rows[:, None]) * s_st_row + c[None, :]
-            if OVERLAP:   # this block (with the token's row) becomes the previous block
-                is_new = rows[:, None] == R - 1
-                kv = tl.where(is_new, tl.load(NEW_KV + new + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0),
-                              tl.load(ST_KV + at))
-                new_sc = tl.load(NEW_SCORE + new + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0)
-                if HAS_APE:
-                    new_sc = new_sc + tl.load(ape + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0)
-                sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + at))
-                tl.store(ST_KV + base + rows[:, None] * s_st_row + c[None, :], kv)
-                tl.store(ST_SCORE + base + rows[:, None] * s_st_row + c[None, :], sc)
-            tl.store(ST_KV + at, tl.zeros([ADV, WIDTH], tl.float32))
-            tl.store(ST_SCORE + at, tl.full([ADV, WIDTH], float("-inf"), tl.float32))
-    else:
-        if MODE == 4:       # LATENT
+    for w in tl.static_range(WAVES):
+        i = b + w * n_req                   # this wave's row of the request
+        pos = tl.load(POS + i).to(tl.int64)
+        new = i.to(tl.int64) * s_new
+        ape = APE + (pos % R) * WIDTH
+        if SAVE and w >= SAVE_FROM:
+            for l0 in range(0, L, ROWS):
+                rows = l0 + tl.arange(0, ROWS)
+                src = base + rows[:, None] * s_st_row + c[None, :]
+                dst = (w - SAVE_FROM) * s_save_wave + b.to(tl.int64) * s_save + rows[:, None] * WIDTH + c[None, :]
+                tl.store(SAVE_KV + dst, tl.load(ST_KV + src))
+                tl.store(SAVE_SCORE + dst, tl.load(ST_SCORE + src))
+        if pos % R == R - 1:
             d = tl.arange(0, D)
-            tl.store(OUT + b.to(tl.int64) * s_out_row + d, tl.zeros([D], tl.float32).to(OUT.dtype.element_ty))
-            tl.store(IDS + b, tl.full([], -1, tl.int64))
-        row = base + (CUR + pos % R) * s_st_row
-        tl.store(ST_KV + row + c, tl.load(NEW_KV + new + c))
-        new_sc = tl.load(NEW_SCORE + new + c)
-        if HAS_APE:
-            new_sc = new_sc + tl.load(ape + c)
-        tl.store(ST_SCORE + row + c, new_sc)
+            m = tl.full([D], float("-inf"), tl.float32)
+            den = tl.zeros([D], tl.float32)
+            acc = tl.zeros([D], tl.float32)
+            for l0 in range(0, L, ROWS):
+                rows = l0 + tl.arange(0, ROWS)
+                # overlap: the previous block's rows through channels [0, D), this block's through [D, 2D)
+                ch = d[None, :] + (rows[:, None] >= R).to(tl.int32) * D
+                is_new = rows[:, None] == L - 1      # the token's own row, not in the state yet
+                new_sc = tl.load(NEW_SCORE + new + ch, mask=is_new, other=0.0)
+                if HAS_APE:
+                    new_sc = new_sc + tl.load(ape + ch, mask=is_new, other=0.0)
+                sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + base + rows[:, None] * s_st_row + ch))
+                kv = tl.where(is_new, tl.load(NEW_KV + new + ch, mask=is_new, other=0.0),
+                              tl.load(ST_KV + base + rows[:, None] * s_st_row + ch))
+                m, den, acc = _pool_rows(m, den, acc, sc, kv)
+            if MODE == 4:       # LATENT
+                x = _rms_normed(acc / den, NORM_W, eps, D, OUT_BF16)
+                tl.store(OUT + i.to(tl.int64) * s_out_row + d, x.to(OUT.dtype.element_ty))
+                tl.store(IDS + i, (pos + 1) // R - 1)
+            else:
+                _finish_store(acc / den, i, (pos + 1) // R - 1, b, NORM_W, COS, SIN, s_cs, HAD, OUT, s_out_row, BT,
+                              s_bt, eps, had_scale, D, ROPE, MODE, OUT_BF16, EPB, True, PREC, BLOCK_LAYOUT, POW2)
+            for r0 in range(0, R, ADV):
+                rows = r0 + tl.arange(0, ADV)
+                at = base + (CUR + rows[:, None]) * s_st_row + c[None, :]
+                if OVERLAP:   # this block (with the token's row) becomes the previous block
+                    is_new = rows[:, None] == R - 1
+                    kv = tl.where(is_new, tl.load(NEW_KV + new + c[None, :] + rows[:, None] * 0, mask=is_new,
+                                                  other=0.0),
+                                  tl.load(ST_KV + at))
+                    new_sc = tl.load(NEW_SCORE + new + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0)
+                    if HAS_APE:
+                        new_sc = new_sc + tl.load(ape + c[None, :] + rows[:, None] * 0, mask=is_new, other=0.0)
+                    sc = tl.where(is_new, new_sc, tl.load(ST_SCORE + at))
+                    tl.store(ST_KV + base + rows[:, None] * s_st_row + c[None, :], kv)
+                    tl.store(ST_SCORE + base + rows[:, None] * s_st_row + c[None, :], sc)
+                tl.store(ST_KV + at, tl.zeros([ADV, WIDTH], tl.float32))
+                tl.store(ST_SCORE + at, tl.full([ADV, WIDTH], float("-inf"), tl.float32))
+        else:
+            if MODE == 4:       # LATENT
+                d = tl.arange(0, D)
+                tl.store(OUT + i.to(tl.int64) * s_out_row + d, tl.zeros([D], tl.float32).to(OUT.dtype.element_ty))
+                tl.store(IDS + i, tl.full([], -1, tl.int64))
+            row = base + (CUR + pos % R) * s_st_row
+            tl.store(ST_KV + row + c, tl.load(NEW_KV + new + c))
+            new_sc = tl.load(NEW_SCORE + new + c)
+            if HAS_APE:
+                new_sc = new_sc + tl.load(ape + c)
+            tl.store(ST_SCORE + row + c, new_sc)
+        if WAVES > 1:
+            tl.debug_barrier()      # the next wave reads the state this one wrote, in other threads
 
 
 def _decode_inputs(state_kv: torch.Tensor, state_score: torch.Tensor, kv: torch.Tensor,
@@ -323,26 +331,35 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
                     block_tables: torch.Tensor, entries_per_block: int, out_bf16: bool = False,
                     block_layout: bool = False, ape: torch.Tensor | None = None,
                     save: tuple[torch.Tensor, torch.Tensor] | None = None, packed: bool = True,
-                    pow2: bool = True) -> None:
-    """One decode token per request, one launch: state_kv/state_score [slots, rows, width] float32
-    (updated in place), slots/positions [B], the tokens' compressor rows kv/score [B, width]; cos/sin
-    [B, rope/2] the rotation at each request's block start (used where the token ends a block);
-    entries go packed into `out` (pool rows [num_rows, E], flat) at block_tables' rows. `ape`
-    [ratio, width]: the position bias still to be added to the score rows (None: already added).
-    `save`: (kv, score) [B, rows, width] float32 that receive each request's state before the update.
-    `packed` False: `out` holds float entries (a bf16 or native store), main ones with plain FP8
-    scales where `pow2` is False."""
+                    pow2: bool = True, waves: int = 1) -> None:
+    """One decode token per request and wave, one launch: state_kv/state_score [slots, rows, width]
+    float32 (updated in place), slots [B], positions [waves·B] (wave after wave: request b's token of
+    wave w at row w·B + b, one position after its token of wave w − 1), the tokens' compressor rows
+    kv/score [waves·B, width]; cos/sin [waves·B, rope/2] the rotation at each token's block start
+    (used where the token ends a block); entries go packed into `out` (pool rows [num_rows, E],
+    flat) at block_tables' rows. `ape` [ratio, width]: the position bias still to be added to the
+    score rows (None: already added). `save`: (kv, score) that receive each request's state before
+    the update: [B, rows, width] float32 for one wave; for several, [waves − 1, B, rows, width] (the
+    states before waves 1.., each wave's [B, rows, width] contiguous). `packed` False: `out` holds
+    float entries (a bf16 or native store), main ones with plain FP8 scales where `pow2` is False."""
     _check_scales(kind, packed, pow2)
-    b = kv.shape[0]
+    b = slots.shape[0]
     if b == 0:
         return
+    if kv.shape[0] != waves * b or positions.shape[0] != waves * b:
+        raise ValueError(f"compress_decode: {kv.shape[0]} rows and {positions.shape[0]} positions for {waves} "
+                         f"waves of {b} requests")
     d = state_kv.shape[-1] // (2 if overlap else 1)
     kv, score = _decode_inputs(state_kv, state_score, kv, score)
-    if save is not None and not all(t.shape == (b,) + state_kv.shape[1:] and t.dtype == torch.float32
-                                    and t.is_contiguous() for t in save):
-        raise ValueError(f"compress_decode: the state copies must be contiguous float32 "
-                         f"[{b}, {state_kv.shape[1]}, {state_kv.shape[2]}]")
+    state_rows = (b,) + state_kv.shape[1:]
+    want = state_rows if waves == 1 else (waves - 1,) + state_rows
+    if save is not None and not all(t.shape == want and t.dtype == torch.float32 and t[(0,) * (len(want) - 3)]
+                                    .is_contiguous() and t.stride() == save[0].stride() for t in save):
+        raise ValueError(f"compress_decode: the state copies must be float32 {list(want)}, each request's "
+                         f"[{state_kv.shape[1]}, {state_kv.shape[2]}] contiguous")
     save_kv, save_score = save if save is not None else (state_kv, state_score)
+    s_save = save_kv.stride(-3) if save is not None else 0
+    s_save_wave = save_kv.stride(0) if save is not None and waves > 1 else 0
     mode = _mode(kind, packed)
     had = hadamard_matrix(d, kv.device) if kind == "index" else kv
     pooled = 2 * ratio if overlap else ratio
@@ -351,11 +368,11 @@ def compress_decode(state_kv: torch.Tensor, state_score: torch.Tensor, slots: to
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0),
         kv if ape is None else ape.float().contiguous(), slots, positions,
         norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(), cos.shape[1], had,
-        out, out.stride(0), block_tables, block_tables.stride(0), slots, save_kv, save_score, save_kv.stride(0), eps,
-        d ** -0.5, R=ratio, OVERLAP=overlap, D=d,
+        out, out.stride(0), block_tables, block_tables.stride(0), slots, save_kv, save_score, s_save, eps,
+        d ** -0.5, b, s_save_wave, R=ratio, OVERLAP=overlap, D=d,
         ROPE=2 * cos.shape[-1], ROWS=rows, ADV=pool_chunk(ratio), MODE=mode, OUT_BF16=out_bf16, EPB=entries_per_block, PREC="ieee",
         BLOCK_LAYOUT=block_layout and mode == INDEX_PACKED, HAS_APE=ape is not None, SAVE=save is not None,
-        POW2=pow2, num_warps=4, **triton_args(state_kv))
+        POW2=pow2, WAVES=waves, SAVE_FROM=1 if waves > 1 else 0, num_warps=4, **triton_args(state_kv))
 
 
 def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor,
@@ -374,7 +391,7 @@ def compress_decode_latent(state_kv: torch.Tensor, state_score: torch.Tensor, sl
     compress_decode_kernel[(b,)](
         state_kv, state_score, state_kv.stride(0), state_kv.stride(1), kv, score, kv.stride(0), kv, slots, positions,
         norm_weight.float().contiguous(), kv, kv, 0, kv, out, out.stride(0), slots, 0, ids, state_kv, state_score, 0,
-        eps, 1.0, R=ratio,
+        eps, 1.0, b, 0, R=ratio,
         OVERLAP=False, D=d, ROPE=0, ROWS=pool_chunk(ratio), ADV=pool_chunk(ratio),
         MODE=LATENT, OUT_BF16=out_dtype == torch.bfloat16, EPB=1, PREC="ieee", BLOCK_LAYOUT=False, HAS_APE=False,
         SAVE=False, num_warps=4, **triton_args(state_kv))
