@@ -154,6 +154,7 @@ def window_listing_kernel(POS, START, LISTED, VALID, W, BLOCK: tl.constexpr, PDL
 
 def window_listing(positions: torch.Tensor, window: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b = positions.shape[0]
+    positions, start = positions.contiguous(), start.contiguous()
     listed = torch.empty(b, window, dtype=torch.long, device=positions.device)
     valid = torch.empty(b, window, dtype=torch.bool, device=positions.device)
     if b:
