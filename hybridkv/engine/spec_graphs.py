@@ -317,11 +317,8 @@ class SpeculativeGraphs:
         positions (the accepted drafts, then the main model's own token; entries past it unused),
         their log-probabilities, how many drafts it accepted, its k drafts for the next step, and
         where the graph keeps them each row's top log-probabilities as (id, logprob), best first."""
-        k1, parts = g.k + 1, [g.out["tokens"][:n], g.out["logprobs"][:n], g.out["kept"][:n, None] - 1,
-                              g.out["drafts"][:n]]
-        if g.top:
-            parts += [g.out["top_ids"][:n].flatten(1), g.out["top_logprobs"][:n].flatten(1)]
-        both = torch.cat([x.double() for x in parts], 1).cpu()
+        k1 = g.k + 1
+        both = g.out["packed"][:n].cpu()
         out = (both[:, :k1].long().tolist(), both[:, k1:2 * k1].tolist(), both[:, 2 * k1].long().tolist(),
                both[:, 2 * k1 + 1:3 * k1].long().tolist())
         if not g.top:
@@ -417,6 +414,11 @@ class SpeculativeGraphs:
             kept, following = self._accept(g, logits, tokens, slots)
             self._rollback(g, kept, positions, slots)
             self._draft(g, following, kept, positions, slots, mtp_start)
+            # what `results` reads, in one float64 tensor (ids exact below 2^53): one copy to the host
+            parts = [g.out["tokens"], g.out["logprobs"], g.out["kept"][:, None] - 1, g.out["drafts"]]
+            if g.top:
+                parts += [g.out["top_ids"].flatten(1), g.out["top_logprobs"].flatten(1)]
+            g.out["packed"] = torch.cat([x.to(torch.float64) for x in parts], 1)
 
     def _accept(self, g: SpecGraph, logits: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor):
         """Each request's kept positions [Bp] (1..k+1) and the tokens that follow its k+1 verified

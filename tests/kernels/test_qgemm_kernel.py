@@ -319,12 +319,14 @@ def test_split_k_decode_adds_the_splits_in_order_in_the_gemm(device, dtype, quan
 
 @pytest.mark.parametrize("rows,n,k,wdtype", [(1, 200, 640, torch.bfloat16), (5, 64, 1000, torch.bfloat16),
                                              (40, 96, 512, torch.bfloat16), (2, 24, 1536, torch.float32),
-                                             (1, 37, 2500, torch.float32), (7, 100, 2100, torch.float32),
+                                             (1, 37, 2500, torch.float32), (3, 50, 1100, torch.float32),
+                                             (4, 24, 2048, torch.float32), (7, 100, 2100, torch.float32),
                                              (12, 40, 1024, torch.float32)])
 def test_float_rows_gemm_matches_the_widened_product(device, rows, n, k, wdtype):
     """Few rows times a bf16 (or float32) weight with a float32 result, K split over programs and
     added by the last one (one or two rows of a float32 weight: whole rows of the weight a program,
-    `gemv_kernel`): equal to float32 products of the widened operands (ragged N and K)."""
+    `gemv_kernel`, up to four rows): equal to float32 products of the widened operands (ragged N and
+    K); under the GEMV each row equal to the bit to that row launched alone."""
     from hybridkv.ops.qgemm import float_rows
     g = torch.Generator().manual_seed(rows + n + k)
     x = (torch.randn(rows, k, generator=g) * 2).to(torch.bfloat16)
@@ -338,6 +340,9 @@ def test_float_rows_gemm_matches_the_widened_product(device, rows, n, k, wdtype)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     again = float_rows.rows_linear(x.to(device), w.to(device)).cpu()
     assert torch.equal(got, again)                 # split order fixed: run to run identical
+    if gemv:      # a verify row computes what the same row decoded alone computes
+        for r in range(rows):
+            assert torch.equal(float_rows.rows_linear(x[r:r + 1].to(device), w.to(device)).cpu(), got[r:r + 1])
 
 
 def test_stacked_projections_equal_each_linear_alone(device, monkeypatch):

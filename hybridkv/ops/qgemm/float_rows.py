@@ -8,7 +8,7 @@ every SM, and the last of a tile's programs to arrive adds the partial sums in s
 protocol of `triton.fp8_gemm_kernel`). bf16 × bf16 runs on the tensor cores (its products are exact
 in float32); a float32 weight (or input) in float32, the precision of torch's float32 GEMM: with at
 most `GEMV_ROWS` rows as products summed over K on the CUDA cores (`gemv_kernel`: the MoE gates'
-float32 weights at decode), beyond as IEEE dots. What differs from torch is the order of the float32
+float32 weights at decode, and a speculative step's verify rows), beyond as IEEE dots. What differs from torch is the order of the float32
 additions only. Larger inputs (prefill) stay with torch's GEMMs (`widened_rows_ok`).
 
 The GEMV takes no K split: each program owns a few weight rows over all of K, holds each product in
@@ -32,8 +32,10 @@ MAX_ROWS = 64              # more rows: torch's GEMM
 MAX_WEIGHT_BYTES = 64 << 20  # larger weights (the head) already run at their byte time in cuBLAS
 # float32 operands with at most this many rows: products summed on the CUDA cores. H200, V4-Flash
 # 8-block decode (2026-12-04, the split-K form of the GEMV then): the 8 MoE-gate launches of a B=1
-# step 45 µs faster than as IEEE dots, those of a B=8 step 7 µs slower
-GEMV_ROWS = 2
+# step 45 µs faster than as IEEE dots, those of a B=8 step 7 µs slower. Four rows: a speculative
+# step's k + 1 ≤ 4 verify rows of one request take it too (as IEEE dots each launch took ~8 µs on
+# the H100 at three rows, the tiny model's step)
+GEMV_ROWS = 4
 GEMV_BN, GEMV_BK, GEMV_WARPS = 2, 1024, 4      # weight rows a program, K chunk, warps
 
 
@@ -92,30 +94,27 @@ def rows_gemm_kernel(X, W, Y, P, CNT, M, N, K, stride_x, stride_w, stride_y,
 
 @triton.jit
 def gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y,
-                BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
-    """x [M ≤ 2, K] · W [N, K]ᵀ -> float32 Y [M, N]: products and sums in float32 on the CUDA cores,
-    BN weight rows a program over all of K (`TWO`: a second row of x on the same weight loads)."""
+                BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+    """x [M ≤ R, K] · W [N, K]ᵀ -> float32 Y [M, N]: products and sums in float32 on the CUDA cores,
+    BN weight rows a program over all of K, every row of x on the same weight loads (R: M rounded up
+    to a power of two)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    rr = tl.arange(0, R)
     n_ok = rn < N
     w_rows = W + rn.to(tl.int64)[:, None] * stride_w
     w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
     wait_then_release(PDL)      # the weights are no earlier kernel's output: loaded above, before the wait
-    acc0 = tl.zeros((BN, BK), dtype=tl.float32)
-    acc1 = tl.zeros((BN, BK), dtype=tl.float32)
+    r_ok = rr < M
+    acc = tl.zeros((R, BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + rk
         k_ok = k < K
         if k0 > 0:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
-        acc0 += x0[None, :] * w
-        if TWO:
-            x1 = tl.load(X + stride_x + k, mask=k_ok & (M > 1), other=0.0).to(tl.float32)
-            acc1 += x1[None, :] * w
-    tl.store(Y + rn, tl.sum(acc0, 1), mask=n_ok)
-    if TWO:
-        tl.store(Y + stride_y + rn, tl.sum(acc1, 1), mask=n_ok & (M > 1))
+        x = tl.load(X + rr[:, None] * stride_x + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    tl.store(Y + rr[:, None] * stride_y + rn[None, :], tl.sum(acc, 2), mask=r_ok[:, None] & n_ok[None, :])
 
 
 def rows_config(m: int, n: int, k: int, weight_bytes: int, gemv: bool = False) -> dict:
@@ -152,7 +151,7 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, config: dict | None = No
         if m > GEMV_ROWS:
             raise ValueError(f"rows_linear: the GEMV takes at most {GEMV_ROWS} rows, not {m}")
         gemv_kernel[(triton.cdiv(n, cfg["BN"]),)](x2, weight, y, m, n, k, x2.stride(0), weight.stride(0),
-                                                 y.stride(0), TWO=m > 1, **cfg, **triton_args(x2))
+                                                 y.stride(0), R=triton.next_power_of_2(m), **cfg, **triton_args(x2))
         return y
     split = cfg.pop("SPLIT_K")
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
