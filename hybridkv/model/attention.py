@@ -505,7 +505,7 @@ class Attention(nn.Module):
 
     def _sparse_rows(self, q, keys, valid, like_tokens: int | None = None) -> torch.Tensor:
         b, length, _ = keys.shape
-        flat_idx = arange(b * length, device=keys.device).view(b, length)
+        flat_idx = arange(b * length, device=keys.device, dtype=torch.int32).view(b, length)   # the kernel's dtype
         return sparse_attn(q, keys.reshape(b * length, -1), torch.where(valid, flat_idx, -1), self.attn_sink,
                            self.scale, like_tokens=like_tokens)
 
