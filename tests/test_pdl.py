@@ -53,7 +53,7 @@ def test_every_pdl_kernel_waits_before_anything_else():
     (and their sizes) named before it."""
     modules = ["rmsnorm.triton", "rope.triton", "mhc.triton", "quant.triton", "qgemm.float_rows", "compress.triton",
                "window.triton", "sparse_attn.triton", "grouped_moe.triton", "hadamard.triton", "indexer_topk.triton",
-               "indexer_topk.select", "rollback.triton"]
+               "indexer_topk.select", "speculative.triton"]
     seen = 0
     for name in modules:
         mod = importlib.import_module(f"hybridkv.ops.{name}")

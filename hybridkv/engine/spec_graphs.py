@@ -68,7 +68,7 @@ from hybridkv.engine.sampling import draw_with_uniforms, filtered_probs_fixed
 from hybridkv.engine.speculative import step_uniforms
 from hybridkv.model.state import DecodeGroup, ForwardBatch
 from hybridkv.ops.ranges import arange
-from hybridkv.ops.rollback import restore_ring_, restore_states_
+from hybridkv.ops.speculative import accept_greedy, restore_ring_, restore_states_
 from hybridkv.ops.sampling import greedy_rows
 from hybridkv.ops.window import window_listing
 
@@ -424,37 +424,17 @@ class SpeculativeGraphs:
         """Each request's kept positions [Bp] (1..k+1) and the tokens that follow its k+1 verified
         positions [Bp, k+1] (accepted drafts, then its own token; past that, that token again), as
         `speculative.accept` decides: greedy rows keep drafts while each equals the argmax of the
-        row before; sampled rows accept draft i with probability min(1, p(d)/q(d)) and then draw from
-        the residual max(p − q, 0) at the first rejection, else from p, with this step's uniforms."""
+        row before (where no request samples, in one launch: `accept_greedy`); sampled rows accept
+        draft i with probability min(1, p(d)/q(d)) and then draw from the residual max(p − q, 0) at
+        the first rejection, else from p, with this step's uniforms."""
         k, bp = g.k, g.batch
         # each row's first maximum and its log-probability (two launches over many programs on the GPU;
         # torch's argmax takes one block a row, tens of microseconds for a 129K vocabulary)
         flat, greedy_lp = greedy_rows(logits.reshape((k + 1) * bp, -1))
-        argmax = flat.view(k + 1, bp).t()                                         # [Bp, k+1]
-        drafts = tokens[:, 1:]
-        agree = drafts == argmax[:, :-1]
         if g.sampled:
-            temp, top_k, top_p = g.params.unbind(1)
-            rows = logits.transpose(0, 1).reshape(bp * (k + 1), -1)
-            p = filtered_probs_fixed(rows, *(x.repeat_interleave(k + 1) for x in (temp, top_k, top_p)))
-            p = p.view(bp, k + 1, -1)
-            q = self.draft_probs[slots, :k]                                       # [Bp, k, vocab]
-            p_d = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            q_d = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            sampled = (temp > 0).unsqueeze(1)
-            agree = torch.where(sampled, g.uniforms[:, :k] * q_d < p_d, agree)
-        kept = agree.long().cumprod(1).sum(1) + 1
-        at = (kept - 1).unsqueeze(1)                                              # the first unverified draft
-        own = argmax.gather(1, at).squeeze(1)
-        if g.sampled:
-            pick = at.unsqueeze(-1).expand(bp, 1, p.shape[-1])
-            p_at = p.gather(1, pick).squeeze(1)
-            q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, pick).squeeze(1)   # q past k: 0
-            residual = (p_at - q_at).clamp(min=0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-            own = torch.where(temp > 0, draw_with_uniforms(residual, g.uniforms[:, k]), own)
-        column = arange(k + 1, device=kept.device).unsqueeze(0)
-        following = torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own.unsqueeze(1))
+            kept, following = self._accept_sampled(g, logits, flat, tokens, slots)
+        else:
+            kept, following = accept_greedy(flat.view(k + 1, bp), tokens)
         g.out["kept"], g.out["tokens"] = kept, following
         if g.sampled or g.top:
             logprobs = torch.log_softmax(logits, -1).transpose(0, 1)               # [Bp, k+1, vocab]
@@ -463,6 +443,34 @@ class SpeculativeGraphs:
                 g.out["top_logprobs"], g.out["top_ids"] = torch.topk(logprobs, g.top, -1)
         else:   # greedy: wherever a token is kept it is its row's argmax (an accepted draft equals it)
             g.out["logprobs"] = greedy_lp.view(k + 1, bp).t()
+        return kept, following
+
+    def _accept_sampled(self, g: SpecGraph, logits: torch.Tensor, flat: torch.Tensor, tokens: torch.Tensor,
+                        slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_accept`'s kept positions and following tokens where some request samples (greedy ones
+        beside them as `accept_greedy` keeps them); flat: every row's argmax, wave after wave."""
+        k, bp = g.k, g.batch
+        argmax = flat.view(k + 1, bp).t()                                         # [Bp, k+1]
+        drafts = tokens[:, 1:]
+        temp, top_k, top_p = g.params.unbind(1)
+        rows = logits.transpose(0, 1).reshape(bp * (k + 1), -1)
+        p = filtered_probs_fixed(rows, *(x.repeat_interleave(k + 1) for x in (temp, top_k, top_p)))
+        p = p.view(bp, k + 1, -1)
+        q = self.draft_probs[slots, :k]                                           # [Bp, k, vocab]
+        p_d = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        q_d = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        sampled = (temp > 0).unsqueeze(1)
+        agree = torch.where(sampled, g.uniforms[:, :k] * q_d < p_d, drafts == argmax[:, :-1])
+        kept = agree.long().cumprod(1).sum(1) + 1
+        at = (kept - 1).unsqueeze(1)                                              # the first unverified draft
+        pick = at.unsqueeze(-1).expand(bp, 1, p.shape[-1])
+        p_at = p.gather(1, pick).squeeze(1)
+        q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, pick).squeeze(1)   # q past k: 0
+        residual = (p_at - q_at).clamp(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+        own = torch.where(temp > 0, draw_with_uniforms(residual, g.uniforms[:, k]), argmax.gather(1, at).squeeze(1))
+        column = arange(k + 1, device=kept.device).unsqueeze(0)
+        following = torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own.unsqueeze(1))
         return kept, following
 
     def _verify(self, g: SpecGraph, tokens, positions, slots, tables) -> torch.Tensor:

@@ -14,7 +14,7 @@ from hybridkv.engine import LLM, SamplingParams
 from hybridkv.engine.graphs import context_bucket
 from hybridkv.engine.spec_graphs import SpeculativeGraphs
 from hybridkv.model.attention import Attention
-from hybridkv.ops import rollback
+from hybridkv.ops import speculative as spec_ops
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tiny-v4"
 K = 2
@@ -70,7 +70,7 @@ def test_fused_speculative_step_equals_the_step_launched_wave_by_wave(monkeypatc
     cfg = eng.config
     assert waves == [K + 1 if cfg.layer_ratio(i) else 0 for i in range(cfg.num_hidden_layers)]
     monkeypatch.setattr(Attention, "_compress_waves_fused", lambda *a: False)
-    monkeypatch.setattr(rollback, "use_triton", lambda x: False)
+    monkeypatch.setattr(spec_ops, "use_triton", lambda x: False)
     apart = step(drafts)
     assert any(not torch.equal(a, b) for a, b in zip(fused[4:], before))      # the step wrote the store
     for a, b in zip(fused, apart):

@@ -1,13 +1,14 @@
-"""The speculative step's rollback (`hybridkv.ops.rollback`): the Triton kernels and the plain-torch
-path against a loop over requests that states what each restores (states after the kept positions,
-ring rows of rejected positions), for requests that keep every count from one to k + 1, rows longer
-than a kernel's piece, and ring rows that wrap; the public functions' checks."""
+"""The speculative step's greedy acceptance and rollback (`hybridkv.ops.speculative`): the Triton
+kernels and the plain-torch path against what each should give, stated request by request (kept
+counts and following tokens; states after the kept positions, ring rows of rejected positions), for
+requests that keep every count from one to k + 1, rows longer than a kernel's piece, and ring rows
+that wrap; the public functions' checks."""
 
 import pytest
 import torch
 
-from hybridkv.ops.rollback import restore_ring_, restore_states_
-from hybridkv.ops.rollback import triton as kernels
+from hybridkv.ops.speculative import restore_ring_, restore_states_
+from hybridkv.ops.speculative import triton as kernels
 
 K, N, SLOTS = 3, 2, 6
 
@@ -63,3 +64,19 @@ def test_rollback_checks_its_arguments():
     with pytest.raises(ValueError, match="do not match the rings"):
         restore_ring_(rings, torch.zeros(2, 3, 2, 16), torch.zeros(3, dtype=torch.long),
                       torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_greedy_acceptance_keeps_drafts_while_each_is_the_argmax_before_it(device, path):
+    """Requests that keep none, some and all of k = 3 drafts (a later draft equal to its argmax after
+    an earlier disagreement is not kept): kept counts and the tokens that follow them."""
+    from hybridkv.ops.speculative import accept_greedy
+    tokens = torch.tensor([[5, 10, 11, 12], [6, 20, 21, 22], [7, 30, 31, 32], [8, 40, 41, 42]])
+    argmax = torch.tensor([[10, 20, 30, 49],         # the argmax of each request's row 0 (wave 0)
+                           [11, 99, 31, 41],         # row 1
+                           [12, 22, 77, 42],         # row 2
+                           [93, 94, 95, 96]])        # row 3: after the last draft
+    fn = kernels.accept_greedy if path == "kernel" else accept_greedy
+    kept, following = fn(argmax.to(device), tokens.to(device))
+    assert kept.dtype == torch.long and kept.cpu().tolist() == [4, 2, 3, 1]
+    assert following.cpu().tolist() == [[10, 11, 12, 93], [20, 99, 99, 99], [30, 31, 77, 77], [49, 49, 49, 49]]

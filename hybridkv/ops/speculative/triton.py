@@ -1,6 +1,6 @@
-"""Triton kernels of `restore_states_` and `restore_ring_`: a program per (row, piece of BLOCK
+"""Triton kernels of `restore_states_` and `restore_ring_` (a program per (row, piece of BLOCK
 elements), which copies its piece where the request's kept count says the row goes back, and does
-nothing elsewhere."""
+nothing elsewhere), and of `accept_greedy` (a program per request)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,34 @@ def restore_ring(rings: torch.Tensor, saved: torch.Tensor, slots: torch.Tensor, 
     grid = (layers * b * k1, triton.cdiv(row, BLOCK))
     restore_ring_kernel[grid](rings, saved, slots, first, kept, rings.shape[1], rings.shape[2], b, K1=k1, ROW=row,
                               BLOCK=BLOCK, num_warps=4, **triton_args(rings))
+
+
+@triton.jit
+def accept_greedy_kernel(ARGMAX, TOKENS, s_tok, KEPT, FOLLOWING, B, K1: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_then_release(PDL)
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    is_draft = (i >= 1) & (i < K1)
+    draft = tl.load(TOKENS + b.to(tl.int64) * s_tok + i, mask=is_draft, other=-1)
+    before = tl.load(ARGMAX + (i - 1) * B + b, mask=is_draft, other=-2)       # the argmax of the row before
+    # drafts kept: those before the first disagreement
+    wrong = tl.cumsum((is_draft & (draft != before)).to(tl.int32), 0)
+    kept = tl.sum((is_draft & (wrong == 0)).to(tl.int32), 0) + 1
+    own = tl.load(ARGMAX + (kept - 1) * B + b)
+    nxt = tl.load(TOKENS + b.to(tl.int64) * s_tok + i + 1, mask=i + 1 < K1, other=0)   # draft i + 1
+    tl.store(KEPT + b, kept.to(tl.int64))
+    tl.store(FOLLOWING + b.to(tl.int64) * K1 + i, tl.where(i < kept - 1, nxt, own), mask=i < K1)
+
+
+def accept_greedy(argmax: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k1, b = argmax.shape
+    argmax = argmax.contiguous()
+    if tokens.stride(-1) != 1:
+        tokens = tokens.contiguous()
+    kept = torch.empty(b, dtype=torch.long, device=argmax.device)
+    following = torch.empty(b, k1, dtype=torch.long, device=argmax.device)
+    if b:
+        accept_greedy_kernel[(b,)](argmax, tokens, tokens.stride(0), kept, following, b, K1=k1,
+                                   BLOCK=triton.next_power_of_2(k1 + 1), num_warps=1, **triton_args(argmax))
+    return kept, following

@@ -1,4 +1,7 @@
-"""The speculative step's rollback of rejected positions (engine/spec_graphs.py), one launch each:
+"""The speculative step's greedy acceptance and its rollback of rejected positions
+(engine/spec_graphs.py), one launch each:
+
+- `accept_greedy`: how many positions each request keeps, and the tokens that follow them.
 
 - `restore_states_`: every member of one compressor-state group set back to its state after the
   kept positions, from the copies the verify waves took (`kv`/`score` [n, slots, ...], copies
@@ -29,7 +32,7 @@ def restore_states_(kv: torch.Tensor, score: torch.Tensor, kv_copies: torch.Tens
     if not b:
         return
     if use_triton(kv):
-        from hybridkv.ops.rollback import triton as kernels
+        from hybridkv.ops.speculative import triton as kernels
         kernels.restore_states(kv, score, kv_copies, score_copies, slots, kept)
         return
     rows, pick = torch.arange(b, device=kept.device), (kept - 1).clamp(max=k - 1)
@@ -52,10 +55,29 @@ def restore_ring_(rings: torch.Tensor, saved: torch.Tensor, slots: torch.Tensor,
     if not b:
         return
     if use_triton(rings):
-        from hybridkv.ops.rollback import triton as kernels
+        from hybridkv.ops.speculative import triton as kernels
         kernels.restore_ring(rings, saved, slots, first, kept)
         return
     at = (first.unsqueeze(1) + torch.arange(k1, device=first.device)) % rings.shape[2]           # [B, k+1]
     now = rings[:, slots.unsqueeze(1), at]
     keep = (torch.arange(k1, device=kept.device) < kept.unsqueeze(1)).view(1, b, k1, *([1] * (rings.dim() - 3)))
     rings[:, slots.unsqueeze(1), at] = torch.where(keep, now, saved)
+
+
+def accept_greedy(argmax: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax [k+1, B] long: each verify row's argmax, wave after wave; tokens [B, k+1] long: each
+    request's last token and its k drafts -> (kept [B] long: 1 + the drafts kept, while each equals
+    the argmax of the row before it; following [B, k+1] long: the kept drafts, then the argmax
+    after the last of them, repeated to the end)."""
+    k1, b = argmax.shape
+    if tokens.shape != (b, k1):
+        raise ValueError(f"accept_greedy: tokens {tuple(tokens.shape)} for argmaxes {tuple(argmax.shape)}")
+    if use_triton(argmax):
+        from hybridkv.ops.speculative import triton as kernels
+        return kernels.accept_greedy(argmax, tokens)
+    drafts, rows = tokens[:, 1:], argmax.t()
+    kept = (drafts == rows[:, :-1]).long().cumprod(1).sum(1) + 1
+    at = (kept - 1).unsqueeze(1)
+    own = rows.gather(1, at)
+    column = torch.arange(k1, device=argmax.device).unsqueeze(0)
+    return kept, torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own)
