@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridkv.config import KV_FP8_BLOCK, V41_WINDOW_FP8_BLOCK, ModelConfig
+from hybridkv.config import V41_WINDOW_FP8_BLOCK, ModelConfig
 from hybridkv.distributed.group import SINGLE, Parallel
 from hybridkv.distributed.sharding import attention_shard, record, record_linear
 from hybridkv.model.compressor import Compressor
@@ -50,7 +50,7 @@ from hybridkv.ops.compress import (compress_decode_latent, compress_decode_ok, c
 from hybridkv.ops.indexer_topk import indexer_topk_paged, paged_scores
 from hybridkv.ops.sparse_attn import sparse_attn, sparse_attn_paged
 from hybridkv.ops.ranges import arange
-from hybridkv.ops.window import write_window_float, write_window_fp8, write_window_v41
+from hybridkv.ops.window import round_trip_window_rows, write_window_float, write_window_fp8, write_window_v41
 from hybridkv.ops.sparse_attn.reference import attention_probs
 
 # the CrossLayerShare key of a forward's decode group (segments use their index)
@@ -136,8 +136,7 @@ class Attention(nn.Module):
         kv = rms_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, freqs)
         if not self._window_rows_fused(batch):    # (the fused window stores round-trip the rows themselves)
             kv = (fp8_round_trip(kv, V41_WINDOW_FP8_BLOCK, self.kv_pow2) if self.v41 else
-                  torch.cat([fp8_round_trip(kv[..., : -self.rope_dim], KV_FP8_BLOCK, self.kv_pow2),
-                             kv[..., -self.rope_dim:]], -1))
+                  round_trip_window_rows(kv, self.rope_dim, self.kv_pow2))
         ced = batch.ced
         ahead = ced is not None and ced.source == self.layer_id   # CED: the compressor ran over every row
         fused = ()

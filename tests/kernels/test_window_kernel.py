@@ -117,3 +117,22 @@ def test_window_listing_kernel_lists_what_the_reference_lists(device, window):
     if window == 8:
         assert want[0][2].tolist() == [4, 5, 6, 7, 0, 1, 2, 3] and want[1][2].all()
         assert want[1][0].tolist() == [True] + [False] * 7 and want[1][5].tolist() == [False] * 7 + [True]
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_rows_round_tripped_in_one_launch_equal_the_composition(device, monkeypatch, pow2, dtype):
+    """`round_trip_window_rows` (rows the attention keeps where no fused store takes them: prefill
+    chunks, the MTP block): the nope dims' round trip and the rope dims kept, in the rows' dtype,
+    to the bit, for [T, D] and [B, T, D] rows."""
+    from hybridkv.ops.window import round_trip_window_rows
+    from hybridkv.ops.window import triton as kernels
+    g = torch.Generator().manual_seed(11)
+    kv = (torch.randn(2, 3, 128, generator=g) * torch.logspace(-2, 2, 3)[None, :, None]).to(dtype)
+    kv[0, 1, :64] = 0
+    want = torch.cat([fp8_round_trip(kv[..., :-64], KV_FP8_BLOCK, pow2), kv[..., -64:]], -1)
+    got = kernels.round_trip_rows(kv.reshape(-1, 128).to(device), 64, pow2).view(kv.shape).cpu()
+    assert got.dtype == dtype and torch.equal(got, want)
+    if device == "cpu":
+        monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    assert torch.equal(round_trip_window_rows(kv.to(device), 64, pow2).cpu(), want)

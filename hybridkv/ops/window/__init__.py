@@ -7,6 +7,7 @@ composition the model runs elsewhere: `fp8_round_trip`, `pack_main_fp8`, an inde
 plain scales, then the ring's dtype), `write_window_v41` for V4.1's window rows (FP8 in blocks of
 32, `pack_v41_window`).
 
+`round_trip_window_rows`: the rows a ring keeps, stored nowhere (the attention's own rows elsewhere).
 `window_listing`: the ring rows a decode token's window reads, in one launch where the kernels run."""
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def write_window_float(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor
     stored = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK, pow2), kv[:, -rope_dim:]], -1).to(ring.dtype)
     ring[slots, positions % ring.shape[1]] = stored
     return stored
+
+
+def round_trip_window_rows(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
+    """kv [..., D] -> the rows a window ring keeps of them, in kv's dtype: the nope dims through FP8
+    and back in blocks of 64 (power-of-two scales where `pow2`, else plain amax/448), the rope dims as
+    they are; one launch where the kernels run (no gradient)."""
+    d = kv.shape[-1]
+    if (use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1) and d > rope_dim and kv.numel()
+            and kv.dtype in (torch.float32, torch.bfloat16) and not (torch.is_grad_enabled() and kv.requires_grad)
+            and kv.stride(-1) == 1):
+        from hybridkv.ops.window import triton as kernels
+        return kernels.round_trip_rows(kv.reshape(-1, d), rope_dim, pow2).view(kv.shape)
+    return torch.cat([fp8_round_trip(kv[..., :-rope_dim], KV_FP8_BLOCK, pow2), kv[..., -rope_dim:]], -1)
 
 
 def write_window_v41(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ def window_fp8_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, 
 @triton.jit
 def window_float_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS, W, D: tl.constexpr,
                         ROPE: tl.constexpr, BYTES: tl.constexpr, POW2: tl.constexpr, OUT_BF16: tl.constexpr,
-                        FLOOR: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr):
+                        FLOOR: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr, RING_STORE: tl.constexpr = True):
     """A float store's window row: the nope dims through FP8 and back (blocks of 64, the scale
     `POW2` or plain), the rope dims as they are, in the ring's dtype; rounded to bf16 by hand where
     the rows or the ring are bf16 (the reference's round trip returns the rows' dtype)."""
@@ -73,10 +73,11 @@ def window_float_kernel(KV, s_kv, OUT, RING, s_ring_slot, s_ring_row, SLOTS, POS
     if OUT_BF16:
         y = _bf16_round(y)
     y = y.to(OUT.dtype.element_ty)
-    slot = tl.load(SLOTS + b).to(tl.int64)
-    pos = tl.load(POS + b).to(tl.int64)
     tl.store(OUT + b.to(tl.int64) * D + d, y)
-    tl.store(RING + slot * s_ring_slot + (pos % W) * s_ring_row + d, y)
+    if RING_STORE:
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        pos = tl.load(POS + b).to(tl.int64)
+        tl.store(RING + slot * s_ring_slot + (pos % W) * s_ring_row + d, y)
 
 
 def _launch(kernel, name: str, kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -106,6 +107,17 @@ def write_window_float(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor
                    BYTES=ring.shape[-1], POW2=pow2,
                    OUT_BF16=torch.bfloat16 in (ring.dtype, kv.dtype), FLOOR=FP8_AMAX_FLOOR,
                    QMAX=FP8_MAX)
+
+
+def round_trip_rows(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
+    """`write_window_float`'s rows in kv's own dtype, stored nowhere else."""
+    b, d = kv.shape
+    out = torch.empty_like(kv, memory_format=torch.contiguous_format)
+    if b:
+        window_float_kernel[(b,)](kv, kv.stride(0), out, kv, 0, 0, kv, kv, 1, D=d, ROPE=rope_dim, BYTES=d, POW2=pow2,
+                                  OUT_BF16=kv.dtype == torch.bfloat16, FLOOR=FP8_AMAX_FLOOR, QMAX=FP8_MAX,
+                                  RING_STORE=False, num_warps=4, **triton_args(kv))
+    return out
 
 
 @triton.jit
