@@ -407,13 +407,14 @@ class SpeculativeGraphs:
         k1 = g.k + 1
         inp = g.inputs
         tokens, positions = inp[:, :k1], inp[:, k1:2 * k1]
+        flat_positions = positions.t().reshape(-1)            # every wave's, wave after wave
         slots, mtp_start, tables = (inp[:, 2 * k1].contiguous(), inp[:, 2 * k1 + 1].contiguous(),
                                     inp[:, 2 * k1 + 2:].contiguous())
         with torch.inference_mode():
-            logits = self._verify(g, tokens, positions, slots, tables)             # [k+1, Bp, vocab]
+            logits = self._verify(g, tokens, positions, flat_positions, slots, tables)   # [k+1, Bp, vocab]
             kept, following = self._accept(g, logits, tokens, slots)
             self._rollback(g, kept, positions, slots)
-            self._draft(g, following, kept, positions, slots, mtp_start)
+            self._draft(g, following, kept, positions, flat_positions, slots, mtp_start)
             # what `results` reads, in one float64 tensor (ids exact below 2^53): one copy to the host
             parts = [g.out["tokens"], g.out["logprobs"], g.out["kept"][:, None] - 1, g.out["drafts"]]
             if g.top:
@@ -473,13 +474,12 @@ class SpeculativeGraphs:
         following = torch.where(column < at, torch.cat([drafts, drafts[:, :1]], 1), own.unsqueeze(1))
         return kept, following
 
-    def _verify(self, g: SpecGraph, tokens, positions, slots, tables) -> torch.Tensor:
+    def _verify(self, g: SpecGraph, tokens, positions, flat_positions, slots, tables) -> torch.Tensor:
         store, k1, bp = self.store, g.k + 1, g.batch
         ring_at = positions % store.config.sliding_window                      # [Bp, k+1]
         g.saved["ring"] = store.rings[:, slots.unsqueeze(1), ring_at]            # [layers, Bp, k+1, E]
         snapshots: dict = {}
         copies = _StateCopies(store, g.k, bp)
-        flat_positions = positions.t().reshape(-1)                                 # wave after wave
         waves = []
         for j in range(k1):
             dkv = _VerifyWaveKV.fixed(store, positions[:, j].contiguous(), slots, tables, max_pos=g.cap - 1,
@@ -519,12 +519,12 @@ class SpeculativeGraphs:
         self.draft_probs[slots, j] = q
         return torch.where(temp > 0, draw_with_uniforms(q, g.uniforms[:, g.k + 1 + j]), greedy)
 
-    def _draft(self, g: SpecGraph, following, kept, positions, slots, mtp_start) -> None:
+    def _draft(self, g: SpecGraph, following, kept, positions, flat_positions, slots, mtp_start) -> None:
         model, cache, k1, bp = self.model, self.mtp, g.k + 1, g.batch
         dev = slots.device
         waves = [DecodeGroup(arange(j * bp, (j + 1) * bp, device=dev), view, span=(j * bp, (j + 1) * bp))
                  for j, view in enumerate(mtp_waves(cache, positions, slots, mtp_start, kept))]
-        batch = ForwardBatch([], positions.t().reshape(-1), None, static=True, waves=waves)
+        batch = ForwardBatch([], flat_positions, None, static=True, waves=waves)
         out = model.mtp_forward(g.out["hidden"], following.t().reshape(-1), batch)
         stream = out[(kept - 1) * bp + arange(bp, device=dev)]
         draft = self._pick(g, model.mtp_logits(stream), slots, 0)

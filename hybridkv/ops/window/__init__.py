@@ -31,8 +31,7 @@ def write_window_fp8(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, 
     if use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1):
         from hybridkv.ops.window import triton as kernels
         return kernels.write_window_fp8(kv, ring, slots, positions, rope_dim)
-    nope = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK), kv[:, -rope_dim:]], -1)
-    stored = pack_main_fp8(nope, rope_dim)
+    stored = pack_main_fp8(_round_trip(kv, rope_dim, True), rope_dim)
     ring[slots, positions % ring.shape[1]] = stored
     return stored
 
@@ -46,12 +45,10 @@ def write_window_float(kv: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor
     b, d = kv.shape
     if ring.shape[-1] != d or not ring.dtype.is_floating_point:
         raise ValueError(f"window ring rows of {ring.shape[-1]} {ring.dtype} are not {d}-dim float rows")
-    floats = (torch.float32, torch.bfloat16)
-    if use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1) and d > rope_dim and kv.dtype in floats \
-            and ring.dtype in floats:
+    if _float_kernel_ok(kv, rope_dim) and ring.dtype in FLOAT_ROWS:
         from hybridkv.ops.window import triton as kernels
         return kernels.write_window_float(kv, ring, slots, positions, rope_dim, pow2)
-    stored = torch.cat([fp8_round_trip(kv[:, :-rope_dim], KV_FP8_BLOCK, pow2), kv[:, -rope_dim:]], -1).to(ring.dtype)
+    stored = _round_trip(kv, rope_dim, pow2).to(ring.dtype)
     ring[slots, positions % ring.shape[1]] = stored
     return stored
 
@@ -60,12 +57,26 @@ def round_trip_window_rows(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch
     """kv [..., D] -> the rows a window ring keeps of them, in kv's dtype: the nope dims through FP8
     and back in blocks of 64 (power-of-two scales where `pow2`, else plain amax/448), the rope dims as
     they are; one launch where the kernels run (no gradient)."""
-    d = kv.shape[-1]
-    if (use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1) and d > rope_dim and kv.numel()
-            and kv.dtype in (torch.float32, torch.bfloat16) and not (torch.is_grad_enabled() and kv.requires_grad)
-            and kv.stride(-1) == 1):
+    if (_float_kernel_ok(kv, rope_dim) and kv.numel() and kv.stride(-1) == 1
+            and not (torch.is_grad_enabled() and kv.requires_grad)):
         from hybridkv.ops.window import triton as kernels
-        return kernels.round_trip_rows(kv.reshape(-1, d), rope_dim, pow2).view(kv.shape)
+        return kernels.round_trip_rows(kv.reshape(-1, kv.shape[-1]), rope_dim, pow2).view(kv.shape)
+    return _round_trip(kv, rope_dim, pow2)
+
+
+FLOAT_ROWS = (torch.float32, torch.bfloat16)      # the dtypes the float-row kernel reads and writes
+
+
+def _float_kernel_ok(kv: torch.Tensor, rope_dim: int) -> bool:
+    """Whether the float-row window kernel takes these rows: the kernels run, 64 rope dims (the last
+    FP8 block), a power-of-two head dim past them, float32 or bf16 rows."""
+    d = kv.shape[-1]
+    return use_triton(kv) and rope_dim == KV_FP8_BLOCK and not d & (d - 1) and d > rope_dim and kv.dtype in FLOAT_ROWS
+
+
+def _round_trip(kv: torch.Tensor, rope_dim: int, pow2: bool) -> torch.Tensor:
+    """The reference composition: the nope dims through FP8 and back in blocks of 64, the rope dims
+    as they are, in kv's dtype."""
     return torch.cat([fp8_round_trip(kv[..., :-rope_dim], KV_FP8_BLOCK, pow2), kv[..., -rope_dim:]], -1)
 
 
